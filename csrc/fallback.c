@@ -1,0 +1,277 @@
+/* The CPU fallback route: copy the op's chip tensors to the host, run the op
+ * there, write mutated arguments back, and copy new results to the chip.
+ *
+ * Mutation semantics are kept: arguments the schema marks as written ("!")
+ * are copied back into the caller's tensors, and results that are those
+ * arguments are returned as the caller's own objects.
+ */
+#include "router.h" /* first: Python.h sets the feature macros */
+
+#include <time.h>
+
+PyObject *flagos_alias_outputs(op_entry *e, PyObject *args, PyObject *kwargs, PyObject *out);
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* One fallback call: what it copies and what it learns on the way. */
+typedef struct copy_ctx {
+    flagos_state *st;
+    op_entry *e;
+    PyObject *to_host_kw;  /* {"device": host} */
+    int device_index;      /* chip device of the first chip tensor seen */
+} copy_ctx;
+
+static int add_bytes(PyObject *t, uint64_t *counter)
+{
+    PyObject *n = PyObject_GetAttr(t, fl_names.nbytes);
+    if (n == NULL)
+        return -1;
+    unsigned long long b = PyLong_AsUnsignedLongLong(n);
+    Py_DECREF(n);
+    if (b == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *counter += b;
+    return 0;
+}
+
+static int note_dtype(copy_ctx *c, PyObject *t)
+{
+    flagos_state *st = c->st;
+    PyObject *dtype = PyObject_GetAttr(t, fl_names.dtype);
+    if (dtype == NULL)
+        return -1;
+    int i;
+    for (i = 0; i < st->n_dtypes; i++)
+        if (st->dtypes[i] == dtype)
+            break;
+    if (i == st->n_dtypes && i < MAX_DTYPES)
+        st->dtypes[st->n_dtypes++] = Py_NewRef(dtype);
+    if (i < MAX_DTYPES)
+        c->e->dtype_mask |= (uint64_t)1 << i;
+    Py_DECREF(dtype);
+    return 0;
+}
+
+static int note_device(copy_ctx *c, PyObject *payload)
+{
+    if (c->device_index >= 0 || c->st->chip_is_host)
+        return 0;
+    PyObject *d = PyObject_CallMethodNoArgs(payload, fl_names.get_device);
+    if (d == NULL)
+        return -1;
+    c->device_index = (int)PyLong_AsLong(d);
+    Py_DECREF(d);
+    return 0;
+}
+
+/* New reference: v with chip tensors replaced by host copies. */
+static PyObject *to_host(copy_ctx *c, PyObject *v)
+{
+    flagos_state *st = c->st;
+    if (flagos_is_chip_tensor(st, v)) {
+        PyObject *payload = flagos_payload(st, v);
+        if (payload == NULL)
+            return NULL;
+        PyObject *argv[1] = {payload};
+        PyObject *h = NULL;
+        if (note_device(c, payload) == 0 && note_dtype(c, payload) == 0 &&
+            add_bytes(payload, &c->e->bytes_to_host) == 0)
+            h = PyObject_VectorcallDict(st->to_copy, argv, 1, c->to_host_kw);
+        Py_DECREF(payload);
+        return h;
+    }
+    PyTypeObject *tp = Py_TYPE(v);
+    if (tp == &PyList_Type || tp == &PyTuple_Type) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+        PyObject *out = tp == &PyList_Type ? PyList_New(n) : PyTuple_New(n);
+        if (out == NULL)
+            return NULL;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *h = to_host(c, PySequence_Fast_ITEMS(v)[i]);
+            if (h == NULL) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            PySequence_Fast_ITEMS(out)[i] = h;
+        }
+        return out;
+    }
+    if (st->device_mode && PyObject_TypeCheck(v, (PyTypeObject *)st->device_type)) {
+        PyObject *type = PyObject_GetAttr(v, fl_names.type);
+        if (type == NULL)
+            return NULL;
+        int is_flagos = PyUnicode_CompareWithASCIIString(type, "flagos") == 0;
+        Py_DECREF(type);
+        if (is_flagos)
+            return Py_NewRef(st->host_device);
+    }
+    return Py_NewRef(v);
+}
+
+/* Copy host results into the caller's chip tensors (arguments the op wrote). */
+static int write_back(copy_ctx *c, PyObject *orig, PyObject *host)
+{
+    flagos_state *st = c->st;
+    if (orig == NULL || host == NULL || orig == Py_None)
+        return 0;
+    if (flagos_is_chip_tensor(st, orig)) {
+        PyObject *payload = flagos_payload(st, orig);
+        if (payload == NULL)
+            return -1;
+        PyObject *r = NULL;
+        if (add_bytes(host, &c->e->bytes_to_device) == 0)
+            r = PyObject_CallFunctionObjArgs(st->copy_, payload, host, NULL);
+        Py_DECREF(payload);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    if ((PyList_Check(orig) || PyTuple_Check(orig)) && (PyList_Check(host) || PyTuple_Check(host))) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(orig);
+        if (n != PySequence_Fast_GET_SIZE(host))
+            return 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (write_back(c, PySequence_Fast_ITEMS(orig)[i], PySequence_Fast_ITEMS(host)[i]) < 0)
+                return -1;
+    }
+    return 0;
+}
+
+/* New reference: v with host tensors copied to the chip (and wrapped in device mode). */
+static PyObject *to_chip(copy_ctx *c, PyObject *v, int target)
+{
+    flagos_state *st = c->st;
+    PyTypeObject *tp = Py_TYPE(v);
+    if (tp == &PyList_Type || tp == &PyTuple_Type) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+        PyObject *out = tp == &PyList_Type ? PyList_New(n) : PyTuple_New(n);
+        if (out == NULL)
+            return NULL;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *d = to_chip(c, PySequence_Fast_ITEMS(v)[i], target);
+            if (d == NULL) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            PySequence_Fast_ITEMS(out)[i] = d;
+        }
+        return out;
+    }
+    if (!PyObject_TypeCheck(v, (PyTypeObject *)st->tensor_type) ||
+        (st->device_mode && PyObject_TypeCheck(v, (PyTypeObject *)st->wrapper_type)))
+        return Py_NewRef(v);
+    int index = target >= 0 ? target : (c->device_index >= 0 ? c->device_index : 0);
+    if (index >= PyTuple_GET_SIZE(st->chip_devices))
+        index = 0;
+    PyObject *kw = Py_BuildValue("{s:O}", "device", PyTuple_GET_ITEM(st->chip_devices, index));
+    if (kw == NULL)
+        return NULL;
+    PyObject *argv[1] = {v};
+    PyObject *d = NULL;
+    if (add_bytes(v, &c->e->bytes_to_device) == 0)
+        d = PyObject_VectorcallDict(st->to_copy, argv, 1, kw);
+    Py_DECREF(kw);
+    if (d == NULL || !st->device_mode)
+        return d;
+    PyObject *tgt = PyLong_FromLong(index);
+    if (tgt == NULL) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    PyObject *w = flagos_wrap_outputs(st, c->e, d, tgt); /* steals d */
+    Py_DECREF(tgt);
+    return w;
+}
+
+static PyObject *argument_of(op_entry *e, PyObject *args, PyObject *kwargs, Py_ssize_t i)
+{
+    if (i < PyTuple_GET_SIZE(args))
+        return PyTuple_GET_ITEM(args, i);
+    if (kwargs == NULL || i >= PyTuple_GET_SIZE(e->arg_names))
+        return NULL;
+    return PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(e->arg_names, i));
+}
+
+/* Result values that are not the caller's own (written) tensors go to the chip. */
+static PyObject *results_to_chip(copy_ctx *c, PyObject *out, int target)
+{
+    Py_ssize_t nret = PyTuple_GET_SIZE(c->e->return_alias);
+    if (nret <= 1 || !PyTuple_Check(out)) {
+        if (nret == 1 && PyLong_AsSsize_t(PyTuple_GET_ITEM(c->e->return_alias, 0)) >= 0)
+            return Py_NewRef(out); /* replaced by the caller's object below */
+        return to_chip(c, out, target);
+    }
+    PyObject *res = PyTuple_New(PyTuple_GET_SIZE(out));
+    if (res == NULL)
+        return NULL;
+    for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(out); r++) {
+        PyObject *v = PyTuple_GET_ITEM(out, r);
+        int aliased = r < nret && PyLong_AsSsize_t(PyTuple_GET_ITEM(c->e->return_alias, r)) >= 0;
+        PyObject *d = aliased ? Py_NewRef(v) : to_chip(c, v, target);
+        if (d == NULL) {
+            Py_DECREF(res);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(res, r, d);
+    }
+    return res;
+}
+
+PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs,
+                              PyObject *target_obj)
+{
+    uint64_t t0 = now_ns();
+    int target = (int)PyLong_AsLong(target_obj);
+    copy_ctx c = {st, e, NULL, -1};
+    PyObject *hargs = NULL, *hkwargs = NULL, *out = NULL, *res = NULL;
+
+    c.to_host_kw = Py_BuildValue("{s:O}", "device", st->host_device);
+    if (c.to_host_kw == NULL)
+        goto done;
+    hargs = to_host(&c, args);
+    if (hargs == NULL)
+        goto done;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) > 0) {
+        hkwargs = PyDict_New();
+        if (hkwargs == NULL)
+            goto done;
+        PyObject *key, *val;
+        Py_ssize_t p = 0;
+        while (PyDict_Next(kwargs, &p, &key, &val)) {
+            PyObject *h = to_host(&c, val);
+            if (h == NULL || PyDict_SetItem(hkwargs, key, h) < 0) {
+                Py_XDECREF(h);
+                goto done;
+            }
+            Py_DECREF(h);
+        }
+    }
+    out = PyObject_Call(e->call, hargs, hkwargs);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(e->write_args); w++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(e->write_args, w));
+        PyObject *orig = argument_of(e, args, kwargs, i);
+        PyObject *host = argument_of(e, hargs, hkwargs, i);
+        if (PyErr_Occurred() || write_back(&c, orig, host) < 0)
+            goto done;
+    }
+    if (st->device_mode && target == -2) {
+        res = Py_NewRef(out); /* the op asked for host results (e.g. .cpu()) */
+    } else {
+        res = results_to_chip(&c, out, target);
+    }
+    if (res != NULL && PyTuple_GET_SIZE(e->write_args) > 0)
+        res = flagos_alias_outputs(e, args, kwargs, res);
+done:
+    Py_XDECREF(c.to_host_kw);
+    Py_XDECREF(hargs);
+    Py_XDECREF(hkwargs);
+    Py_XDECREF(out);
+    e->fallback_ns += now_ns() - t0;
+    return res;
+}

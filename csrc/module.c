@@ -1,0 +1,290 @@
+/* flagos._C: module definition, configuration and the Python-visible entry points.
+ *
+ * The router's configuration lives in module state. The table it holds is
+ * process-wide in effect (PyTorch's dispatcher is), but keeping it in module
+ * state gives it one owner and one cleanup path.
+ */
+#include "router.h"
+
+flagos_state *flagos_get_state(PyObject *module)
+{
+    return (flagos_state *)PyModule_GetState(module);
+}
+
+static void state_clear_config(flagos_state *st)
+{
+    Py_CLEAR(st->tensor_type);
+    Py_CLEAR(st->device_type);
+    Py_CLEAR(st->wrapper_type);
+    Py_CLEAR(st->make_wrapper);
+    Py_CLEAR(st->to_copy);
+    Py_CLEAR(st->copy_);
+    Py_CLEAR(st->host_device);
+    Py_CLEAR(st->chip_devices);
+    Py_CLEAR(st->flagos_devices);
+    Py_CLEAR(st->describe);
+    Py_CLEAR(st->resolve);
+    Py_CLEAR(st->fallback_warning);
+    Py_CLEAR(st->fallback_error);
+    Py_CLEAR(st->device_mismatch);
+    Py_CLEAR(st->skip_prefixes);
+    st->configured = 0;
+}
+
+/* ---- entry points ----------------------------------------------------- */
+
+/* FlagosTensor.__torch_dispatch__ (bound as a classmethod): (cls, func, types, args, kwargs) */
+static PyObject *fl_dispatch(PyObject *module, PyObject *const *argv, Py_ssize_t argc)
+{
+    if (argc < 3 || argc > 5) {
+        PyErr_SetString(PyExc_TypeError, "dispatch(cls, func, types, args=(), kwargs=None)");
+        return NULL;
+    }
+    PyObject *args = argc > 3 ? argv[3] : NULL;
+    PyObject *kwargs = argc > 4 ? argv[4] : NULL;
+    PyObject *empty = NULL;
+    if (args == NULL) {
+        empty = PyTuple_New(0);
+        if (empty == NULL)
+            return NULL;
+        args = empty;
+    }
+    if (!PyTuple_Check(args) || (kwargs != NULL && kwargs != Py_None && !PyDict_Check(kwargs))) {
+        Py_XDECREF(empty);
+        PyErr_SetString(PyExc_TypeError, "dispatch: args must be a tuple and kwargs a dict");
+        return NULL;
+    }
+    PyObject *r = flagos_route_call(flagos_get_state(module), argv[1], args, kwargs, 0);
+    Py_XDECREF(empty);
+    return r;
+}
+
+/* The native-mode dispatch mode calls this: (func, types, args, kwargs) */
+static PyObject *fl_dispatch_native(PyObject *module, PyObject *const *argv, Py_ssize_t argc)
+{
+    if (argc != 4 || !PyTuple_Check(argv[2]) ||
+        (argv[3] != Py_None && !PyDict_Check(argv[3]))) {
+        PyErr_SetString(PyExc_TypeError, "dispatch_native(func, types, args: tuple, kwargs: dict)");
+        return NULL;
+    }
+    return flagos_route_call(flagos_get_state(module), argv[0], argv[2], argv[3], 0);
+}
+
+/* PrivateUse1 boxed fallback: ops that reach the flagos key with no flagos tensor
+ * argument, i.e. factories such as empty.memory_format with device="flagos". */
+static PyObject *fl_dispatch_factory(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    if (PyTuple_GET_SIZE(args) < 1) {
+        PyErr_SetString(PyExc_TypeError, "dispatch_factory(op, *args, **kwargs)");
+        return NULL;
+    }
+    PyObject *rest = PyTuple_GetSlice(args, 1, PyTuple_GET_SIZE(args));
+    if (rest == NULL)
+        return NULL;
+    PyObject *r = flagos_route_call(flagos_get_state(module), PyTuple_GET_ITEM(args, 0), rest,
+                                    kwargs, 1);
+    Py_DECREF(rest);
+    return r;
+}
+
+/* ---- configuration ---------------------------------------------------- */
+
+static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"device_mode", "chip_is_host", "tensor_type",
+                             "device_type", "wrapper_type", "make_wrapper", "to_copy",
+                             "copy_", "host_device", "chip_devices", "flagos_devices",
+                             "describe", "resolve", "fallback_warning", "fallback_error",
+                             "device_mismatch", "skip_prefixes", NULL};
+    int device_mode, chip_is_host;
+    PyObject *o[15];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$ppOOOOOOOO!O!OOOOOO!", kwlist,
+                                     &device_mode, &chip_is_host, &o[0], &o[1], &o[2],
+                                     &o[3], &o[4], &o[5], &o[6], &PyTuple_Type, &o[7],
+                                     &PyTuple_Type, &o[8], &o[9], &o[10], &o[11], &o[12],
+                                     &o[13], &PyTuple_Type, &o[14]))
+        return NULL;
+    flagos_state *st = flagos_get_state(module);
+    flagos_table_clear(st);
+    state_clear_config(st);
+    PyObject **slots[15] = {&st->tensor_type,     &st->device_type,    &st->wrapper_type,
+                            &st->make_wrapper,    &st->to_copy,        &st->copy_,
+                            &st->host_device,     &st->chip_devices,   &st->flagos_devices,
+                            &st->describe,        &st->resolve,        &st->fallback_warning,
+                            &st->fallback_error,  &st->device_mismatch, &st->skip_prefixes};
+    for (int i = 0; i < 15; i++)
+        *slots[i] = Py_NewRef(o[i]);
+    st->device_mode = device_mode;
+    st->chip_is_host = chip_is_host;
+    st->configured = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *fl_set_fallback_policy(PyObject *module, PyObject *arg)
+{
+    long p = PyLong_AsLong(arg);
+    if (p == -1 && PyErr_Occurred())
+        return NULL;
+    if (p < 0 || p > 2) {
+        PyErr_SetString(PyExc_ValueError, "fallback policy is 0 (allow), 1 (warn) or 2 (error)");
+        return NULL;
+    }
+    flagos_get_state(module)->fallback_policy = (int)p;
+    Py_RETURN_NONE;
+}
+
+static PyObject *fl_deconfigure(PyObject *module, PyObject *Py_UNUSED(arg))
+{
+    flagos_state *st = flagos_get_state(module);
+    flagos_table_clear(st);
+    state_clear_config(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *fl_invalidate(PyObject *module, PyObject *Py_UNUSED(arg))
+{
+    flagos_table_invalidate(flagos_get_state(module));
+    Py_RETURN_NONE;
+}
+
+static PyObject *fl_table(PyObject *module, PyObject *Py_UNUSED(arg))
+{
+    return flagos_table_export(flagos_get_state(module), 0);
+}
+
+/* Zero the counters; routes, call sites and the once-per-op warnings stay. */
+static PyObject *fl_reset_counters(PyObject *module, PyObject *Py_UNUSED(arg))
+{
+    flagos_state *st = flagos_get_state(module);
+    op_entry *e, *tmp;
+    HASH_ITER(hh, st->table, e, tmp) {
+        memset(e->calls, 0, sizeof(e->calls));
+        e->fallback_ns = e->bytes_to_host = e->bytes_to_device = e->dtype_mask = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *fl_table_size(PyObject *module, PyObject *Py_UNUSED(arg))
+{
+    return PyLong_FromSize_t(HASH_COUNT(flagos_get_state(module)->table));
+}
+
+static PyMethodDef fl_methods[] = {
+    {"dispatch", (PyCFunction)(void (*)(void))fl_dispatch, METH_FASTCALL,
+     "__torch_dispatch__ of flagos tensors: route one aten op."},
+    {"dispatch_native", (PyCFunction)(void (*)(void))fl_dispatch_native, METH_FASTCALL,
+     "Route one aten op in native mode (called by the flagos dispatch mode)."},
+    {"dispatch_factory", (PyCFunction)(void (*)(void))fl_dispatch_factory,
+     METH_VARARGS | METH_KEYWORDS,
+     "PrivateUse1 fallback: route an op that reached the flagos key without flagos tensors."},
+    {"configure", (PyCFunction)(void (*)(void))fl_configure, METH_VARARGS | METH_KEYWORDS,
+     "Set the active chip's configuration; clears the dispatch table."},
+    {"deconfigure", fl_deconfigure, METH_NOARGS, "Forget the configuration and the table."},
+    {"set_fallback_policy", fl_set_fallback_policy, METH_O,
+     "0 allow, 1 warn once per op, 2 raise before running."},
+    {"invalidate", fl_invalidate, METH_NOARGS, "Resolve every op's route again on its next call."},
+    {"table", fl_table, METH_NOARGS, "One dict per op seen: route, counters, call site."},
+    {"reset_counters", fl_reset_counters, METH_NOARGS, "Zero every op's counters."},
+    {"table_size", fl_table_size, METH_NOARGS, "Number of ops in the dispatch table."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* ---- module lifecycle ------------------------------------------------- */
+
+static int fl_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    flagos_state *st = flagos_get_state(module);
+    if (st == NULL)
+        return 0;
+    Py_VISIT(st->tensor_type);
+    Py_VISIT(st->device_type);
+    Py_VISIT(st->wrapper_type);
+    Py_VISIT(st->make_wrapper);
+    Py_VISIT(st->describe);
+    Py_VISIT(st->resolve);
+    return 0;
+}
+
+static int fl_clear(PyObject *module)
+{
+    flagos_state *st = flagos_get_state(module);
+    if (st == NULL)
+        return 0;
+    flagos_table_clear(st);
+    state_clear_config(st);
+    for (int i = 0; i < st->n_dtypes; i++)
+        Py_CLEAR(st->dtypes[i]);
+    st->n_dtypes = 0;
+    return 0;
+}
+
+static void fl_free(void *module)
+{
+    fl_clear((PyObject *)module);
+}
+
+static int intern_names(void)
+{
+    if (fl_names.payload != NULL)
+        return 0;
+#define NAME(field, text)                                      \
+    if ((fl_names.field = PyUnicode_InternFromString(text)) == NULL) \
+        return -1;
+    NAME(payload, "_payload")
+    NAME(shape, "shape")
+    NAME(stride, "stride")
+    NAME(storage_offset, "storage_offset")
+    NAME(dtype, "dtype")
+    NAME(nbytes, "nbytes")
+    NAME(get_device, "get_device")
+    NAME(type, "type")
+    NAME(index, "index")
+    NAME(op, "_op")
+    NAME(strides, "strides")
+    NAME(device, "device")
+    NAME(requires_grad, "requires_grad")
+    NAME(dim, "dim")
+    NAME(cpu, "is_cpu")
+#undef NAME
+    return 0;
+}
+
+static int fl_exec(PyObject *module)
+{
+    if (intern_names() < 0)
+        return -1;
+    flagos_state *st = flagos_get_state(module);
+    memset(st, 0, sizeof(*st));
+    st->fallback_policy = 1;
+    if (PyModule_AddIntConstant(module, "ROUTE_OVERRIDE", ROUTE_OVERRIDE) < 0 ||
+        PyModule_AddIntConstant(module, "ROUTE_NATIVE", ROUTE_NATIVE) < 0 ||
+        PyModule_AddIntConstant(module, "ROUTE_FALLBACK", ROUTE_FALLBACK) < 0 ||
+        PyModule_AddIntConstant(module, "ROUTE_ERROR", ROUTE_ERROR) < 0 ||
+        PyModule_AddIntConstant(module, "OP_VIEW", OP_VIEW) < 0 ||
+        PyModule_AddIntConstant(module, "OP_CROSS_DEVICE", OP_CROSS_DEVICE) < 0 ||
+        PyModule_AddIntConstant(module, "OP_DEVICE_ARG", OP_DEVICE_ARG) < 0)
+        return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot fl_slots[] = {
+    {Py_mod_exec, fl_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef fl_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "flagos._C",
+    .m_doc = "flagos core: the per-op router, its dispatch table and the fallback report.",
+    .m_size = sizeof(flagos_state),
+    .m_methods = fl_methods,
+    .m_slots = fl_slots,
+    .m_traverse = fl_traverse,
+    .m_clear = fl_clear,
+    .m_free = fl_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    return PyModuleDef_Init(&fl_module);
+}

@@ -1,0 +1,704 @@
+/* The per-op hot path: table lookup, route, unwrap, call, count, rewrap.
+ *
+ * Every aten op on a flagos tensor (device mode) or on any tensor while native
+ * mode is active enters flagos_route_call(). The schema facts and the route of
+ * an op are computed once, in Python, the first time the op is seen; after
+ * that a call costs one hash lookup plus the unwrap/rewrap of its arguments.
+ */
+#include "router.h"
+
+flagos_names fl_names;
+
+static const char *const route_names[N_ROUTES] = {"override", "native", "fallback", "error"};
+
+/* ---- table ------------------------------------------------------------ */
+
+static void entry_free(op_entry *e)
+{
+    Py_XDECREF(e->func);
+    Py_XDECREF(e->call);
+    Py_XDECREF(e->name);
+    Py_XDECREF(e->arg_names);
+    Py_XDECREF(e->write_args);
+    Py_XDECREF(e->return_alias);
+    Py_XDECREF(e->override);
+    Py_XDECREF(e->site);
+    PyMem_Free(e);
+}
+
+void flagos_table_clear(flagos_state *st)
+{
+    op_entry *e, *tmp;
+    HASH_ITER(hh, st->table, e, tmp) {
+        HASH_DEL(st->table, e);
+        entry_free(e);
+    }
+}
+
+/* Routes changed (set_route, a new override, a new chip): resolve again on next call. */
+void flagos_table_invalidate(flagos_state *st)
+{
+    op_entry *e, *tmp;
+    HASH_ITER(hh, st->table, e, tmp) {
+        e->route = ROUTE_UNRESOLVED;
+        e->flags &= ~(unsigned)OP_NOT_IMPLEMENTED;
+        Py_CLEAR(e->override);
+    }
+}
+
+/* describe(func) -> (name, arg_names, write_args, return_alias, flags) */
+static op_entry *entry_create(flagos_state *st, PyObject *func)
+{
+    PyObject *facts = PyObject_CallOneArg(st->describe, func);
+    if (facts == NULL)
+        return NULL;
+    op_entry *e = PyMem_Calloc(1, sizeof(*e));
+    if (e == NULL) {
+        Py_DECREF(facts);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    unsigned int flags = 0;
+    if (!PyArg_ParseTuple(facts, "UO!O!O!I", &e->name, &PyTuple_Type, &e->arg_names,
+                          &PyTuple_Type, &e->write_args, &PyTuple_Type, &e->return_alias,
+                          &flags)) {
+        Py_DECREF(facts);
+        PyMem_Free(e);
+        return NULL;
+    }
+    Py_INCREF(e->name);
+    Py_INCREF(e->arg_names);
+    Py_INCREF(e->write_args);
+    Py_INCREF(e->return_alias);
+    Py_DECREF(facts);
+    e->flags = flags;
+    e->route = ROUTE_UNRESOLVED;
+    e->func = Py_NewRef(func);
+    e->call = PyObject_GetAttr(func, fl_names.op);
+    if (e->call == NULL) {
+        PyErr_Clear(); /* not an OpOverload (a test double or a HOP): call it as is */
+        e->call = Py_NewRef(func);
+    }
+    e->site = flagos_user_call_site(st);
+    if (e->site == NULL) {
+        entry_free(e);
+        return NULL;
+    }
+    HASH_ADD_PTR(st->table, func, e);
+    return e;
+}
+
+static int entry_resolve(flagos_state *st, op_entry *e)
+{
+    PyObject *res = PyObject_CallOneArg(st->resolve, e->name);
+    if (res == NULL)
+        return -1;
+    int route;
+    PyObject *override;
+    if (!PyArg_ParseTuple(res, "iO", &route, &override)) {
+        Py_DECREF(res);
+        return -1;
+    }
+    if (route < 0 || route >= N_ROUTES) {
+        Py_DECREF(res);
+        PyErr_Format(PyExc_ValueError, "resolver returned route %d for %U", route, e->name);
+        return -1;
+    }
+    Py_CLEAR(e->override);
+    if (override != Py_None)
+        e->override = Py_NewRef(override);
+    /* Views are metadata over the same memory: a host round trip would break aliasing. */
+    if ((e->flags & OP_VIEW) && route == ROUTE_FALLBACK)
+        route = ROUTE_NATIVE;
+    if (e->flags & OP_NOT_IMPLEMENTED && route == ROUTE_NATIVE)
+        route = ROUTE_FALLBACK;
+    e->route = route;
+    Py_DECREF(res);
+    return 0;
+}
+
+/* ---- devices and tensors ---------------------------------------------- */
+
+int flagos_is_chip_tensor(flagos_state *st, PyObject *obj)
+{
+    if (st->device_mode)
+        return Py_TYPE(obj) == (PyTypeObject *)st->wrapper_type ||
+               PyObject_TypeCheck(obj, (PyTypeObject *)st->wrapper_type);
+    if (!PyObject_TypeCheck(obj, (PyTypeObject *)st->tensor_type))
+        return 0;
+    if (st->chip_is_host)
+        return 1;
+    PyObject *idx = PyObject_CallMethodNoArgs(obj, fl_names.get_device);
+    if (idx == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    long i = PyLong_AsLong(idx);
+    Py_DECREF(idx);
+    return i >= 0;
+}
+
+/* New reference to the chip tensor behind obj (itself in native mode). */
+PyObject *flagos_payload(flagos_state *st, PyObject *obj)
+{
+    if (!st->device_mode)
+        return Py_NewRef(obj);
+    PyObject *p = PyObject_GetAttr(obj, fl_names.payload);
+    if (p == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_RuntimeError,
+                        "flagos tensor has no payload: it was created without flagos "
+                        "(use tensor.to(flagos.device()) to make flagos tensors)");
+    }
+    return p;
+}
+
+/* flagos index of a torch.device of type "flagos", -1 for another device, -2 on error. */
+static int flagos_device_index(flagos_state *st, PyObject *dev)
+{
+    if (!st->device_mode)
+        return -1;
+    PyObject *type = PyObject_GetAttr(dev, fl_names.type);
+    if (type == NULL)
+        return -2;
+    int is_flagos = PyUnicode_CompareWithASCIIString(type, "flagos") == 0;
+    Py_DECREF(type);
+    if (!is_flagos)
+        return -1;
+    PyObject *index = PyObject_GetAttr(dev, fl_names.index);
+    if (index == NULL)
+        return -2;
+    long i = index == Py_None ? 0 : PyLong_AsLong(index);
+    Py_DECREF(index);
+    if (i < 0 || i >= PyTuple_GET_SIZE(st->chip_devices)) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "flagos:%ld does not exist: the active chip has %zd device(s) "
+                     "(see flagos.list_devices())",
+                     i, PyTuple_GET_SIZE(st->chip_devices));
+        return -2;
+    }
+    return (int)i;
+}
+
+/* The device the op's outputs go to, from its Device argument:
+ * >= 0 a flagos index, -1 none given (follow the inputs), -2 a non-flagos device,
+ * -3 on error. */
+#define TARGET_FOLLOW (-1)
+#define TARGET_HOST (-2)
+#define TARGET_ERROR (-3)
+
+static int target_of_value(flagos_state *st, PyObject *v)
+{
+    if (!PyObject_TypeCheck(v, (PyTypeObject *)st->device_type))
+        return TARGET_FOLLOW;
+    int i = flagos_device_index(st, v);
+    if (i == -2)
+        return TARGET_ERROR;
+    return i >= 0 ? i : TARGET_HOST;
+}
+
+static int find_target(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs)
+{
+    if (!(e->flags & OP_DEVICE_ARG))
+        return TARGET_FOLLOW;
+    if (kwargs != NULL) {
+        PyObject *v = PyDict_GetItemWithError(kwargs, fl_names.device);
+        if (v != NULL && v != Py_None)
+            return target_of_value(st, v);
+        if (PyErr_Occurred())
+            return TARGET_ERROR;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
+        int t = target_of_value(st, PyTuple_GET_ITEM(args, i));
+        if (t != TARGET_FOLLOW)
+            return t;
+    }
+    return TARGET_FOLLOW;
+}
+
+PyObject *flagos_find_target(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs)
+{
+    int t = find_target(st, e, args, kwargs);
+    if (t == TARGET_ERROR)
+        return NULL;
+    return PyLong_FromLong(t);
+}
+
+/* ---- unwrap ----------------------------------------------------------- */
+
+static PyObject *arg_name(op_entry *e, Py_ssize_t pos, PyObject *kwname)
+{
+    if (kwname != NULL)
+        return kwname;
+    if (pos >= 0 && pos < PyTuple_GET_SIZE(e->arg_names))
+        return PyTuple_GET_ITEM(e->arg_names, pos);
+    return NULL;
+}
+
+static int is_host_scalar(PyObject *t)
+{
+    /* PyTorch lets a 0-dim CPU tensor join an op on any device, as a scalar. */
+    PyObject *dim = PyObject_CallMethodNoArgs(t, fl_names.dim);
+    if (dim == NULL)
+        return -1;
+    long d = PyLong_AsLong(dim);
+    Py_DECREF(dim);
+    if (d != 0)
+        return 0;
+    PyObject *cpu = PyObject_GetAttr(t, fl_names.cpu);
+    if (cpu == NULL)
+        return -1;
+    int r = PyObject_IsTrue(cpu);
+    Py_DECREF(cpu);
+    return r;
+}
+
+static int check_foreign_tensor(flagos_state *st, op_entry *e, PyObject *t, Py_ssize_t pos,
+                                PyObject *kwname)
+{
+    if (e->flags & OP_CROSS_DEVICE)
+        return 0;
+    int scalar = is_host_scalar(t);
+    if (scalar != 0)
+        return scalar < 0 ? -1 : 0;
+    PyObject *dev = PyObject_GetAttr(t, fl_names.device);
+    if (dev == NULL)
+        return -1;
+    PyObject *name = arg_name(e, pos, kwname);
+    PyErr_Format(st->device_mismatch,
+                 "%U: argument '%S' is a tensor on %S, but the op runs on flagos; every "
+                 "tensor argument must be on the same device. Move it with "
+                 ".to(flagos.device()) (PyTorch only lets 0-dim CPU tensors mix in).",
+                 e->name, name ? name : Py_None, dev);
+    Py_DECREF(dev);
+    return -1;
+}
+
+/* New reference: v with flagos tensors replaced by payloads and flagos devices by chip devices. */
+static PyObject *unwrap_value(flagos_state *st, op_entry *e, PyObject *v, Py_ssize_t pos,
+                              PyObject *kwname, int check)
+{
+    PyTypeObject *tp = Py_TYPE(v);
+    if (tp == (PyTypeObject *)st->wrapper_type)
+        return flagos_payload(st, v);
+    if (PyObject_TypeCheck(v, (PyTypeObject *)st->tensor_type)) {
+        if (PyObject_TypeCheck(v, (PyTypeObject *)st->wrapper_type))
+            return flagos_payload(st, v);
+        if (check && check_foreign_tensor(st, e, v, pos, kwname) < 0)
+            return NULL;
+        return Py_NewRef(v);
+    }
+    if (tp == &PyList_Type || tp == &PyTuple_Type) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+        PyObject *out = tp == &PyList_Type ? PyList_New(n) : PyTuple_New(n);
+        if (out == NULL)
+            return NULL;
+        PyObject **items = PySequence_Fast_ITEMS(v);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *u = unwrap_value(st, e, items[i], pos, kwname, check);
+            if (u == NULL) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            PySequence_Fast_ITEMS(out)[i] = u; /* steals u */
+        }
+        return out;
+    }
+    if ((e->flags & OP_DEVICE_ARG) && PyObject_TypeCheck(v, (PyTypeObject *)st->device_type)) {
+        int i = flagos_device_index(st, v);
+        if (i == -2)
+            return NULL;
+        if (i >= 0)
+            return Py_NewRef(PyTuple_GET_ITEM(st->chip_devices, i));
+    }
+    return Py_NewRef(v);
+}
+
+static int unwrap_call(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs,
+                       int check, PyObject **out_args, PyObject **out_kwargs)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *a = PyTuple_New(n);
+    if (a == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *u = unwrap_value(st, e, PyTuple_GET_ITEM(args, i), i, NULL, check);
+        if (u == NULL) {
+            Py_DECREF(a);
+            return -1;
+        }
+        PyTuple_SET_ITEM(a, i, u);
+    }
+    PyObject *k = NULL;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) > 0) {
+        k = PyDict_New();
+        if (k == NULL)
+            goto error;
+        PyObject *key, *val;
+        Py_ssize_t p = 0;
+        while (PyDict_Next(kwargs, &p, &key, &val)) {
+            PyObject *u = unwrap_value(st, e, val, -1, key, check);
+            if (u == NULL)
+                goto error;
+            int rc = PyDict_SetItem(k, key, u);
+            Py_DECREF(u);
+            if (rc < 0)
+                goto error;
+        }
+    }
+    *out_args = a;
+    *out_kwargs = k;
+    return 0;
+error:
+    Py_DECREF(a);
+    Py_XDECREF(k);
+    return -1;
+}
+
+/* ---- rewrap ----------------------------------------------------------- */
+
+static PyObject *wrap_tensor(flagos_state *st, PyObject *t, int target)
+{
+    int index = target;
+    if (index < 0) {
+        if (st->chip_is_host) {
+            index = 0;
+        } else {
+            PyObject *d = PyObject_CallMethodNoArgs(t, fl_names.get_device);
+            if (d == NULL)
+                return NULL;
+            index = (int)PyLong_AsLong(d);
+            Py_DECREF(d);
+            if (index < 0) /* the chip op gave a host tensor: hand it out as is */
+                return Py_NewRef(t);
+        }
+    }
+    if (index >= PyTuple_GET_SIZE(st->flagos_devices)) {
+        PyErr_Format(PyExc_RuntimeError, "chip device %d has no flagos device", index);
+        return NULL;
+    }
+    PyObject *shape = NULL, *stride = NULL, *offset = NULL, *dtype = NULL, *w = NULL;
+    shape = PyObject_GetAttr(t, fl_names.shape);
+    if (shape == NULL)
+        goto done;
+    stride = PyObject_CallMethodNoArgs(t, fl_names.stride);
+    if (stride == NULL)
+        goto done;
+    offset = PyObject_CallMethodNoArgs(t, fl_names.storage_offset);
+    if (offset == NULL)
+        goto done;
+    dtype = PyObject_GetAttr(t, fl_names.dtype);
+    if (dtype == NULL)
+        goto done;
+    /* _make_wrapper_subclass(cls, size, *, strides, storage_offset, dtype, device) */
+    static PyObject *kwnames = NULL;
+    if (kwnames == NULL) {
+        kwnames = Py_BuildValue("(ssss)", "strides", "storage_offset", "dtype", "device");
+        if (kwnames == NULL)
+            goto done;
+    }
+    PyObject *argv[6] = {st->wrapper_type, shape, stride, offset, dtype,
+                         PyTuple_GET_ITEM(st->flagos_devices, index)};
+    w = PyObject_Vectorcall(st->make_wrapper, argv, 2, kwnames);
+    if (w == NULL)
+        goto done;
+    if (PyObject_SetAttr(w, fl_names.payload, t) < 0)
+        Py_CLEAR(w);
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(offset);
+    Py_XDECREF(dtype);
+    return w;
+}
+
+static PyObject *wrap_value(flagos_state *st, PyObject *v, int target)
+{
+    PyTypeObject *tp = Py_TYPE(v);
+    if (tp == &PyTuple_Type || tp == &PyList_Type) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+        PyObject *out = tp == &PyList_Type ? PyList_New(n) : PyTuple_New(n);
+        if (out == NULL)
+            return NULL;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *w = wrap_value(st, PySequence_Fast_ITEMS(v)[i], target);
+            if (w == NULL) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            PySequence_Fast_ITEMS(out)[i] = w;
+        }
+        return out;
+    }
+    if (PyObject_TypeCheck(v, (PyTypeObject *)st->tensor_type) &&
+        !PyObject_TypeCheck(v, (PyTypeObject *)st->wrapper_type))
+        return wrap_tensor(st, v, target);
+    return Py_NewRef(v);
+}
+
+/* New reference: the op's result as the caller must see it. out is stolen.
+ * target: a PyLong as returned by flagos_find_target. */
+PyObject *flagos_wrap_outputs(flagos_state *st, op_entry *e, PyObject *out, PyObject *target)
+{
+    (void)e;
+    if (!st->device_mode || out == NULL)
+        return out;
+    int t = (int)PyLong_AsLong(target);
+    if (t == TARGET_HOST)
+        return out;
+    PyObject *w = wrap_value(st, out, t);
+    Py_DECREF(out);
+    return w;
+}
+
+/* In-place and out= ops return the tensor they wrote: hand back the caller's own object,
+ * so identity (and autograd's view/version bookkeeping on it) is kept. */
+static PyObject *alias_outputs(op_entry *e, PyObject *args, PyObject *kwargs, PyObject *out);
+
+/* ---- the entry point -------------------------------------------------- */
+
+static PyObject *call_with(PyObject *fn, PyObject *args, PyObject *kwargs)
+{
+    return PyObject_Call(fn, args, kwargs);
+}
+
+static int raise_route_error(flagos_state *st, op_entry *e)
+{
+    PyErr_Format(st->fallback_error,
+                 "%U is routed to 'error' on this chip (FLAGOS_ROUTE or flagos.set_route); "
+                 "route it to 'native' or 'fallback' to run it.",
+                 e->name);
+    return -1;
+}
+
+static int check_policy(flagos_state *st, op_entry *e)
+{
+    if (st->fallback_policy == 2) {
+        PyErr_Format(st->fallback_error,
+                     "%U would fall back to the CPU, and FLAGOS_FALLBACK=error forbids it. "
+                     "Set FLAGOS_FALLBACK=warn (or allow), or register an override kernel "
+                     "with flagos.register_kernel(\"%U\", fn).",
+                     e->name, e->name);
+        return -1;
+    }
+    if (st->fallback_policy == 1 && !(e->flags & OP_WARNED)) {
+        e->flags |= OP_WARNED;
+        if (PyErr_WarnFormat(st->fallback_warning, 1,
+                             "%U falls back to the CPU on this chip (each call copies its "
+                             "tensors to the host and back); see flagos.fallback_report(). "
+                             "Silence with FLAGOS_FALLBACK=allow.",
+                             e->name) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+PyObject *flagos_route_call(flagos_state *st, PyObject *func, PyObject *args, PyObject *kwargs,
+                            int from_factory)
+{
+    if (!st->configured) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "flagos is not active: call flagos.activate() (or set FLAGOS_DEVICE) "
+                        "before using the flagos device");
+        return NULL;
+    }
+    if (kwargs == Py_None)
+        kwargs = NULL;
+    op_entry *e;
+    HASH_FIND_PTR(st->table, &func, e);
+    if (e == NULL && (e = entry_create(st, func)) == NULL)
+        return NULL;
+    if (e->route == ROUTE_UNRESOLVED && entry_resolve(st, e) < 0)
+        return NULL;
+
+    int route = e->route;
+    PyObject *target = NULL, *uargs = NULL, *ukwargs = NULL, *out = NULL;
+    if (route == ROUTE_ERROR) {
+        raise_route_error(st, e);
+        return NULL;
+    }
+    if (route == ROUTE_FALLBACK)
+        goto fallback;
+
+    if (!st->device_mode) {
+        /* Native mode: the tensors are already the chip's own. */
+        out = call_with(route == ROUTE_OVERRIDE ? e->override : e->call, args, kwargs);
+        if (out == NULL && route == ROUTE_OVERRIDE &&
+            PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
+            PyErr_Clear();
+            route = ROUTE_NATIVE;
+            out = call_with(e->call, args, kwargs);
+        }
+        if (out == NULL)
+            goto not_implemented;
+        e->calls[route]++;
+        return out;
+    }
+
+    target = PyLong_FromLong(find_target(st, e, args, kwargs));
+    if (target == NULL || PyLong_AsLong(target) == TARGET_ERROR)
+        goto error;
+    if (unwrap_call(st, e, args, kwargs, !from_factory, &uargs, &ukwargs) < 0)
+        goto error;
+    out = call_with(route == ROUTE_OVERRIDE ? e->override : e->call, uargs, ukwargs);
+    if (out == NULL && route == ROUTE_OVERRIDE &&
+        PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
+        PyErr_Clear();
+        route = ROUTE_NATIVE;
+        out = call_with(e->call, uargs, ukwargs);
+    }
+    Py_CLEAR(uargs);
+    Py_CLEAR(ukwargs);
+    if (out == NULL)
+        goto not_implemented;
+    e->calls[route]++;
+    if (PyTuple_GET_SIZE(e->write_args) > 0 && PyTuple_GET_SIZE(e->return_alias) > 0)
+        out = alias_outputs(e, args, kwargs, out);
+    out = flagos_wrap_outputs(st, e, out, target);
+    Py_DECREF(target);
+    return out;
+
+not_implemented:
+    /* A chip without a kernel for this op: remember it and take the CPU fallback. */
+    if (route != ROUTE_NATIVE || (e->flags & OP_VIEW) ||
+        !PyErr_ExceptionMatches(PyExc_NotImplementedError))
+        goto error;
+    PyErr_Clear();
+    e->flags |= OP_NOT_IMPLEMENTED;
+    e->route = ROUTE_FALLBACK;
+fallback:
+    Py_CLEAR(target);
+    if (check_policy(st, e) < 0)
+        return NULL;
+    if (st->device_mode) {
+        target = PyLong_FromLong(find_target(st, e, args, kwargs));
+        if (target == NULL || PyLong_AsLong(target) == TARGET_ERROR)
+            goto error;
+        if (!from_factory) {
+            /* Same argument check as the native route: fallback must not hide a mix-up. */
+            if (unwrap_call(st, e, args, kwargs, 1, &uargs, &ukwargs) < 0)
+                goto error;
+            Py_CLEAR(uargs);
+            Py_CLEAR(ukwargs);
+        }
+    } else {
+        target = PyLong_FromLong(TARGET_FOLLOW);
+        if (target == NULL)
+            goto error;
+    }
+    out = flagos_run_fallback(st, e, args, kwargs, target);
+    if (out != NULL)
+        e->calls[ROUTE_FALLBACK]++;
+    Py_DECREF(target);
+    return out;
+error:
+    Py_XDECREF(target);
+    Py_XDECREF(uargs);
+    Py_XDECREF(ukwargs);
+    return NULL;
+}
+
+/* Value of schema argument i as the caller passed it (borrowed), or NULL if absent. */
+static PyObject *argument_value(op_entry *e, PyObject *args, PyObject *kwargs, Py_ssize_t i)
+{
+    if (i < PyTuple_GET_SIZE(args))
+        return PyTuple_GET_ITEM(args, i);
+    if (kwargs == NULL || i >= PyTuple_GET_SIZE(e->arg_names))
+        return NULL;
+    return PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(e->arg_names, i));
+}
+
+static PyObject *alias_outputs(op_entry *e, PyObject *args, PyObject *kwargs, PyObject *out)
+{
+    Py_ssize_t nret = PyTuple_GET_SIZE(e->return_alias);
+    if (nret == 1) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(e->return_alias, 0));
+        PyObject *orig = i >= 0 ? argument_value(e, args, kwargs, i) : NULL;
+        if (orig == NULL || PyErr_Occurred()) {
+            PyErr_Clear();
+            return out;
+        }
+        Py_DECREF(out);
+        return Py_NewRef(orig);
+    }
+    if (!PyTuple_Check(out) || PyTuple_GET_SIZE(out) != nret)
+        return out;
+    PyObject *res = PyTuple_New(nret);
+    if (res == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    for (Py_ssize_t r = 0; r < nret; r++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(e->return_alias, r));
+        PyObject *orig = i >= 0 ? argument_value(e, args, kwargs, i) : NULL;
+        if (orig == NULL) {
+            PyErr_Clear();
+            orig = PyTuple_GET_ITEM(out, r);
+        }
+        PyTuple_SET_ITEM(res, r, Py_NewRef(orig));
+    }
+    Py_DECREF(out);
+    return res;
+}
+
+PyObject *flagos_alias_outputs(op_entry *e, PyObject *args, PyObject *kwargs, PyObject *out)
+{
+    return alias_outputs(e, args, kwargs, out);
+}
+
+/* ---- export ----------------------------------------------------------- */
+
+static PyObject *dtype_list(flagos_state *st, uint64_t mask)
+{
+    PyObject *l = PyList_New(0);
+    if (l == NULL)
+        return NULL;
+    for (int i = 0; i < st->n_dtypes; i++) {
+        if ((mask >> i) & 1u) {
+            PyObject *s = PyObject_Str(st->dtypes[i]);
+            if (s == NULL || PyList_Append(l, s) < 0) {
+                Py_XDECREF(s);
+                Py_DECREF(l);
+                return NULL;
+            }
+            Py_DECREF(s);
+        }
+    }
+    return l;
+}
+
+/* List of dicts, one per op seen (all of them, or only those with a resolved route). */
+PyObject *flagos_table_export(flagos_state *st, int include_routes_only)
+{
+    PyObject *rows = PyList_New(0);
+    if (rows == NULL)
+        return NULL;
+    op_entry *e, *tmp;
+    HASH_ITER(hh, st->table, e, tmp) {
+        if (include_routes_only && e->route == ROUTE_UNRESOLVED)
+            continue;
+        PyObject *dtypes = dtype_list(st, e->dtype_mask);
+        if (dtypes == NULL)
+            goto error;
+        const char *route = e->route == ROUTE_UNRESOLVED ? "unresolved" : route_names[e->route];
+        PyObject *row = Py_BuildValue(
+            "{s:O,s:s,s:{s:K,s:K,s:K},s:K,s:K,s:K,s:N,s:O,s:O}", "op", e->name, "route", route,
+            "calls", "override", (unsigned long long)e->calls[ROUTE_OVERRIDE], "native",
+            (unsigned long long)e->calls[ROUTE_NATIVE], "fallback",
+            (unsigned long long)e->calls[ROUTE_FALLBACK], "fallback_ns",
+            (unsigned long long)e->fallback_ns, "bytes_to_host",
+            (unsigned long long)e->bytes_to_host, "bytes_to_device",
+            (unsigned long long)e->bytes_to_device, "dtypes", dtypes, "site",
+            e->site ? e->site : Py_None, "not_implemented",
+            (e->flags & OP_NOT_IMPLEMENTED) ? Py_True : Py_False);
+        if (row == NULL || PyList_Append(rows, row) < 0) {
+            Py_XDECREF(row);
+            goto error;
+        }
+        Py_DECREF(row);
+    }
+    return rows;
+error:
+    Py_DECREF(rows);
+    return NULL;
+}

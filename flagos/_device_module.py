@@ -1,0 +1,122 @@
+"""`torch.flagos`: the device module PyTorch looks up for the flagos device.
+
+Every function answers for the active chip, so the same code reads CUDA's
+allocator on the cuda chip and the host on the cpu chip.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _runtime
+
+
+def _index(device=None) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return current_device() if device.index is None else device.index
+
+
+def is_available() -> bool:
+    return _runtime.active_or_none() is not None
+
+
+def is_initialized() -> bool:
+    return is_available()
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    state = _runtime.active_or_none()
+    return state.device_count if state else 0
+
+
+def current_device() -> int:
+    return _runtime.active().current
+
+
+def set_device(device) -> None:
+    _runtime.set_current(_index(device))
+
+
+class device:
+    """Context manager that makes `device` the current flagos device."""
+
+    def __init__(self, device):
+        self.index = _index(device)
+        self.prev = None
+
+    def __enter__(self):
+        self.prev = current_device()
+        set_device(self.index)
+
+    def __exit__(self, *exc):
+        set_device(self.prev)
+        return False
+
+
+def synchronize(device=None) -> None:
+    state = _runtime.active()
+    state.chip.synchronize(state.chip_index(_index(device)))
+
+
+def memory_allocated(device=None) -> int:
+    state = _runtime.active()
+    return state.chip.memory_allocated(state.chip_index(_index(device)))
+
+
+def max_memory_allocated(device=None) -> int:
+    state = _runtime.active()
+    return state.chip.max_memory_allocated(state.chip_index(_index(device)))
+
+
+def memory_reserved(device=None) -> int:
+    state = _runtime.active()
+    return state.chip.memory_reserved(state.chip_index(_index(device)))
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    state = _runtime.active()
+    state.chip.reset_peak_memory_stats(state.chip_index(_index(device)))
+
+
+def empty_cache() -> None:
+    _runtime.active().chip.empty_cache()
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    state = _runtime.active()
+    return state.chip.mem_get_info(state.chip_index(_index(device)))
+
+
+def manual_seed(seed: int) -> None:
+    _runtime.active().chip.manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    _runtime.active().chip.manual_seed_all(int(seed))
+
+
+def get_rng_state(device=None) -> torch.Tensor:
+    state = _runtime.active()
+    return state.chip.get_rng_state(state.chip_index(_index(device)))
+
+
+def set_rng_state(new_state: torch.Tensor, device=None) -> None:
+    state = _runtime.active()
+    state.chip.set_rng_state(new_state, state.chip_index(_index(device)))
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    dtypes = _runtime.active().chip.native_dtypes
+    return [getattr(torch, d) for d in ("float16", "bfloat16") if d in dtypes]
+
+
+def info() -> dict:
+    from . import _runtime as rt
+    return rt.info()

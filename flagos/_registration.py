@@ -1,0 +1,58 @@
+"""Claiming PyTorch's PrivateUse1 slot as the `flagos` device (device mode only).
+
+Done once per process, on activation, never at import: PyTorch has one
+PrivateUse1 slot and registrations cannot be undone.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C
+from .errors import ConfigError
+
+NAME = "flagos"
+_factory_lib = None  # keeps the PrivateUse1 fallback registered
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, device_index: int) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _DeviceGuard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+def slot_owner() -> str | None:
+    """Name PrivateUse1 carries now, or None while nobody renamed it."""
+    name = torch._C._get_privateuse1_backend_name()
+    return None if name == "privateuseone" else name
+
+
+def claim(device_module) -> None:
+    """Rename PrivateUse1 to flagos and register what PyTorch expects of a backend."""
+    global _factory_lib
+    owner = slot_owner()
+    if owner == NAME:
+        return
+    if owner is not None:
+        raise ConfigError(
+            f"PyTorch's PrivateUse1 device slot is already taken by '{owner}' (a vendor "
+            f"plugin such as torch_{owner}); flagos cannot add the 'flagos' device next to it. "
+            f"Run flagos in native mode on that chip instead: "
+            f"flagos.activate('{owner}', mode='native') or FLAGOS_MODE=native.")
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend(
+        rename=NAME, backend_module=device_module, hook=_Hooks(), device_guard=_DeviceGuard())
+    # Ops that reach the flagos key without a flagos tensor argument are factories
+    # (empty, empty_strided, ...): route them through the same C router.
+    _factory_lib = torch.library.Library("_", "IMPL")
+    _factory_lib.fallback(_C.dispatch_factory, dispatch_key="PrivateUse1", with_keyset=False)

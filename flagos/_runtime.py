@@ -1,0 +1,273 @@
+"""Activation: choosing the chip and the mode, and wiring the C router to them."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _C, _env, _routes, _schema, chips
+from .chips.base import DeviceInfo, TorchChip
+from .errors import ChipNotFoundError, ConfigError, DeviceMismatchError, FallbackError, FallbackWarning
+
+__version__ = "0.1.0"
+TESTED_TORCH = ("2.9", "2.14")
+MODES = ("device", "native")
+_POLICIES = {"allow": 0, "warn": 1, "error": 2}
+
+log = logging.getLogger("flagos")
+_lock = threading.RLock()
+
+
+@dataclass
+class Active:
+    """The chip flagos runs on in this process."""
+    chip: TorchChip
+    mode: str
+    device_count: int
+    current: int = 0
+    native_mode: object = None  # the dispatch mode object in native mode
+    flagos_devices: tuple = field(default_factory=tuple)
+
+    def chip_index(self, index: int) -> int:
+        if not 0 <= index < self.device_count:
+            raise ValueError(f"flagos:{index} does not exist: chip '{self.chip.name}' has "
+                             f"{self.device_count} device(s)")
+        return index
+
+
+_active: Active | None = None
+
+
+def active_or_none() -> Active | None:
+    return _active
+
+
+def active() -> Active:
+    if _active is None:
+        raise RuntimeError("flagos is not active: call flagos.activate() first "
+                           "(or set FLAGOS_DEVICE=auto before `import torch`)")
+    return _active
+
+
+def flagos_device(index: int) -> torch.device:
+    return active().flagos_devices[index]
+
+
+def set_current(index: int) -> None:
+    state = active()
+    state.chip_index(index)
+    if not state.chip.payload_is_host:
+        state.chip.set_device(index)
+    state.current = index
+
+
+# ---- choosing the chip ---------------------------------------------------
+
+def _available_chips() -> list[str]:
+    return [name for name in chips.AUTO_ORDER if chips.profile(name).detect()]
+
+
+def _pick_chip(device: str) -> TorchChip:
+    name = device.strip().lower()
+    if name in ("", "auto"):
+        for candidate in chips.AUTO_ORDER:
+            profile = chips.profile(candidate)
+            if profile.detect():
+                return profile
+        raise ChipNotFoundError("no chip found (not even cpu)")  # unreachable: cpu is always there
+    if name not in chips.KNOWN:
+        raise ChipNotFoundError(
+            f"unknown chip {device!r}; known chips: {', '.join(chips.KNOWN)} "
+            f"(available here: {', '.join(_available_chips())}), or 'auto'")
+    profile = chips.profile(name)
+    if not profile.detect():
+        how = f"its plugin {profile.plugin} is not importable or " if profile.plugin else ""
+        raise ChipNotFoundError(
+            f"chip {name!r} is not available on this machine ({how}torch.{profile.torch_type}"
+            f".is_available() is False); available here: {', '.join(_available_chips())}. "
+            f"Use 'auto' to take the best available chip.")
+    return profile
+
+
+def _pick_mode(chip: TorchChip, mode: str | None) -> str:
+    mode = (mode or _env.get("FLAGOS_MODE") or "").lower()
+    if not mode:
+        return "native" if chip.owns_privateuse1 else "device"
+    if mode not in MODES:
+        raise ConfigError(f"mode {mode!r} is not valid; use one of: {', '.join(MODES)}")
+    if mode == "device" and chip.owns_privateuse1:
+        raise ConfigError(
+            f"chip {chip.name!r} runs through {chip.plugin}, which owns PyTorch's PrivateUse1 "
+            f"slot, so the 'flagos' device cannot exist next to it; use mode='native' "
+            f"(flagos.device() is then {chip.torch_type}:N)")
+    return mode
+
+
+# ---- wiring ----------------------------------------------------------------
+
+def _skip_prefixes() -> tuple[str, ...]:
+    """Source folders that are not user code, for the report's first call site."""
+    import flagos
+    dirs = {os.path.dirname(torch.__file__), os.path.dirname(flagos.__file__)}
+    for mod in ("contextlib", "functools"):
+        m = __import__(mod)
+        dirs.add(m.__file__)
+    return tuple(sorted(dirs))
+
+
+def _configure_router(state: Active) -> None:
+    from ._tensor import FlagosTensor
+
+    chip = state.chip
+    device_mode = state.mode == "device"
+    _C.configure(
+        device_mode=device_mode,
+        chip_is_host=chip.payload_is_host,
+        tensor_type=torch.Tensor,
+        device_type=torch.device,
+        wrapper_type=FlagosTensor,
+        make_wrapper=torch.Tensor._make_wrapper_subclass,
+        to_copy=torch.ops.aten._to_copy.default,
+        copy_=torch.ops.aten.copy_.default,
+        host_device=torch.device("cpu"),
+        chip_devices=tuple(chip.torch_device(i) for i in range(state.device_count)),
+        flagos_devices=state.flagos_devices,
+        describe=_schema.describe,
+        resolve=_routes.resolve,
+        fallback_warning=FallbackWarning,
+        fallback_error=FallbackError,
+        device_mismatch=DeviceMismatchError,
+        skip_prefixes=_skip_prefixes(),
+    )
+    _C.set_fallback_policy(_POLICIES[_env.get("FLAGOS_FALLBACK") or "warn"])
+
+
+def _apply_log_level() -> None:
+    level = _env.get("FLAGOS_LOG_LEVEL") or "warning"
+    log.setLevel(getattr(logging, level.upper()))
+
+
+def activate(device: str | None = "auto", mode: str | None = None) -> dict:
+    """Activate flagos on a chip; returns `info()`.
+
+    device: "auto" (best available chip), a chip name ("cpu", "cuda", "npu", ...),
+    or None to read FLAGOS_DEVICE. mode: "device" (tensors live on the `flagos`
+    device) or "native" (the chip keeps its own device type and flagos routes
+    every op through a dispatch mode); None reads FLAGOS_MODE, then picks the
+    chip's natural mode.
+    """
+    global _active
+    with _lock:
+        if device is None:
+            device = _env.requested_device() or "auto"
+        # Validate everything before touching torch, so a bad value changes nothing.
+        policy = _env.get("FLAGOS_FALLBACK")
+        _routes.parse_route_spec(_env.get("FLAGOS_ROUTE"))
+        _apply_log_level()
+        chip = _pick_chip(device)
+        mode = _pick_mode(chip, mode)
+        if _active is not None:
+            if (_active.chip.name, _active.mode) == (chip.name, mode):
+                return info()
+            if _active.mode == "device":
+                raise ConfigError(
+                    f"flagos is already active on chip '{_active.chip.name}' in device mode; "
+                    f"PyTorch's device registration cannot be undone, so a process uses one "
+                    f"chip in device mode. Start a new process to use '{chip.name}'.")
+            deactivate()
+        count = chip.device_count()
+        if count < 1:
+            raise ChipNotFoundError(f"chip {chip.name!r} reports no devices")
+        if mode == "device":
+            from . import _device_module, _registration
+            _registration.claim(_device_module)
+            devices = tuple(torch.device("flagos", i) for i in range(count))
+        else:
+            devices = tuple(chip.torch_device(i) for i in range(count))
+        state = Active(chip=chip, mode=mode, device_count=count, flagos_devices=devices)
+        _configure_router(state)
+        _routes.set_active_chip(chip.name)
+        _routes.load_env()
+        _active = state
+        if mode == "native":
+            from ._native_mode import NativeMode
+            state.native_mode = NativeMode()
+            state.native_mode.__enter__()
+        from . import _report
+        _report.on_activate()
+        log.info("flagos active on chip %s (%s mode, %d device(s), fallback=%s)",
+                 chip.name, mode, count, policy)
+        return info()
+
+
+def activate_from_env() -> dict:
+    """What autoload runs: FLAGOS_DEVICE / FLAGOS_DEVICE_BACKEND and FLAGOS_MODE."""
+    return activate(_env.requested_device() or "auto")
+
+
+def deactivate() -> None:
+    """Leave native mode (device mode stays for the life of the process)."""
+    global _active
+    with _lock:
+        if _active is None:
+            return
+        if _active.mode == "device":
+            raise ConfigError("device mode cannot be deactivated: PyTorch's device "
+                              "registration lasts for the life of the process")
+        _active.native_mode.__exit__(None, None, None)
+        _C.deconfigure()
+        _active = None
+
+
+def device(index: int | None = None) -> torch.device:
+    """The device to move models and tensors to: flagos:N in device mode, the chip's own
+    device (npu:N, cpu) in native mode."""
+    state = active()
+    index = state.current if index is None else index
+    state.chip_index(index)
+    return state.flagos_devices[index]
+
+
+def list_devices(include_unavailable: bool = False) -> list[DeviceInfo]:
+    """Every device of every chip found here (and one row per absent chip if asked)."""
+    rows = []
+    for name in chips.AUTO_ORDER:
+        chip = chips.profile(name)
+        present = chip.detect()
+        mode = "native" if chip.owns_privateuse1 else "device"
+        if not present:
+            if include_unavailable:
+                rows.append(DeviceInfo(chip.name, 0, "not found", 0, chip.native_dtypes, mode,
+                                       False, chip.vendor, chip.collective_backend))
+            continue
+        for i in range(chip.device_count()):
+            rows.append(DeviceInfo(chip.name, i, chip.device_name(i), chip.total_memory(i),
+                                   chip.native_dtypes, mode, True, chip.vendor,
+                                   chip.collective_backend))
+    return rows
+
+
+def info() -> dict:
+    """What flagos runs on, and how it is configured."""
+    state = _active
+    out = {
+        "version": __version__,
+        "torch": torch.__version__,
+        "torch_tested": f"{TESTED_TORCH[0]} to {TESTED_TORCH[1]}",
+        "active": state is not None,
+        "fallback": _env.get("FLAGOS_FALLBACK") or "warn",
+        "forced_routes": dict(_routes._forced),
+        "report_path": _env.get("FLAGOS_REPORT") or None,
+    }
+    if state is not None:
+        out.update(
+            chip=state.chip.name, vendor=state.chip.vendor, mode=state.mode,
+            device=str(device()), device_count=state.device_count,
+            devices=[state.chip.device_name(i) for i in range(state.device_count)],
+            native_dtypes=list(state.chip.native_dtypes),
+            collective_backend=state.chip.collective_backend,
+        )
+    return out

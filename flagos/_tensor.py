@@ -1,0 +1,65 @@
+"""FlagosTensor: what a tensor on the flagos device is.
+
+A traceable wrapper subclass: its device is `flagos:N`, it owns no memory, and
+its `_payload` is the chip's own tensor (a CPU tensor on the cpu chip, a CUDA
+tensor on the cuda chip). `__torch_dispatch__` is the C router, so every aten
+op on it is routed, counted and rewrapped in C. Autograd, views and in-place
+ops work at the wrapper level exactly as on any PyTorch device; torch.compile
+sees through the wrapper with `__tensor_flatten__`.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C
+
+
+class FlagosTensor(torch.Tensor):
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_dispatch__ = classmethod(_C.dispatch)
+
+    # -- torch.compile: one inner tensor, no extra metadata ---------------
+    def __tensor_flatten__(self):
+        return ["_payload"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        return wrap(inner_tensors["_payload"])
+
+    def _stable_hash_for_caching(self) -> str:
+        return f"FlagosTensor({self.device})"
+
+    # -- pickling: saved as a CPU copy, restored with map_location --------
+    def __reduce_ex__(self, proto):
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad))
+
+    def __repr__(self, *, tensor_contents=None):
+        if tensor_contents is None:
+            payload = self._payload.detach()
+            if payload.device.type != "cpu":
+                payload = payload.cpu()
+            tensor_contents = torch._tensor_str._tensor_str(payload, len("tensor("))
+        text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
+        # Print like a tensor on any other device: tensor([...], device='flagos:0').
+        prefix = type(self).__name__ + "("
+        return "tensor(" + text[len(prefix):] if text.startswith(prefix) else text
+
+
+def wrap(payload: torch.Tensor, index: int | None = None) -> FlagosTensor:
+    """The flagos tensor whose payload is `payload` (no copy)."""
+    from . import _runtime
+
+    if index is None:
+        index = max(payload.get_device(), 0)
+    out = torch.Tensor._make_wrapper_subclass(
+        FlagosTensor, payload.shape, strides=payload.stride(),
+        storage_offset=payload.storage_offset(), dtype=payload.dtype,
+        device=_runtime.flagos_device(index), requires_grad=payload.requires_grad)
+    out._payload = payload
+    return out
+
+
+def payload(tensor: torch.Tensor) -> torch.Tensor:
+    """The chip's own tensor behind a flagos tensor (the tensor itself otherwise)."""
+    return tensor._payload if isinstance(tensor, FlagosTensor) else tensor

@@ -1,0 +1,155 @@
+"""The chip interface the rest of flagos sees.
+
+A chip profile answers: is the chip here (without initializing it where the
+vendor allows), how many devices, what they are, and how to reach the
+vendor's memory, RNG and synchronize functions. The router never sees a
+profile; it only gets the chip's torch devices.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device of one chip, as `flagos.list_devices()` shows it."""
+    chip: str
+    index: int
+    name: str
+    total_memory: int
+    native_dtypes: tuple[str, ...]
+    mode: str
+    available: bool
+    vendor: str = ""
+    collective_backend: str = ""
+
+
+_COMMON_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                  "uint8", "bool")
+
+
+@dataclass
+class TorchChip:
+    """A chip with its own PyTorch device type, driven through `torch.<module>`.
+
+    Vendor plugins (torch_npu, torch_mlu, torch_musa, ...) mirror the
+    `torch.cuda` API, so one implementation serves them all; a profile only
+    states names, the plugin to import and the facts that differ.
+    """
+    name: str
+    torch_type: str
+    vendor: str
+    collective_backend: str
+    plugin: str | None = None             # module that registers the device with torch
+    owns_privateuse1: bool = False        # its plugin takes PyTorch's PrivateUse1 slot
+    native_dtypes: tuple[str, ...] = _COMMON_DTYPES + ("float64",)
+    oom_patterns: tuple[str, ...] = ("out of memory",)
+    extra: dict = field(default_factory=dict)
+
+    # -- detection -------------------------------------------------------
+    def _module(self):
+        return getattr(torch, self.torch_type, None)
+
+    def detect(self) -> bool:
+        """True when the chip can run here; never raises (a broken plugin means 'no')."""
+        try:
+            if self.plugin:
+                if importlib.util.find_spec(self.plugin) is None:
+                    return False
+                importlib.import_module(self.plugin)
+            mod = self._module()
+            return bool(mod is not None and mod.is_available())
+        except Exception:  # a broken vendor package must never break flagos
+            return False
+
+    # -- devices ---------------------------------------------------------
+    def device_count(self) -> int:
+        return int(self._module().device_count())
+
+    def torch_device(self, index: int) -> torch.device:
+        return torch.device(self.torch_type, index)
+
+    def device_name(self, index: int) -> str:
+        mod = self._module()
+        fn = getattr(mod, "get_device_name", None)
+        return fn(index) if fn else f"{self.torch_type}:{index}"
+
+    def total_memory(self, index: int) -> int:
+        mod = self._module()
+        try:
+            return int(mod.get_device_properties(index).total_memory)
+        except Exception:
+            free_total = self.mem_get_info(index)
+            return free_total[1]
+
+    def current_device(self) -> int:
+        return int(self._module().current_device())
+
+    def set_device(self, index: int) -> None:
+        self._module().set_device(index)
+
+    def synchronize(self, index: int | None = None) -> None:
+        self._module().synchronize(index)
+
+    # -- memory ----------------------------------------------------------
+    def _mem(self, fn: str, index: int, default=0):
+        f = getattr(self._module(), fn, None)
+        return f(index) if f else default
+
+    def memory_allocated(self, index: int) -> int:
+        return int(self._mem("memory_allocated", index))
+
+    def max_memory_allocated(self, index: int) -> int:
+        return int(self._mem("max_memory_allocated", index))
+
+    def memory_reserved(self, index: int) -> int:
+        return int(self._mem("memory_reserved", index))
+
+    def reset_peak_memory_stats(self, index: int) -> None:
+        self._mem("reset_peak_memory_stats", index, None)
+
+    def empty_cache(self) -> None:
+        f = getattr(self._module(), "empty_cache", None)
+        if f:
+            f()
+
+    def mem_get_info(self, index: int) -> tuple[int, int]:
+        return tuple(int(x) for x in self._module().mem_get_info(index))
+
+    # -- RNG -------------------------------------------------------------
+    def manual_seed(self, seed: int) -> None:
+        self._module().manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        self._module().manual_seed_all(seed)
+
+    def get_rng_state(self, index: int) -> torch.Tensor:
+        return self._module().get_rng_state(index)
+
+    def set_rng_state(self, state: torch.Tensor, index: int) -> None:
+        self._module().set_rng_state(state, index)
+
+    # -- errors ----------------------------------------------------------
+    def is_out_of_memory(self, exc: BaseException) -> bool:
+        text = str(exc).lower()
+        return isinstance(exc, torch.OutOfMemoryError) or any(p in text for p in self.oom_patterns)
+
+    @property
+    def payload_is_host(self) -> bool:
+        return self.torch_type == "cpu"
+
+
+def host_memory() -> tuple[int, int]:
+    """(free, total) bytes of host memory, from the OS."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info.get("MemAvailable", info.get("MemFree", 0)), info.get("MemTotal", 0)
+    except OSError:
+        pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+        size = os.sysconf("SC_PAGE_SIZE") if pages else 0
+        return pages * size, pages * size

@@ -1,0 +1,6 @@
+"""Huawei Ascend NPUs through torch_npu (which owns PrivateUse1: native mode)."""
+from .base import _COMMON_DTYPES, TorchChip
+
+CHIP = TorchChip(name="npu", torch_type="npu", vendor="huawei", collective_backend="hccl",
+                 plugin="torch_npu", owns_privateuse1=True, native_dtypes=_COMMON_DTYPES,
+                 oom_patterns=("npu out of memory", "out of memory", "ERR00100"))

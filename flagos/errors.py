@@ -1,0 +1,34 @@
+"""The exceptions and warnings flagos raises: one vocabulary on every chip."""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A bad value in an environment variable or an API argument; the message names valid ones."""
+
+
+class ChipNotFoundError(ConfigError):
+    """The requested chip is unknown or not available on this machine."""
+
+
+class DeviceMismatchError(RuntimeError):
+    """A flagos tensor and a tensor on another device met in one op."""
+
+
+class FallbackError(RuntimeError):
+    """An op would fall back to the CPU while FLAGOS_FALLBACK=error, or is routed to 'error'."""
+
+
+class FallbackWarning(UserWarning):
+    """An op falls back to the CPU (given once per op while FLAGOS_FALLBACK=warn)."""
+
+
+class DeviceError(RuntimeError):
+    """A chip failure other than out-of-memory, in one form on every chip."""
+
+    def __init__(self, message: str, *, chip: str, code: int | None = None,
+                 code_name: str | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.chip = chip
+        self.code = code
+        self.code_name = code_name
+        self.hint = hint

@@ -1,0 +1,48 @@
+"""Build of the C extension flagos._C (metadata lives in pyproject.toml)."""
+import os
+import sys
+
+from setuptools import Extension, setup
+
+WARNINGS = ["-Wall", "-Wextra", "-Werror"]
+
+
+def find_uthash():
+    """Directory holding uthash.h, or exit with the way to get it."""
+    candidates = [os.environ.get("FLAGOS_UTHASH_INCLUDE", "")]
+    for var in ("CPATH", "C_INCLUDE_PATH"):
+        candidates += os.environ.get(var, "").split(os.pathsep)
+    candidates += ["/usr/include", "/usr/local/include", "/opt/homebrew/include"]
+    for d in candidates:
+        if d and os.path.isfile(os.path.join(d, "uthash.h")):
+            return d
+    sys.exit(
+        "flagos build: uthash.h was not found.\n"
+        "  Install it: on Debian/Ubuntu `apt-get update && apt-get install -y uthash-dev`,\n"
+        "  on macOS `brew install uthash`; or point FLAGOS_UTHASH_INCLUDE at the folder "
+        "holding uthash.h."
+    )
+
+
+def sanitizer_flags():
+    """FLAGOS_SANITIZE=address builds the extension for the AddressSanitizer job."""
+    which = os.environ.get("FLAGOS_SANITIZE", "")
+    if not which:
+        return [], []
+    if which != "address":
+        sys.exit(f"flagos build: FLAGOS_SANITIZE={which!r} is not supported; use 'address'.")
+    flags = ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1", "-g"]
+    return flags, ["-fsanitize=address"]
+
+
+san_compile, san_link = sanitizer_flags()
+
+core = Extension(
+    "flagos._C",
+    sources=["csrc/module.c", "csrc/router.c", "csrc/fallback.c", "csrc/callsite.c"],
+    include_dirs=["csrc", "csrc/include"] + [d for d in [find_uthash()] if d != "/usr/include"],
+    extra_compile_args=["-std=c11", *WARNINGS, *san_compile],
+    extra_link_args=san_link,
+)
+
+setup(ext_modules=[core])
