@@ -160,6 +160,7 @@ static PyObject *fl_reset_counters(PyObject *module, PyObject *Py_UNUSED(arg))
     HASH_ITER(hh, st->table, e, tmp) {
         memset(e->calls, 0, sizeof(e->calls));
         e->fallback_ns = e->bytes_to_host = e->bytes_to_device = e->dtype_mask = 0;
+        e->flags &= ~(unsigned)OP_FALLBACK_SITE;
     }
     Py_RETURN_NONE;
 }

@@ -586,6 +586,14 @@ fallback:
         if (target == NULL)
             goto error;
     }
+    if (!(e->flags & OP_FALLBACK_SITE)) {
+        /* The report's call site of a fallback op is where it first fell back. */
+        PyObject *site = flagos_user_call_site(st);
+        if (site == NULL)
+            goto error;
+        Py_XSETREF(e->site, site);
+        e->flags |= OP_FALLBACK_SITE;
+    }
     out = flagos_run_fallback(st, e, args, kwargs, target);
     if (out != NULL)
         e->calls[ROUTE_FALLBACK]++;

@@ -29,6 +29,7 @@ enum flagos_route {
 #define OP_DEVICE_ARG (1u << 2)   /* has a Device argument: it decides the output side */
 #define OP_WARNED (1u << 3)       /* the fallback warning was given */
 #define OP_NOT_IMPLEMENTED (1u << 4) /* the chip kernel raised NotImplementedError */
+#define OP_FALLBACK_SITE (1u << 5) /* site is where the op first fell back */
 
 typedef struct op_entry {
     PyObject *func;          /* key: the OpOverload (strong ref keeps the pointer valid) */

@@ -12,6 +12,7 @@ from .errors import ConfigError
 
 NAME = "flagos"
 _factory_lib = None  # keeps the PrivateUse1 fallback registered
+_copy_lib = None
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -38,7 +39,7 @@ def slot_owner() -> str | None:
 
 def claim(device_module) -> None:
     """Rename PrivateUse1 to flagos and register what PyTorch expects of a backend."""
-    global _factory_lib
+    global _factory_lib, _copy_lib
     owner = slot_owner()
     if owner == NAME:
         return
@@ -56,3 +57,23 @@ def claim(device_module) -> None:
     # (empty, empty_strided, ...): route them through the same C router.
     _factory_lib = torch.library.Library("_", "IMPL")
     _factory_lib.fallback(_C.dispatch_factory, dispatch_key="PrivateUse1", with_keyset=False)
+    # torch.tensor(data, device="flagos") copies with the Python key excluded, so the
+    # copy reaches aten::_copy_from on the flagos key; a boxed Python fallback cannot
+    # serve it there, a registered kernel can.
+    _copy_lib = torch.library.Library("aten", "IMPL")
+    _copy_lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    # flagos tensors own no storage: torch.load(..., map_location="flagos") must keep
+    # storages on the host and let each tensor's rebuild move it (see FlagosTensor.__reduce_ex__).
+    torch.serialization.register_package(5, _tag_storage, _restore_storage)
+
+
+def _tag_storage(storage):
+    return None  # no storage lives on flagos
+
+
+def _restore_storage(storage, location: str):
+    return storage if location.startswith(NAME) else None
+
+
+def _copy_from(src, dst, non_blocking=False):
+    return _C.dispatch_factory(torch.ops.aten.copy_.default, dst, src, non_blocking)

@@ -1,0 +1,54 @@
+"""The suite runs in device mode on the cpu chip; anything that needs another
+activation (native mode, autoload, bad environment) runs in a subprocess."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import flagos
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+CHIP = os.environ.get("FLAGOS_TEST_CHIP", "cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def flagos_active():
+    os.environ.setdefault("FLAGOS_FALLBACK", "allow")
+    return flagos.activate(CHIP)
+
+
+@pytest.fixture
+def dev():
+    return flagos.device()
+
+
+@pytest.fixture(autouse=True)
+def clean_routes():
+    """Every test starts with automatic routes and empty counters."""
+    flagos._routes.clear_routes()
+    flagos.reset_report()
+    yield
+    flagos._routes.clear_routes()
+
+
+def run_python(code: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter (a new process can activate anew)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                          capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def assert_close(actual, expected, atol=1e-6, rtol=1e-5):
+    actual = actual.detach().cpu() if isinstance(actual, torch.Tensor) else torch.as_tensor(actual)
+    expected = expected.detach().cpu() if isinstance(expected, torch.Tensor) else torch.as_tensor(expected)
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)

@@ -1,0 +1,42 @@
+"""Small, seeded models built from configs (random weights, no downloads)."""
+from __future__ import annotations
+
+import torch
+
+
+def ddpm_pipeline(seed: int = 0):
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+
+    torch.manual_seed(seed)
+    unet = UNet2DModel(
+        sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
+        block_out_channels=(16, 32), norm_num_groups=8,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+    )
+    pipe = DDPMPipeline(unet=unet, scheduler=DDPMScheduler(num_train_timesteps=100))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_ddpm(pipe, steps: int = 4, seed: int = 0):
+    generator = torch.Generator("cpu").manual_seed(seed)
+    return pipe(batch_size=1, generator=generator, num_inference_steps=steps, output_type="np").images
+
+
+def bert(seed: int = 0):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(config).eval()
+
+
+def bert_batch(seed: int = 1, batch: int = 2, seq: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    labels = torch.randint(0, 3, (batch,), generator=g)
+    return ids, mask, labels

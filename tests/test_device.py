@@ -1,0 +1,171 @@
+"""The flagos device behaves like any PyTorch device (device mode, cpu chip)."""
+import io
+
+import pytest
+import torch
+
+import flagos
+from conftest import assert_close
+
+
+def test_to_and_back(dev):
+    x = torch.randn(3, 4)
+    f = x.to(dev)
+    assert f.device == dev and f.is_flagos and isinstance(f, flagos.FlagosTensor)
+    back = f.cpu()
+    assert type(back) is torch.Tensor and back.device.type == "cpu"
+    assert torch.equal(back, x)
+    assert torch.equal(x.flagos().cpu(), x)
+    assert f.to("cpu", torch.float64).dtype == torch.float64
+
+
+def test_factories_on_flagos(dev):
+    torch.manual_seed(3)
+    a = torch.randn(2, 3, device="flagos")
+    torch.manual_seed(3)
+    b = torch.randn(2, 3)
+    assert a.device == dev
+    assert_close(a, b, atol=0, rtol=0)
+    assert torch.equal(torch.ones(2, device=dev).cpu(), torch.ones(2))
+    assert torch.equal(torch.arange(5, device=dev).cpu(), torch.arange(5))
+    assert torch.equal(torch.full((2, 2), 7.0, device=dev).cpu(), torch.full((2, 2), 7.0))
+    assert torch.tensor([1, 2], device=dev).device == dev
+    assert torch.zeros_like(a).device == dev
+    assert torch.empty(0, device=dev).numel() == 0
+
+
+def test_elementwise_and_reductions_match_cpu(dev):
+    x = torch.randn(4, 5)
+    y = torch.randn(4, 5)
+    fx, fy = x.to(dev), y.to(dev)
+    for fn in (torch.add, torch.mul, torch.maximum, torch.atan2):
+        assert_close(fn(fx, fy), fn(x, y))
+    assert_close(fx.softmax(-1), x.softmax(-1))
+    assert_close(fx.sum(0), x.sum(0))
+    assert_close(fx @ fy.t(), x @ y.t())
+    assert fx.sum().item() == pytest.approx(x.sum().item(), rel=1e-6)
+
+
+def test_print(dev):
+    text = repr(torch.tensor([1.0, 2.0], device=dev))
+    assert text.startswith("tensor([1., 2.]") and "device='flagos:0'" in text
+    assert "requires_grad=True" in repr(torch.ones(2, device=dev, requires_grad=True))
+    assert "grad_fn=<MulBackward0>" in str(torch.ones(2, device=dev, requires_grad=True) * 2)
+
+
+def test_views_alias_their_base(dev):
+    a = torch.arange(12.0, device=dev).view(3, 4)
+    row = a[1]
+    row.mul_(10)
+    assert a.cpu()[1].tolist() == [40.0, 50.0, 60.0, 70.0]
+    t = a.t()
+    assert t.stride() == (1, 4) and not t.is_contiguous()
+    t[0, 0] = -1
+    assert a.cpu()[0, 0].item() == -1
+    assert a.view(-1).cpu()[0].item() == -1
+    parts = a.split(1)
+    parts[2].zero_()
+    assert a.cpu()[2].sum().item() == 0
+
+
+def test_inplace_and_out(dev):
+    a = torch.ones(3, device=dev)
+    same = a.add_(2)
+    assert same is a and a.cpu().tolist() == [3.0, 3.0, 3.0]
+    out = torch.empty(3, device=dev)
+    res = torch.mul(a, 2, out=out)
+    assert res is out and out.cpu().tolist() == [6.0, 6.0, 6.0]
+    values, indices = torch.empty(0, device=dev), torch.empty(0, dtype=torch.long, device=dev)
+    torch.max(torch.tensor([[1.0, 5.0], [7.0, 2.0]], device=dev), 1, out=(values, indices))
+    assert values.cpu().tolist() == [5.0, 7.0] and indices.cpu().tolist() == [1, 0]
+
+
+def test_autograd_matches_cpu(dev):
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(5, 4)
+    fw = w.detach().to(dev).requires_grad_()
+    loss = torch.nn.functional.gelu(x @ w).pow(2).mean()
+    floss = torch.nn.functional.gelu(x.to(dev) @ fw).pow(2).mean()
+    loss.backward()
+    floss.backward()
+    assert fw.grad.device == dev
+    assert_close(fw.grad, w.grad)
+
+
+def test_module_and_optimizer_step(dev):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.LayerNorm(8),
+                              torch.nn.Linear(8, 2))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.LayerNorm(8),
+                                torch.nn.Linear(8, 2)).flagos()
+    assert all(p.device == dev and isinstance(p, torch.nn.Parameter) for p in model.parameters())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    x = torch.randn(6, 4)
+    for _ in range(3):
+        for m, opt, inp in ((ref, opts[0], x), (model, opts[1], x.to(dev))):
+            opt.zero_grad()
+            m(inp).pow(2).mean().backward()
+            opt.step()
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert_close(q, p, atol=1e-6)
+
+
+def test_save_and_load(dev, tmp_path):
+    a = torch.randn(3, 3, device=dev)
+    state = torch.nn.Linear(3, 2).to(dev).state_dict()
+    path = tmp_path / "t.pt"
+    torch.save({"a": a, "state": state}, path)
+    on_cpu = torch.load(path, map_location="cpu")
+    assert on_cpu["a"].device.type == "cpu" and torch.equal(on_cpu["a"], a.cpu())
+    back = torch.load(path)
+    assert back["a"].device == dev and torch.equal(back["a"].cpu(), a.cpu())
+    buf = io.BytesIO()
+    torch.save(a, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, map_location=dev).cpu(), a.cpu())
+
+
+def test_device_module(dev):
+    m = torch.flagos
+    assert m.is_available() and m.device_count() == 1 and m.current_device() == 0
+    m.set_device(0)
+    with m.device(0):
+        assert m.current_device() == 0
+    m.synchronize()
+    assert m.memory_allocated() >= 0 and m.max_memory_allocated() >= 0
+    assert m.memory_reserved() >= 0
+    m.reset_peak_memory_stats()
+    m.empty_cache()
+    free, total = m.mem_get_info()
+    assert 0 < free <= total
+    m.manual_seed(7)
+    a = torch.randn(3, device=dev)
+    state = m.get_rng_state()
+    b = torch.randn(3, device=dev)
+    m.set_rng_state(state)
+    assert torch.equal(torch.randn(3, device=dev).cpu(), b.cpu())
+    m.manual_seed_all(7)
+    assert torch.equal(torch.randn(3, device=dev).cpu(), a.cpu())
+    assert m.info()["chip"] == "cpu"
+    with pytest.raises(ValueError, match="does not exist"):
+        m.set_device(3)
+
+
+def test_accelerator_reports_flagos(dev):
+    if not hasattr(torch, "accelerator"):
+        pytest.skip("torch.accelerator needs PyTorch >= 2.6")
+    assert torch.accelerator.current_accelerator().type == "flagos"
+
+
+def test_public_api(dev):
+    info = flagos.activate("cpu")  # same chip again: no-op
+    assert info["chip"] == "cpu" and info["mode"] == "device" and info["device"] == "flagos:0"
+    assert flagos.device() == torch.device("flagos", 0) == flagos.device(0)
+    devices = flagos.list_devices()
+    cpu = [d for d in devices if d.chip == "cpu"]
+    assert cpu and cpu[0].available and cpu[0].total_memory > 0 and "float32" in cpu[0].native_dtypes
+    absent = [d for d in flagos.list_devices(include_unavailable=True) if not d.available]
+    assert all(d.chip != "cpu" for d in absent)
+    assert flagos.info()["torch_tested"] == "2.9 to 2.14"

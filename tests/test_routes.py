@@ -1,0 +1,175 @@
+"""Per-op routes, the CPU fallback and its report (device mode, cpu chip)."""
+import json
+import warnings
+
+import pytest
+import torch
+
+import flagos
+from conftest import assert_close, run_python
+
+
+def test_forced_fallback_matches_native(dev):
+    x, y = torch.randn(4, 5), torch.randn(5, 3)
+    flagos.set_route("aten::mm", "fallback")
+    assert flagos.route_of("aten::mm") == "fallback"
+    out = x.to(dev) @ y.to(dev)
+    assert out.device == dev
+    assert_close(out, x @ y)
+    row = flagos.fallback_report().op("aten::mm")
+    assert row["calls"]["fallback"] == 1 and row["calls"]["native"] == 0
+    assert row["bytes_to_host"] == x.nbytes + y.nbytes
+    assert row["bytes_to_device"] == 4 * 3 * 4
+    assert row["dtypes"] == ["torch.float32"]
+    assert row["site"].endswith("test_routes.py:16")
+    assert row["fallback_ns"] > 0
+
+
+def test_fallback_keeps_inplace_and_out_semantics(dev):
+    flagos.set_route("aten::add_", "fallback")
+    flagos.set_route("aten::mul", "fallback")  # mul.out included
+    a = torch.ones(2, 3, device=dev)
+    view = a[0]
+    same = view.add_(5)
+    assert same is view
+    assert a.cpu().tolist() == [[6.0, 6.0, 6.0], [1.0, 1.0, 1.0]]
+    out = torch.empty(2, 3, device=dev)
+    res = torch.mul(a, 2, out=out)
+    assert res is out and out.cpu()[0].tolist() == [12.0, 12.0, 12.0]
+    report = flagos.fallback_report()
+    assert set(report.fallback_ops) == {"aten::add_.Tensor", "aten::mul.out"}
+
+
+def test_fallback_through_autograd(dev):
+    flagos.set_route("aten::mm", "fallback")
+    w = torch.randn(3, 2, requires_grad=True)
+    fw = w.detach().to(dev).requires_grad_()
+    x = torch.randn(4, 3)
+    (x @ w).sum().backward()
+    (x.to(dev) @ fw).sum().backward()
+    assert_close(fw.grad, w.grad)
+    assert flagos.fallback_report().op("aten::mm")["calls"]["fallback"] >= 2  # forward + backward
+
+
+def test_views_never_fall_back(dev):
+    flagos.set_route("aten::view", "fallback")
+    a = torch.zeros(6, device=dev)
+    v = a.view(2, 3)
+    v.fill_(1.0)
+    assert a.cpu().sum().item() == 6.0
+    assert flagos.route_of("aten::view") == "native"
+
+
+def test_route_error_and_policy_error(dev):
+    a = torch.ones(2, device=dev)
+    flagos.set_route("aten::exp", "error")
+    with pytest.raises(flagos.FallbackError, match=r"aten::exp is routed to 'error'"):
+        a.exp()
+    flagos.set_route("aten::exp", "fallback")
+    flagos._C.set_fallback_policy(2)
+    try:
+        with pytest.raises(flagos.FallbackError, match=r"aten::exp would fall back.*FLAGOS_FALLBACK=error"):
+            a.exp()
+        assert a.cpu().tolist() == [1.0, 1.0]  # raised before running
+    finally:
+        flagos._C.set_fallback_policy(0)
+
+
+def test_warn_once_per_op(dev):
+    flagos.set_route("aten::sin", "fallback")
+    a = torch.ones(2, device=dev)
+    flagos._C.set_fallback_policy(1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a.sin()
+            a.sin()
+        msgs = [str(w.message) for w in caught if issubclass(w.category, flagos.FallbackWarning)]
+        assert len(msgs) == 1 and "aten::sin" in msgs[0]
+    finally:
+        flagos._C.set_fallback_policy(0)
+
+
+def test_override_kernel(dev):
+    calls = []
+
+    def my_relu(x):
+        calls.append(x.device.type)
+        return torch.clamp(x, min=0)
+
+    flagos.register_kernel("aten::relu", my_relu, chip="cpu")
+    try:
+        out = torch.tensor([-1.0, 2.0], device=dev).relu()
+        assert out.cpu().tolist() == [0.0, 2.0] and calls == ["cpu"]
+        assert flagos.route_of("aten::relu") == "override"
+        assert flagos.fallback_report().op("aten::relu")["calls"]["override"] == 1
+    finally:
+        flagos.unregister_kernel("aten::relu", chip="cpu")
+    assert flagos.route_of("aten::relu") == "native"
+
+
+def test_routes_and_bad_route():
+    flagos.set_route("aten::mm", "fallback")
+    assert flagos.routes()["aten::mm"] == "fallback"
+    with pytest.raises(flagos.ConfigError, match="use one of: auto, override, native, fallback, error"):
+        flagos.set_route("aten::mm", "gpu")
+    with pytest.raises(flagos.ConfigError, match="needs its namespace"):
+        flagos.set_route("mm", "native")
+
+
+def test_report_table_dict_json_save(dev, tmp_path):
+    flagos.set_route("aten::mm", "fallback")
+    a = torch.randn(3, 3, device=dev)
+    (a @ a + 1).sum()
+    report = flagos.fallback_report()
+    text = str(report)
+    lines = text.splitlines()
+    assert lines[1].split() == ["op", "route", "calls", "fallback", "ms", "MB", "to", "host", "MB",
+                                "from", "host", "first", "call", "site"]
+    assert any(line.startswith("aten::mm ") and " fallback " in line for line in lines)
+    assert "fallback: 1 ops, 1 calls" in lines[-1]
+    d = report.to_dict()
+    assert d["totals"]["calls_by_route"]["fallback"] == 1
+    assert 0 < d["totals"]["fallback_call_share"] < 1
+    assert json.loads(report.to_json())["ops"][0]["op"] == "aten::mm"
+    path = tmp_path / "r.json"
+    report.save(str(path))
+    assert json.loads(path.read_text())["totals"] == json.loads(report.to_json())["totals"]
+    flagos.reset_report()
+    assert flagos.fallback_report().calls() == 0
+
+
+def test_track_scopes_the_report(dev):
+    a = torch.ones(4, device=dev)
+    a * 2
+    with flagos.track() as r:
+        a + 1
+        a + 1
+    assert r.op("aten::add.Tensor")["calls"]["native"] == 2
+    assert r.op("aten::mul.Tensor") is None
+
+
+def test_report_written_at_exit(tmp_path):
+    path = tmp_path / "report.json"
+    run_python("""
+        import torch, flagos
+        flagos.activate("cpu")
+        a = torch.randn(8, 8, device="flagos")
+        (a @ a).sum().item()
+    """, env={"FLAGOS_REPORT": str(path), "FLAGOS_ROUTE": "aten::mm=fallback",
+              "FLAGOS_FALLBACK": "allow"})
+    data = json.loads(path.read_text())
+    mm = next(r for r in data["ops"] if r["op"] == "aten::mm")
+    assert mm["calls"]["fallback"] == 1 and mm["bytes_to_host"] == 2 * 8 * 8 * 4
+
+
+def test_unwritable_report_path_warns_and_keeps_the_run(tmp_path):
+    bad = tmp_path / "missing-dir" / "r.json"
+    proc = run_python("""
+        import torch, flagos
+        flagos.activate("cpu")
+        print("result", (torch.ones(2, device="flagos") * 3).sum().item())
+    """, env={"FLAGOS_REPORT": str(bad)})
+    assert proc.returncode == 0 and "result 6.0" in proc.stdout
+    assert "could not be written" in proc.stderr and "Point FLAGOS_REPORT" in proc.stderr
+    assert '"aten::mul.Tensor"' in proc.stderr  # the report itself went to stderr
