@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import sys
 import time
 import warnings
@@ -82,7 +83,7 @@ class Report:
             route = "/".join(k for k in _ROUTES if c[k])
             body.append((r["op"], route, str(sum(c.values())), f"{r['fallback_ns'] / 1e6:.2f}",
                          f"{r['bytes_to_host'] / 1e6:.3f}", f"{r['bytes_to_device'] / 1e6:.3f}",
-                         r["site"] or "-"))
+                         _short_site(r["site"])))
         widths = [max(len(x) for x in col) for col in zip(head, *body)] if body else [len(h) for h in head]
         numeric = {2, 3, 4, 5}
 
@@ -102,6 +103,23 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _short_site(site: str | None) -> str:
+    """Call sites for the table: relative to the working directory or to site-packages."""
+    if not site:
+        return "-"
+    path, _, line = site.rpartition(":")
+    marker = "site-packages" + os.sep
+    if marker in path:
+        path = path.split(marker, 1)[1]
+    else:
+        try:
+            rel = os.path.relpath(path)
+            path = rel if not rel.startswith("..") else path
+        except ValueError:
+            pass
+    return f"{path}:{line}"
 
 
 def _chip() -> str | None:

@@ -12,7 +12,7 @@ from . import _C, _env, _routes, _schema, chips
 from .chips.base import DeviceInfo, TorchChip
 from .errors import ChipNotFoundError, ConfigError, DeviceMismatchError, FallbackError, FallbackWarning
 
-__version__ = "0.1.0"
+from . import __version__
 TESTED_TORCH = ("2.9", "2.14")
 MODES = ("device", "native")
 _POLICIES = {"allow": 0, "warn": 1, "error": 2}

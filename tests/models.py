@@ -24,13 +24,22 @@ def run_ddpm(pipe, steps: int = 4, seed: int = 0):
     return pipe(batch_size=1, generator=generator, num_inference_steps=steps, output_type="np").images
 
 
-def bert(seed: int = 0):
+BERT_SIZES = {
+    # the test model: small enough for every test, dominated by per-op dispatch cost
+    "tiny": dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=64, max_position_embeddings=64),
+    # BERT-base's layer shape (hidden 768, 12 heads, 3072 FFN) with 4 layers, for benchmarks
+    "base": dict(vocab_size=128, hidden_size=768, num_hidden_layers=4, num_attention_heads=12,
+                 intermediate_size=3072, max_position_embeddings=512),
+}
+
+
+def bert(seed: int = 0, size: str = "tiny"):
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=3,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertConfig(**BERT_SIZES[size], num_labels=3, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
     return BertForSequenceClassification(config).eval()
 
 

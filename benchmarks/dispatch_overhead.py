@@ -1,0 +1,59 @@
+"""Per-op dispatch overhead: median µs per op, native vs flagos, in one run.
+
+    python benchmarks/dispatch_overhead.py [--chip cpu] [--mode device|native] [--number 2000] [--repeat 7]
+
+Small tensors, so the figure is the cost of routing an op, not of computing it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import flagos  # noqa: E402
+from _timing import machine, median_us  # noqa: E402
+
+OPS = {
+    "add": lambda a, b: a + b,
+    "mul": lambda a, b: a * b,
+    "relu": lambda a, b: torch.relu(a),
+    "view": lambda a, b: a.view(-1),
+    "mm": lambda a, b: a @ b,
+    "sum": lambda a, b: a.sum(),
+    "softmax": lambda a, b: torch.softmax(a, -1),
+    "layer_norm": lambda a, b: torch.nn.functional.layer_norm(a, (8,)),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chip", default="cpu")
+    p.add_argument("--mode", default=None, choices=("device", "native"))
+    p.add_argument("--number", type=int, default=2000)
+    p.add_argument("--repeat", type=int, default=7)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    base = torch.randn(8, 8), torch.randn(8, 8)
+    native = {name: median_us(lambda f=f: f(*base), args.number, args.repeat) for name, f in OPS.items()}
+    info = flagos.activate(args.chip, mode=args.mode)
+    os.environ["FLAGOS_FALLBACK"] = "allow"
+    dev = flagos.device()
+    on_chip = tuple(t.to(dev) for t in base)
+    routed = {name: median_us(lambda f=f: f(*on_chip), args.number, args.repeat) for name, f in OPS.items()}
+
+    print(f"machine: {machine()}")
+    print(f"chip {info['chip']}, {info['mode']} mode; 8x8 float32; median of {args.repeat} x {args.number} calls")
+    print(f"{'op':<12}{'native µs':>11}{'flagos µs':>11}{'overhead µs':>13}{'ratio':>8}")
+    for name in OPS:
+        n, f = native[name], routed[name]
+        print(f"{name:<12}{n:>11.2f}{f:>11.2f}{f - n:>13.2f}{f / n:>8.2f}")
+    over = sorted(routed[k] - native[k] for k in OPS)
+    print(f"median overhead per op: {over[len(over) // 2]:.2f} µs")
+
+
+if __name__ == "__main__":
+    main()

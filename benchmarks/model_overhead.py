@@ -1,0 +1,82 @@
+"""Whole-model overhead: flagos / native time ratio for a BERT-style forward and a UNet step.
+
+    python benchmarks/model_overhead.py [--chip cpu] [--mode device|native] [--repeat 7]
+
+Both models are built from small configs with seeded random weights; native and flagos run in
+the same process, alternating, and the figures are medians.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+import flagos  # noqa: E402
+import models  # noqa: E402
+from _timing import machine  # noqa: E402
+
+
+def timed(fn, number: int) -> float:
+    start = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - start) / number * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chip", default="cpu")
+    p.add_argument("--mode", default=None, choices=("device", "native"))
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--number", type=int, default=5)
+    args = p.parse_args()
+
+    os.environ.setdefault("FLAGOS_FALLBACK", "allow")
+    info = flagos.activate(args.chip, mode=args.mode)
+    dev = flagos.device()
+    native_dev = torch.device("cpu") if info["mode"] == "device" else None
+
+    bert_n, bert_f = models.bert(), models.bert().to(dev)
+    ids, mask, _ = models.bert_batch(batch=4, seq=32)
+    base_n, base_f = models.bert(size="base"), models.bert(size="base").to(dev)
+    base_ids, base_mask, _ = models.bert_batch(batch=2, seq=128)
+    unet_n = models.ddpm_pipeline().unet.eval()
+    unet_f = models.ddpm_pipeline().unet.eval().to(dev)
+    sample = torch.randn(1, 3, 16, 16)
+    t = torch.tensor([10])
+
+    cases = {
+        "bert-tiny fwd": (lambda: bert_n(input_ids=ids, attention_mask=mask),
+                          lambda: bert_f(input_ids=ids.to(dev), attention_mask=mask.to(dev))),
+        "bert-base fwd": (lambda: base_n(input_ids=base_ids, attention_mask=base_mask),
+                          lambda: base_f(input_ids=base_ids.to(dev), attention_mask=base_mask.to(dev))),
+        "unet step": (lambda: unet_n(sample, t), lambda: unet_f(sample.to(dev), t.to(dev))),
+    }
+    if native_dev is None:  # native mode: the "native" side runs with flagos off
+        print("note: native mode times flagos against itself deactivated")
+    print(f"machine: {machine()}")
+    print(f"chip {info['chip']}, {info['mode']} mode; median of {args.repeat} runs of {args.number} calls")
+    print("bert-tiny: hidden 32, 2 layers, batch 4 x 32 tokens; bert-base: BERT-base layers "
+          "(hidden 768, 12 heads, FFN 3072), 4 of them, batch 2 x 128 tokens; unet: the DDPM "
+          "test UNet, 16x16")
+    print(f"{'model':<14}{'native ms':>11}{'flagos ms':>11}{'ratio':>8}")
+    with torch.no_grad():
+        for name, (native, routed) in cases.items():
+            native(), routed()
+            ns, fs = [], []
+            for _ in range(args.repeat):
+                ns.append(timed(native, args.number))
+                fs.append(timed(routed, args.number))
+            n, f = statistics.median(ns), statistics.median(fs)
+            print(f"{name:<14}{n:>11.2f}{f:>11.2f}{f / n:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The torch.backends entry point: FLAGOS_DEVICE activates flagos at `import torch`."""
+from conftest import run_python
+
+
+def test_autoload_with_flagos_device():
+    proc = run_python("""
+        import torch
+        print(torch.ones(2, device='flagos') + 1)
+        print("FLAGOS" if "flagos" in __import__("sys").modules else "NO")
+    """, env={"FLAGOS_DEVICE": "cpu"})
+    assert "tensor([2., 2.], device='flagos:0')" in proc.stdout
+
+
+def test_autoload_alias_variable():
+    proc = run_python("""
+        import torch
+        print(torch.zeros(1, device='flagos').device)
+    """, env={"FLAGOS_DEVICE_BACKEND": "auto"})
+    assert "flagos:0" in proc.stdout
+
+
+def test_without_flagos_device_autoload_changes_nothing():
+    proc = run_python("""
+        import torch
+        print(torch._C._get_privateuse1_backend_name(), hasattr(torch, "flagos"))
+        import flagos
+        print(torch._C._get_privateuse1_backend_name(), hasattr(torch, "flagos"))
+    """)
+    assert proc.stdout.split() == ["privateuseone", "False", "privateuseone", "False"]
+
+
+def test_bad_flagos_device_fails_import_torch_clearly():
+    proc = run_python("import torch", env={"FLAGOS_DEVICE": "tpu"}, check=False)
+    assert proc.returncode != 0
+    assert "unknown chip 'tpu'" in proc.stderr

@@ -1,0 +1,96 @@
+"""Bad input gets a clear error that names the fix, and loses nothing."""
+import pytest
+import torch
+
+import flagos
+from conftest import run_python
+
+
+def test_mixed_devices_name_the_argument(dev):
+    a = torch.ones(3, device=dev)
+    with pytest.raises(flagos.DeviceMismatchError,
+                       match=r"aten::add\.Tensor: argument 'other' is a tensor on cpu.*\.to\(flagos\.device\(\)\)"):
+        a + torch.ones(3)
+    with pytest.raises(flagos.DeviceMismatchError, match=r"argument 'tensors'"):
+        torch.cat([a, torch.ones(3)])
+    assert isinstance(flagos.DeviceMismatchError("x"), RuntimeError)
+
+
+def test_zero_dim_cpu_tensors_mix_like_pytorch(dev):
+    a = torch.ones(3, device=dev)
+    out = a * torch.tensor(2.0)
+    assert out.device == dev and out.cpu().tolist() == [2.0, 2.0, 2.0]
+    dst = torch.zeros(3, device=dev)
+    dst.copy_(torch.arange(3.0))  # copies cross devices
+    assert dst.cpu().tolist() == [0.0, 1.0, 2.0]
+
+
+def test_unknown_chip_lists_the_choices():
+    with pytest.raises(flagos.ChipNotFoundError, match=r"unknown chip 'tpu'; known chips: npu, mlu, musa, cuda, xpu, mps, cpu"):
+        flagos.activate("tpu")
+
+
+def test_absent_chip_says_what_is_available():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(flagos.ChipNotFoundError, match=r"chip 'cuda' is not available.*available here: cpu"):
+        flagos.activate("cuda")
+
+
+def test_switching_chip_in_device_mode_is_refused():
+    if not torch.cuda.is_available():
+        with pytest.raises(flagos.ChipNotFoundError):
+            flagos.activate("cuda")
+    with pytest.raises(flagos.ConfigError, match="cannot be deactivated"):
+        flagos.deactivate()
+    assert flagos.info()["chip"] == "cpu"  # nothing was lost
+
+
+def test_nonexistent_device_index(dev):
+    with pytest.raises(RuntimeError, match=r"flagos:3 does not exist"):
+        torch.ones(2, device="flagos:3")
+    with pytest.raises(ValueError, match=r"flagos:2 does not exist"):
+        flagos.device(2)
+
+
+@pytest.mark.parametrize("var,value,expected", [
+    ("FLAGOS_FALLBACK", "maybe", r"FLAGOS_FALLBACK='maybe' is not valid; use one of: allow, warn, error"),
+    ("FLAGOS_ROUTE", "aten::mm:fallback", r"FLAGOS_ROUTE entry 'aten::mm:fallback' is not 'op=route'"),
+    ("FLAGOS_ROUTE", "aten::mm=gpu", r"route 'gpu' is not valid; use one of: auto, override"),
+    ("FLAGOS_LOG_LEVEL", "loud", r"FLAGOS_LOG_LEVEL='loud' is not valid; use one of: debug, info"),
+    ("FLAGOS_MODE", "both", r"FLAGOS_MODE='both' is not valid; use one of: device, native"),
+    ("FLAGOS_DEVICE", "tpu", r"unknown chip 'tpu'; known chips:"),
+])
+def test_bad_environment_values(var, value, expected):
+    proc = run_python("""
+        import re, sys, torch, flagos
+        try:
+            flagos.activate(None)
+        except flagos.ConfigError as e:
+            print("ERR", e)
+            # nothing changed in torch: PrivateUse1 is still free
+            assert torch._C._get_privateuse1_backend_name() == "privateuseone"
+            sys.exit(0)
+        sys.exit("no error raised")
+    """, env={var: value, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    import re
+    assert re.search(expected, proc.stdout), proc.stdout
+
+
+def test_slot_taken_by_another_plugin():
+    proc = run_python("""
+        import torch, flagos
+        torch.utils.rename_privateuse1_backend("npu")
+        try:
+            flagos.activate("cpu", mode="device")
+        except flagos.ConfigError as e:
+            print("ERR", e)
+    """)
+    assert "already taken by 'npu'" in proc.stdout and "mode='native'" in proc.stdout
+
+
+def test_wrapped_tensor_without_payload():
+    t = torch.Tensor._make_wrapper_subclass(flagos.FlagosTensor, (2,), dtype=torch.float32,
+                                            device=flagos.device())
+    with pytest.raises(RuntimeError, match="has no payload"):
+        t + 1
