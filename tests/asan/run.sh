@@ -6,8 +6,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cp -r "$root"/setup.py "$root"/pyproject.toml "$root"/README.md "$root"/csrc "$root"/flagos \
-      "$root"/backends "$root"/tests "$root"/docs "$work"/
+for item in setup.py pyproject.toml README.md csrc flagos backends tests docs; do
+    [ -e "$root/$item" ] && cp -r "$root/$item" "$work"/
+done
 find "$work" -name '*.so' -delete
 cd "$work"
 FLAGOS_SANITIZE=address python setup.py -q build_ext --inplace 2>&1 | grep -v -i deprecat || true
