@@ -3,6 +3,7 @@ import os
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 WARNINGS = ["-Wall", "-Wextra", "-Werror"]
 
@@ -39,10 +40,34 @@ san_compile, san_link = sanitizer_flags()
 
 core = Extension(
     "flagos._C",
-    sources=["csrc/module.c", "csrc/router.c", "csrc/fallback.c", "csrc/callsite.c"],
+    sources=["csrc/module.c", "csrc/router.c", "csrc/fallback.c", "csrc/callsite.c",
+             "csrc/adapter.c"],
     include_dirs=["csrc", "csrc/include"] + [d for d in [find_uthash()] if d != "/usr/include"],
     extra_compile_args=["-std=c11", *WARNINGS, *san_compile],
     extra_link_args=san_link,
 )
 
-setup(ext_modules=[core])
+# Chip adapters are plain shared libraries loaded with dlopen, not Python modules: they are
+# built like extensions but named libflagos_<chip>_adapter.so inside flagos/adapters/.
+sim = Extension(
+    "flagos.adapters.libflagos_sim_adapter",
+    sources=["backends/sim/sim.c", "backends/sim/kernels.c"],
+    include_dirs=["csrc/include", "backends/sim"] + [d for d in [find_uthash()] if d != "/usr/include"],
+    extra_compile_args=["-std=c11", *WARNINGS, *san_compile],
+    extra_link_args=["-lpthread", "-lm", *san_link],
+)
+
+class BuildExt(build_ext):
+    def get_ext_filename(self, fullname):
+        # Called with full and with last-component names; adapters keep their plain .so name.
+        if fullname.rsplit(".", 1)[-1].startswith("libflagos_"):
+            return os.path.join(*fullname.split(".")) + ".so"
+        return super().get_ext_filename(fullname)
+
+    def get_export_symbols(self, ext):
+        if ext.name.rsplit(".", 1)[-1].startswith("libflagos_"):
+            return ["flagos_adapter_get"]
+        return super().get_export_symbols(ext)
+
+
+setup(ext_modules=[core, sim], cmdclass={"build_ext": BuildExt})

@@ -39,12 +39,9 @@ static int add_bytes(PyObject *t, uint64_t *counter)
     return 0;
 }
 
-static int note_dtype(copy_ctx *c, PyObject *t)
+/* Record that the op's fallback saw this dtype (a torch.dtype object). */
+void flagos_note_dtype(flagos_state *st, op_entry *e, PyObject *dtype)
 {
-    flagos_state *st = c->st;
-    PyObject *dtype = PyObject_GetAttr(t, fl_names.dtype);
-    if (dtype == NULL)
-        return -1;
     int i;
     for (i = 0; i < st->n_dtypes; i++)
         if (st->dtypes[i] == dtype)
@@ -52,7 +49,15 @@ static int note_dtype(copy_ctx *c, PyObject *t)
     if (i == st->n_dtypes && i < MAX_DTYPES)
         st->dtypes[st->n_dtypes++] = Py_NewRef(dtype);
     if (i < MAX_DTYPES)
-        c->e->dtype_mask |= (uint64_t)1 << i;
+        e->dtype_mask |= (uint64_t)1 << i;
+}
+
+static int note_dtype(copy_ctx *c, PyObject *t)
+{
+    PyObject *dtype = PyObject_GetAttr(t, fl_names.dtype);
+    if (dtype == NULL)
+        return -1;
+    flagos_note_dtype(c->st, c->e, dtype);
     Py_DECREF(dtype);
     return 0;
 }
@@ -124,7 +129,18 @@ static int write_back(copy_ctx *c, PyObject *orig, PyObject *host)
         if (payload == NULL)
             return -1;
         PyObject *r = NULL;
-        if (add_bytes(host, &c->e->bytes_to_device) == 0)
+        /* out= may have resized the host copy: give the payload the same shape first. */
+        PyObject *hshape = PyObject_GetAttr(host, fl_names.shape);
+        PyObject *pshape = hshape ? PyObject_GetAttr(payload, fl_names.shape) : NULL;
+        int same = pshape ? PyObject_RichCompareBool(hshape, pshape, Py_EQ) : -1;
+        if (same == 0) {
+            PyObject *rs = PyObject_CallMethod(payload, "resize_", "O", hshape);
+            same = rs ? 1 : -1;
+            Py_XDECREF(rs);
+        }
+        Py_XDECREF(hshape);
+        Py_XDECREF(pshape);
+        if (same == 1 && add_bytes(host, &c->e->bytes_to_device) == 0)
             r = PyObject_CallFunctionObjArgs(st->copy_, payload, host, NULL);
         Py_DECREF(payload);
         Py_XDECREF(r);
@@ -265,6 +281,9 @@ PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyO
     } else {
         res = results_to_chip(&c, out, target);
     }
+    if (res != NULL && PyTuple_GET_SIZE(e->write_args) > 0 && st->device_mode &&
+        flagos_sync_written(st, e, args, kwargs) < 0)
+        Py_CLEAR(res);
     if (res != NULL && PyTuple_GET_SIZE(e->write_args) > 0)
         res = flagos_alias_outputs(e, args, kwargs, res);
 done:

@@ -5,6 +5,7 @@
  * state gives it one owner and one cleanup path.
  */
 #include "router.h"
+#include "adapter.h"
 
 flagos_state *flagos_get_state(PyObject *module)
 {
@@ -28,6 +29,8 @@ static void state_clear_config(flagos_state *st)
     Py_CLEAR(st->fallback_error);
     Py_CLEAR(st->device_mismatch);
     Py_CLEAR(st->skip_prefixes);
+    Py_CLEAR(st->adapter_dispatch);
+    Py_CLEAR(st->set_metadata);
     st->configured = 0;
 }
 
@@ -95,15 +98,21 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
                              "device_type", "wrapper_type", "make_wrapper", "to_copy",
                              "copy_", "host_device", "chip_devices", "flagos_devices",
                              "describe", "resolve", "fallback_warning", "fallback_error",
-                             "device_mismatch", "skip_prefixes", NULL};
+                             "device_mismatch", "skip_prefixes", "set_metadata", "adapter_dispatch", NULL};
     int device_mode, chip_is_host;
-    PyObject *o[15];
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$ppOOOOOOOO!O!OOOOOO!", kwlist,
+    PyObject *o[15] = {NULL}, *set_metadata = NULL, *adapter_dispatch = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$ppOOOOOOOO!O!OOOOOO!OO", kwlist,
                                      &device_mode, &chip_is_host, &o[0], &o[1], &o[2],
                                      &o[3], &o[4], &o[5], &o[6], &PyTuple_Type, &o[7],
                                      &PyTuple_Type, &o[8], &o[9], &o[10], &o[11], &o[12],
-                                     &o[13], &PyTuple_Type, &o[14]))
+                                     &o[13], &PyTuple_Type, &o[14], &set_metadata, &adapter_dispatch))
         return NULL;
+    for (int i = 0; i < 15; i++) {
+        if (o[i] == NULL || set_metadata == NULL) {
+            PyErr_Format(PyExc_TypeError, "configure() needs every keyword but adapter_dispatch");
+            return NULL;
+        }
+    }
     flagos_state *st = flagos_get_state(module);
     flagos_table_clear(st);
     state_clear_config(st);
@@ -114,6 +123,9 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
                             &st->fallback_error,  &st->device_mismatch, &st->skip_prefixes};
     for (int i = 0; i < 15; i++)
         *slots[i] = Py_NewRef(o[i]);
+    st->set_metadata = Py_NewRef(set_metadata);
+    if (adapter_dispatch != Py_None)
+        st->adapter_dispatch = Py_NewRef(adapter_dispatch);
     st->device_mode = device_mode;
     st->chip_is_host = chip_is_host;
     st->configured = 1;
@@ -187,6 +199,10 @@ static PyMethodDef fl_methods[] = {
     {"table", fl_table, METH_NOARGS, "One dict per op seen: route, counters, call site."},
     {"reset_counters", fl_reset_counters, METH_NOARGS, "Zero every op's counters."},
     {"table_size", fl_table_size, METH_NOARGS, "Number of ops in the dispatch table."},
+    {"load_adapter", flagos_load_adapter, METH_O,
+     "load_adapter(path) -> Adapter: dlopen a chip adapter and check its ABI."},
+    {"set_error_types", flagos_set_error_types, METH_VARARGS,
+     "set_error_types(adapter_error, out_of_memory, device_error): what adapter failures raise."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -216,6 +232,7 @@ static int fl_clear(PyObject *module)
     for (int i = 0; i < st->n_dtypes; i++)
         Py_CLEAR(st->dtypes[i]);
     st->n_dtypes = 0;
+    flagos_adapter_types_clear();
     return 0;
 }
 
@@ -264,6 +281,10 @@ static int fl_exec(PyObject *module)
         PyModule_AddIntConstant(module, "OP_VIEW", OP_VIEW) < 0 ||
         PyModule_AddIntConstant(module, "OP_CROSS_DEVICE", OP_CROSS_DEVICE) < 0 ||
         PyModule_AddIntConstant(module, "OP_DEVICE_ARG", OP_DEVICE_ARG) < 0)
+        return -1;
+    if (flagos_adapter_types_ready(module) < 0)
+        return -1;
+    if (PyModule_AddIntConstant(module, "WRAPPER_STORAGE_BYTES", (long)WRAPPER_STORAGE_BYTES) < 0)
         return -1;
     return 0;
 }

@@ -390,15 +390,17 @@ static PyObject *wrap_tensor(flagos_state *st, PyObject *t, int target)
     dtype = PyObject_GetAttr(t, fl_names.dtype);
     if (dtype == NULL)
         goto done;
-    /* _make_wrapper_subclass(cls, size, *, strides, storage_offset, dtype, device) */
-    static PyObject *kwnames = NULL;
+    /* _make_wrapper_subclass(cls, size, *, strides, storage_offset, dtype, device, storage_size) */
+    static PyObject *kwnames = NULL, *storage_size = NULL;
     if (kwnames == NULL) {
-        kwnames = Py_BuildValue("(ssss)", "strides", "storage_offset", "dtype", "device");
-        if (kwnames == NULL)
+        kwnames = Py_BuildValue("(sssss)", "strides", "storage_offset", "dtype", "device",
+                                "storage_size");
+        storage_size = PyLong_FromLongLong(WRAPPER_STORAGE_BYTES);
+        if (kwnames == NULL || storage_size == NULL)
             goto done;
     }
-    PyObject *argv[6] = {st->wrapper_type, shape, stride, offset, dtype,
-                         PyTuple_GET_ITEM(st->flagos_devices, index)};
+    PyObject *argv[7] = {st->wrapper_type, shape, stride, offset, dtype,
+                         PyTuple_GET_ITEM(st->flagos_devices, index), storage_size};
     w = PyObject_Vectorcall(st->make_wrapper, argv, 2, kwnames);
     if (w == NULL)
         goto done;
@@ -451,6 +453,76 @@ PyObject *flagos_wrap_outputs(flagos_state *st, op_entry *e, PyObject *out, PyOb
     return w;
 }
 
+/* An op that wrote a flagos tensor may have changed its payload's view (out= resizes,
+ * unsqueeze_, t_, as_strided_): make the wrapper say the same. */
+static int sync_one(flagos_state *st, PyObject *w)
+{
+    if (!PyObject_TypeCheck(w, (PyTypeObject *)st->wrapper_type))
+        return 0;
+    PyObject *p = flagos_payload(st, w);
+    if (p == NULL)
+        return -1;
+    int rc = -1, same = 0;
+    PyObject *ws = NULL, *ps = NULL, *wst = NULL, *pst = NULL, *po = NULL, *wo = NULL;
+    if (!PyObject_TypeCheck(p, (PyTypeObject *)st->tensor_type)) {
+        rc = 0; /* adapter buffers: the adapter runner keeps wrappers in sync itself */
+        goto done;
+    }
+    if ((ws = PyObject_GetAttr(w, fl_names.shape)) == NULL ||
+        (ps = PyObject_GetAttr(p, fl_names.shape)) == NULL ||
+        (wst = PyObject_CallMethodNoArgs(w, fl_names.stride)) == NULL ||
+        (pst = PyObject_CallMethodNoArgs(p, fl_names.stride)) == NULL ||
+        (wo = PyObject_CallMethodNoArgs(w, fl_names.storage_offset)) == NULL ||
+        (po = PyObject_CallMethodNoArgs(p, fl_names.storage_offset)) == NULL)
+        goto done;
+    same = PyObject_RichCompareBool(ws, ps, Py_EQ);
+    if (same == 1)
+        same = PyObject_RichCompareBool(wst, pst, Py_EQ);
+    if (same == 1)
+        same = PyObject_RichCompareBool(wo, po, Py_EQ);
+    if (same < 0)
+        goto done;
+    if (!same) {
+        PyObject *r = PyObject_CallFunctionObjArgs(st->set_metadata, w, ps, pst, po, NULL);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    rc = 0;
+done:
+    Py_DECREF(p);
+    Py_XDECREF(ws);
+    Py_XDECREF(ps);
+    Py_XDECREF(wst);
+    Py_XDECREF(pst);
+    Py_XDECREF(wo);
+    Py_XDECREF(po);
+    return rc;
+}
+
+static PyObject *argument_value(op_entry *e, PyObject *args, PyObject *kwargs, Py_ssize_t i);
+
+int flagos_sync_written(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs)
+{
+    for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(e->write_args); w++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(e->write_args, w));
+        PyObject *v = argument_value(e, args, kwargs, i);
+        if (v == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            continue;
+        }
+        if (PyList_Check(v) || PyTuple_Check(v)) {
+            for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(v); k++)
+                if (sync_one(st, PySequence_Fast_ITEMS(v)[k]) < 0)
+                    return -1;
+        } else if (sync_one(st, v) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* In-place and out= ops return the tensor they wrote: hand back the caller's own object,
  * so identity (and autograd's view/version bookkeeping on it) is kept. */
 static PyObject *alias_outputs(op_entry *e, PyObject *args, PyObject *kwargs, PyObject *out);
@@ -493,6 +565,66 @@ static int check_policy(flagos_state *st, op_entry *e)
     return 0;
 }
 
+static int check_policy(flagos_state *st, op_entry *e);
+
+static int note_fallback(flagos_state *st, op_entry *e)
+{
+    if (!(e->flags & OP_FALLBACK_SITE)) {
+        /* The report's call site of a fallback op is where it first fell back. */
+        PyObject *site = flagos_user_call_site(st);
+        if (site == NULL)
+            return -1;
+        Py_XSETREF(e->site, site);
+        e->flags |= OP_FALLBACK_SITE;
+    }
+    return 0;
+}
+
+/* C-ABI chips: the payload is an adapter buffer, and the Python runner (flagos/_adapter_ops.py)
+ * marshals the op for the adapter's kernel or the host round trip. It returns
+ * (result, route taken, bytes to host, bytes to device, fallback ns, dtypes); the table,
+ * the counters and the warnings stay here. */
+static PyObject *route_adapter(flagos_state *st, op_entry *e, PyObject *func, PyObject *args,
+                               PyObject *kwargs, int route, int from_factory)
+{
+    PyObject *uargs = NULL, *ukwargs = NULL;
+    if (!from_factory) {
+        if (unwrap_call(st, e, args, kwargs, 1, &uargs, &ukwargs) < 0)
+            return NULL;
+        Py_DECREF(uargs);
+        Py_XDECREF(ukwargs);
+    }
+    PyObject *res = PyObject_CallFunction(st->adapter_dispatch, "OOiiIOO", func, e->name, route,
+                                          st->fallback_policy, e->flags, args,
+                                          kwargs ? kwargs : Py_None);
+    if (res == NULL)
+        return NULL;
+    PyObject *out, *dtypes;
+    int taken;
+    unsigned long long to_host, to_device, ns;
+    if (!PyArg_ParseTuple(res, "OiKKKO", &out, &taken, &to_host, &to_device, &ns, &dtypes) ||
+        taken < 0 || taken >= N_ROUTES) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "adapter runner returned a bad route");
+        Py_DECREF(res);
+        return NULL;
+    }
+    Py_INCREF(out);
+    e->calls[taken]++;
+    e->bytes_to_host += to_host;
+    e->bytes_to_device += to_device;
+    e->fallback_ns += ns;
+    if (taken == ROUTE_FALLBACK) {
+        Py_ssize_t n = PyTuple_Check(dtypes) ? PyTuple_GET_SIZE(dtypes) : 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            flagos_note_dtype(st, e, PyTuple_GET_ITEM(dtypes, i));
+        if (note_fallback(st, e) < 0 || (st->fallback_policy == 1 && check_policy(st, e) < 0))
+            Py_CLEAR(out);
+    }
+    Py_DECREF(res);
+    return out;
+}
+
 PyObject *flagos_route_call(flagos_state *st, PyObject *func, PyObject *args, PyObject *kwargs,
                             int from_factory)
 {
@@ -517,6 +649,8 @@ PyObject *flagos_route_call(flagos_state *st, PyObject *func, PyObject *args, Py
         raise_route_error(st, e);
         return NULL;
     }
+    if (st->adapter_dispatch != NULL)
+        return route_adapter(st, e, func, args, kwargs, route, from_factory);
     if (route == ROUTE_FALLBACK)
         goto fallback;
 
@@ -552,6 +686,10 @@ PyObject *flagos_route_call(flagos_state *st, PyObject *func, PyObject *args, Py
     if (out == NULL)
         goto not_implemented;
     e->calls[route]++;
+    if (PyTuple_GET_SIZE(e->write_args) > 0 && flagos_sync_written(st, e, args, kwargs) < 0) {
+        Py_DECREF(out);
+        goto error;
+    }
     if (PyTuple_GET_SIZE(e->write_args) > 0 && PyTuple_GET_SIZE(e->return_alias) > 0)
         out = alias_outputs(e, args, kwargs, out);
     out = flagos_wrap_outputs(st, e, out, target);
@@ -586,14 +724,8 @@ fallback:
         if (target == NULL)
             goto error;
     }
-    if (!(e->flags & OP_FALLBACK_SITE)) {
-        /* The report's call site of a fallback op is where it first fell back. */
-        PyObject *site = flagos_user_call_site(st);
-        if (site == NULL)
-            goto error;
-        Py_XSETREF(e->site, site);
-        e->flags |= OP_FALLBACK_SITE;
-    }
+    if (note_fallback(st, e) < 0)
+        goto error;
     out = flagos_run_fallback(st, e, args, kwargs, target);
     if (out != NULL)
         e->calls[ROUTE_FALLBACK]++;

@@ -50,6 +50,10 @@ typedef struct op_entry {
     UT_hash_handle hh;
 } op_entry;
 
+/* Wrappers own no memory; their nominal storage is this large so that their metadata can be
+ * updated in place (out= resizes, in-place view ops) without a bounds error. */
+#define WRAPPER_STORAGE_BYTES ((long long)1 << 62)
+
 #define MAX_DTYPES 64
 #define MAX_DEVICES 64
 
@@ -75,6 +79,8 @@ typedef struct flagos_state {
     PyObject *fallback_error;  /* exception type for policy "error" */
     PyObject *device_mismatch; /* exception type for mixed devices */
     PyObject *skip_prefixes;   /* tuple of path prefixes that are not user code */
+    PyObject *adapter_dispatch;/* C-ABI chips: Python runner of one op, or NULL */
+    PyObject *set_metadata;    /* (wrapper, size, stride, offset): resync a wrapper's view */
     PyObject *dtypes[MAX_DTYPES]; /* registry for dtype_mask (strong refs) */
     int n_dtypes;
 } flagos_state;
@@ -101,9 +107,13 @@ PyObject *flagos_payload(flagos_state *st, PyObject *obj);
 PyObject *flagos_wrap_outputs(flagos_state *st, op_entry *e, PyObject *out, PyObject *target);
 PyObject *flagos_find_target(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs);
 
+int flagos_sync_written(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs);
+
 /* fallback.c: run the op on the host, copying chip tensors there and back. */
 PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs,
                               PyObject *target);
+
+void flagos_note_dtype(flagos_state *st, op_entry *e, PyObject *dtype);
 
 /* callsite.c: first frame outside torch and flagos, as "file:line". */
 PyObject *flagos_user_call_site(flagos_state *st);

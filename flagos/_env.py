@@ -28,6 +28,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLAGOS_MODE", "", "device (flagos owns PrivateUse1) or native (the chip keeps its own "
            "device type); unset: native for chips whose plugin owns PrivateUse1, device otherwise",
            ("device", "native")),
+    EnvVar("FLAGOS_ADAPTER_PATH", "", "folders (os.pathsep-separated) searched for chip adapter "
+           "libraries `libflagos_<chip>_adapter.so` before the package's own"),
     EnvVar("FLAGOS_FALLBACK", "warn", "what a CPU fallback does: allow (silently), warn (once per "
            "op) or error (raise before running the op)", ("allow", "warn", "error")),
     EnvVar("FLAGOS_ROUTE", "", "forced routes, comma-separated `op=route` pairs, e.g. "

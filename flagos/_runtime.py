@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _C, _env, _routes, _schema, chips
+from .chips.adapter import AdapterChip
 from .chips.base import DeviceInfo, TorchChip
 from .errors import ChipNotFoundError, ConfigError, DeviceMismatchError, FallbackError, FallbackWarning
 
@@ -67,22 +68,26 @@ def set_current(index: int) -> None:
 # ---- choosing the chip ---------------------------------------------------
 
 def _available_chips() -> list[str]:
-    return [name for name in chips.AUTO_ORDER if chips.profile(name).detect()]
+    return [name for name in chips.known() if chips.profile(name).detect()]
 
 
 def _pick_chip(device: str) -> TorchChip:
     name = device.strip().lower()
     if name in ("", "auto"):
-        for candidate in chips.AUTO_ORDER:
+        for candidate in chips.auto_order():
             profile = chips.profile(candidate)
             if profile.detect():
                 return profile
         raise ChipNotFoundError("no chip found (not even cpu)")  # unreachable: cpu is always there
-    if name not in chips.KNOWN:
+    if name not in chips.known():
         raise ChipNotFoundError(
-            f"unknown chip {device!r}; known chips: {', '.join(chips.KNOWN)} "
+            f"unknown chip {device!r}; known chips: {', '.join(chips.known())} "
             f"(available here: {', '.join(_available_chips())}), or 'auto'")
     profile = chips.profile(name)
+    if isinstance(profile, AdapterChip):
+        if profile.adapter.device_count() < 1:  # a broken library raises AdapterError here
+            raise ChipNotFoundError(f"chip {name!r}: its adapter reports no devices")
+        return profile
     if not profile.detect():
         how = f"its plugin {profile.plugin} is not importable or " if profile.plugin else ""
         raise ChipNotFoundError(
@@ -118,6 +123,15 @@ def _skip_prefixes() -> tuple[str, ...]:
     return tuple(sorted(dirs))
 
 
+_META_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
+
+
+def set_metadata(wrapper, size, stride, offset) -> None:
+    """Give a flagos tensor new sizes/strides/offset in place. The wrapper owns no memory, so
+    the meta kernel of as_strided_ (pure metadata) is the right tool."""
+    torch.ops.aten.as_strided_.default.redispatch(_META_KEYS, wrapper, list(size), list(stride), offset)
+
+
 def _configure_router(state: Active) -> None:
     from ._tensor import FlagosTensor
 
@@ -141,8 +155,17 @@ def _configure_router(state: Active) -> None:
         fallback_error=FallbackError,
         device_mismatch=DeviceMismatchError,
         skip_prefixes=_skip_prefixes(),
+        set_metadata=set_metadata,
+        adapter_dispatch=_adapter_runner(state) if isinstance(chip, AdapterChip) else None,
     )
     _C.set_fallback_policy(_POLICIES[_env.get("FLAGOS_FALLBACK") or "warn"])
+
+
+def _adapter_runner(state: Active):
+    if state.mode != "device":
+        raise ConfigError(f"chip {state.chip.name!r} is a C-ABI adapter: it runs in device mode only")
+    from ._adapter_ops import Runner
+    return Runner(state.chip, state.flagos_devices)
 
 
 def _apply_log_level() -> None:
@@ -234,13 +257,14 @@ def device(index: int | None = None) -> torch.device:
 def list_devices(include_unavailable: bool = False) -> list[DeviceInfo]:
     """Every device of every chip found here (and one row per absent chip if asked)."""
     rows = []
-    for name in chips.AUTO_ORDER:
+    for name in chips.known():
         chip = chips.profile(name)
         present = chip.detect()
         mode = "native" if chip.owns_privateuse1 else "device"
         if not present:
             if include_unavailable:
-                rows.append(DeviceInfo(chip.name, 0, "not found", 0, chip.native_dtypes, mode,
+                dtypes = () if isinstance(chip, AdapterChip) else chip.native_dtypes
+                rows.append(DeviceInfo(chip.name, 0, "not found", 0, dtypes, mode,
                                        False, chip.vendor, chip.collective_backend))
             continue
         for i in range(chip.device_count()):

@@ -36,10 +36,13 @@ class FlagosTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None):
         if tensor_contents is None:
-            payload = self._payload.detach()
-            if payload.device.type != "cpu":
-                payload = payload.cpu()
-            tensor_contents = torch._tensor_str._tensor_str(payload, len("tensor("))
+            payload = self._payload
+            if isinstance(payload, torch.Tensor):
+                host = payload.detach().cpu()
+            else:  # an adapter buffer: copy the view to the host through the router
+                with torch.no_grad():
+                    host = torch.Tensor.cpu(self)
+            tensor_contents = torch._tensor_str._tensor_str(host, len("tensor("))
         text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
         # Print like a tensor on any other device: tensor([...], device='flagos:0').
         prefix = type(self).__name__ + "("
@@ -55,7 +58,8 @@ def wrap(payload: torch.Tensor, index: int | None = None) -> FlagosTensor:
     out = torch.Tensor._make_wrapper_subclass(
         FlagosTensor, payload.shape, strides=payload.stride(),
         storage_offset=payload.storage_offset(), dtype=payload.dtype,
-        device=_runtime.flagos_device(index), requires_grad=payload.requires_grad)
+        device=_runtime.flagos_device(index), requires_grad=payload.requires_grad,
+        storage_size=_C.WRAPPER_STORAGE_BYTES)
     out._payload = payload
     return out
 

@@ -10,6 +10,11 @@ class ChipNotFoundError(ConfigError):
     """The requested chip is unknown or not available on this machine."""
 
 
+class AdapterError(RuntimeError):
+    """A chip adapter library cannot be used: it does not load, lacks an entry point, speaks
+    another ABI major version, or its init() failed. The message names the file and why."""
+
+
 class DeviceMismatchError(RuntimeError):
     """A flagos tensor and a tensor on another device met in one op."""
 

@@ -27,7 +27,8 @@ def test_factories_on_flagos(dev):
     assert a.device == dev
     assert_close(a, b, atol=0, rtol=0)
     assert torch.equal(torch.ones(2, device=dev).cpu(), torch.ones(2))
-    assert torch.equal(torch.arange(5, device=dev).cpu(), torch.arange(5))
+    r = torch.arange(5, device=dev)  # an out= op that resizes its output
+    assert r.shape == (5,) and torch.equal(r.cpu(), torch.arange(5))
     assert torch.equal(torch.full((2, 2), 7.0, device=dev).cpu(), torch.full((2, 2), 7.0))
     assert torch.tensor([1, 2], device=dev).device == dev
     assert torch.zeros_like(a).device == dev
@@ -66,6 +67,15 @@ def test_views_alias_their_base(dev):
     parts = a.split(1)
     parts[2].zero_()
     assert a.cpu()[2].sum().item() == 0
+
+
+def test_inplace_view_ops_update_the_tensor(dev):
+    b = torch.zeros(3, device=dev)
+    b.unsqueeze_(0)
+    assert b.shape == (1, 3) and b.cpu().shape == (1, 3)
+    m = torch.arange(4.0, device=dev).view(2, 2)
+    m.t_()
+    assert m.stride() == (1, 2) and m.cpu().tolist() == [[0.0, 2.0], [1.0, 3.0]]
 
 
 def test_inplace_and_out(dev):

@@ -33,8 +33,11 @@ def test_every_variable_in_the_source_is_documented():
             list((ROOT / "tests").rglob("*.py")) + list((ROOT / "tests").rglob("*.sh")):
         if path.name == "test_env_docs.py":
             continue
-        names = re.findall(r"\b(FLAGOS_[A-Z][A-Z_]*[A-Z])\b", path.read_text())
-        used |= {n for n in names if not n.endswith("_H")}  # C header guards are not variables
+        text = path.read_text()
+        # a variable is read by name from a string ("FLAGOS_X") or set in a script (FLAGOS_X=1);
+        # C macros of the same prefix are neither
+        used |= set(re.findall(r"[\"'](FLAGOS_[A-Z][A-Z_]*[A-Z])[\"'=]", text))
+        used |= set(re.findall(r"(?m)(?:^|\s)(FLAGOS_[A-Z][A-Z_]*[A-Z])=", text))
     documented = set(re.findall(r"`(FLAGOS_[A-Z_]+)`", DOC))
     assert used - documented == set(), "undocumented: " + ", ".join(sorted(used - documented))
     assert documented - used == set(), "documented but unused: " + ", ".join(sorted(documented - used))

@@ -9,13 +9,34 @@ import importlib
 
 from .base import DeviceInfo, TorchChip
 
-AUTO_ORDER = ("npu", "mlu", "musa", "cuda", "xpu", "mps", "cpu")
-KNOWN = AUTO_ORDER
+VENDOR_PLUGINS = ("npu", "mlu", "musa")
+BUILT_IN = ("cuda", "xpu", "mps", "cpu")
+EMULATED = ("sim",)  # never picked by "auto": it is for tests and for adapter authors
 
 
-def profile(name: str) -> TorchChip:
-    """The profile of a known chip (imported lazily: nothing runs at `import flagos`)."""
-    return importlib.import_module(f"{__name__}.{name}").CHIP
+def auto_order() -> tuple[str, ...]:
+    """Vendor plugins, then adapters found on FLAGOS_ADAPTER_PATH, then PyTorch's own devices."""
+    from .adapter import discovered_names
+    adapters = tuple(n for n in discovered_names() if n not in VENDOR_PLUGINS + BUILT_IN + EMULATED)
+    return VENDOR_PLUGINS + adapters + BUILT_IN
 
 
-__all__ = ["AUTO_ORDER", "KNOWN", "DeviceInfo", "TorchChip", "profile"]
+def known() -> tuple[str, ...]:
+    return auto_order() + EMULATED
+
+
+_profiles: dict = {}
+
+
+def profile(name: str):
+    """The profile of a chip (imported lazily: nothing runs at `import flagos`)."""
+    if name not in _profiles:
+        try:
+            _profiles[name] = importlib.import_module(f"{__name__}.{name}").CHIP
+        except ModuleNotFoundError:
+            from .adapter import AdapterChip
+            _profiles[name] = AdapterChip(name)  # an adapter found on FLAGOS_ADAPTER_PATH
+    return _profiles[name]
+
+
+__all__ = ["auto_order", "known", "DeviceInfo", "TorchChip", "profile"]

@@ -1,0 +1,510 @@
+/* sim: the emulated accelerator, flagos's reference adapter.
+ *
+ * Each device has a memory pool of its own (capacity FLAGOS_SIM_MEMORY, FLAGOS_SIM_DEVICES
+ * devices), reachable only through opaque buffer handles and the copy functions. It fails
+ * like hardware does: out of memory past its capacity, and, for tests, on the Nth
+ * allocation (FLAGOS_SIM_FAIL_ALLOC_AT) or with a device in a sticky failed state
+ * (FLAGOS_SIM_FAIL_DEVICE). Kernels for a subset of aten live in kernels.c.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <ctype.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uthash.h>
+
+#include "sim_internal.h"
+
+#define SIM_MAX_DEVICES 16
+#define SIM_DEFAULT_DEVICES 2
+#define SIM_DEFAULT_MEMORY (1024ull * 1024 * 1024)
+
+typedef struct sim_allocation {
+    flagos_buffer handle; /* key */
+    int32_t device;
+    uint64_t nbytes;
+    void *memory;
+    UT_hash_handle hh;
+} sim_allocation;
+
+typedef struct sim_device {
+    uint64_t capacity;
+    uint64_t allocated;
+    uint64_t peak;
+    int failed; /* sticky: every later call on this device fails */
+} sim_device;
+
+static struct {
+    pthread_mutex_t lock;
+    int initialized;
+    int32_t n_devices;
+    sim_device devices[SIM_MAX_DEVICES];
+    sim_allocation *allocations;
+    flagos_buffer next_handle;
+    uint64_t alloc_calls;
+    uint64_t fail_alloc_at; /* 0: never */
+    uint64_t native_dtypes;
+} sim = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+/* ---- status ------------------------------------------------------------ */
+
+int32_t sim_fail(flagos_status *status, int32_t code, const char *fmt, ...)
+{
+    if (status != NULL) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(status->message, sizeof(status->message), fmt, ap);
+        va_end(ap);
+        status->code = code;
+    }
+    return code;
+}
+
+int32_t sim_ok(flagos_status *status)
+{
+    if (status != NULL) {
+        status->code = SIM_SUCCESS;
+        status->message[0] = '\0';
+    }
+    return SIM_SUCCESS;
+}
+
+static const char *sim_error_name(int32_t code)
+{
+    switch (code) {
+    case SIM_SUCCESS: return "SIM_SUCCESS";
+    case SIM_ERROR_INVALID_VALUE: return "SIM_ERROR_INVALID_VALUE";
+    case SIM_ERROR_OUT_OF_MEMORY: return "SIM_ERROR_OUT_OF_MEMORY";
+    case SIM_ERROR_INVALID_DEVICE: return "SIM_ERROR_INVALID_DEVICE";
+    case SIM_ERROR_INVALID_HANDLE: return "SIM_ERROR_INVALID_HANDLE";
+    case SIM_ERROR_OUT_OF_RANGE: return "SIM_ERROR_OUT_OF_RANGE";
+    case SIM_ERROR_DEVICE_LOST: return "SIM_ERROR_DEVICE_LOST";
+    case SIM_ERROR_NOT_SUPPORTED: return "SIM_ERROR_NOT_SUPPORTED";
+    default: return "SIM_ERROR_UNKNOWN";
+    }
+}
+
+/* ---- configuration ----------------------------------------------------- */
+
+/* "512M", "1G", "65536": bytes with an optional K/M/G suffix (powers of 1024). */
+static int parse_size(const char *text, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(text, &end, 10);
+    if (errno != 0 || end == text || text[0] == '-')
+        return -1;
+    uint64_t mult = 1;
+    switch (toupper((unsigned char)*end)) {
+    case '\0': break;
+    case 'K': mult = 1024ull; end++; break;
+    case 'M': mult = 1024ull * 1024; end++; break;
+    case 'G': mult = 1024ull * 1024 * 1024; end++; break;
+    default: return -1;
+    }
+    if (toupper((unsigned char)*end) == 'B')
+        end++;
+    if (*end != '\0' || v > UINT64_MAX / mult)
+        return -1;
+    *out = (uint64_t)v * mult;
+    return 0;
+}
+
+static int parse_count(const char *text, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(text, &end, 10);
+    if (errno != 0 || end == text || *end != '\0' || v < lo || v > hi)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static const struct { const char *name; flagos_dtype dtype; } dtype_names[] = {
+    {"float32", FLAGOS_FLOAT32}, {"float16", FLAGOS_FLOAT16}, {"bfloat16", FLAGOS_BFLOAT16},
+    {"float64", FLAGOS_FLOAT64}, {"int64", FLAGOS_INT64}, {"int32", FLAGOS_INT32},
+    {"int16", FLAGOS_INT16}, {"int8", FLAGOS_INT8}, {"uint8", FLAGOS_UINT8}, {"bool", FLAGOS_BOOL},
+};
+
+/* "float32,float16": the dtypes sim computes in natively (bf16 is not, by default). */
+static int parse_dtypes(const char *text, uint64_t *out, flagos_status *status)
+{
+    uint64_t mask = 0;
+    const char *p = text;
+    while (*p) {
+        size_t len = strcspn(p, ",");
+        size_t i;
+        for (i = 0; i < sizeof(dtype_names) / sizeof(dtype_names[0]); i++)
+            if (strlen(dtype_names[i].name) == len && strncmp(p, dtype_names[i].name, len) == 0)
+                break;
+        if (i == sizeof(dtype_names) / sizeof(dtype_names[0]))
+            return sim_fail(status, SIM_ERROR_INVALID_VALUE,
+                            "FLAGOS_SIM_DTYPES=%s: unknown dtype '%.*s'; use a comma-separated "
+                            "list of float32, float16, bfloat16, float64, int64, int32, int16, "
+                            "int8, uint8, bool", text, (int)len, p);
+        mask |= FLAGOS_DTYPE_BIT(dtype_names[i].dtype);
+        p += len;
+        if (*p == ',')
+            p++;
+    }
+    *out = mask;
+    return SIM_SUCCESS;
+}
+
+static int32_t read_config(flagos_status *status)
+{
+    const char *v;
+    uint64_t memory = SIM_DEFAULT_MEMORY;
+    long devices = SIM_DEFAULT_DEVICES, fail_at = 0, fail_device = -1;
+    if ((v = getenv("FLAGOS_SIM_MEMORY")) && *v && parse_size(v, &memory) < 0)
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE,
+                        "FLAGOS_SIM_MEMORY=%s is not a size; use bytes with an optional K, M "
+                        "or G suffix, e.g. 512M", v);
+    if ((v = getenv("FLAGOS_SIM_DEVICES")) && *v &&
+        parse_count(v, 1, SIM_MAX_DEVICES, &devices) < 0)
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE,
+                        "FLAGOS_SIM_DEVICES=%s is not valid; use a whole number from 1 to %d",
+                        v, SIM_MAX_DEVICES);
+    if ((v = getenv("FLAGOS_SIM_FAIL_ALLOC_AT")) && *v && parse_count(v, 1, 1L << 40, &fail_at) < 0)
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE,
+                        "FLAGOS_SIM_FAIL_ALLOC_AT=%s is not valid; use N >= 1 to fail the Nth "
+                        "allocation", v);
+    if ((v = getenv("FLAGOS_SIM_FAIL_DEVICE")) && *v &&
+        parse_count(v, 0, devices - 1, &fail_device) < 0)
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE,
+                        "FLAGOS_SIM_FAIL_DEVICE=%s is not valid; use a device index from 0 to %ld",
+                        v, devices - 1);
+    uint64_t dtypes = FLAGOS_DTYPE_BIT(FLAGOS_FLOAT32) | FLAGOS_DTYPE_BIT(FLAGOS_FLOAT16);
+    if ((v = getenv("FLAGOS_SIM_DTYPES")) && *v && parse_dtypes(v, &dtypes, status) != SIM_SUCCESS)
+        return status->code;
+
+    sim.n_devices = (int32_t)devices;
+    for (int32_t i = 0; i < sim.n_devices; i++) {
+        sim.devices[i] = (sim_device){.capacity = memory};
+        sim.devices[i].failed = (i == fail_device);
+    }
+    sim.fail_alloc_at = (uint64_t)fail_at;
+    sim.native_dtypes = dtypes;
+    return sim_ok(status);
+}
+
+/* ---- lifecycle --------------------------------------------------------- */
+
+static void free_all(void)
+{
+    sim_allocation *a, *tmp;
+    HASH_ITER(hh, sim.allocations, a, tmp) {
+        HASH_DEL(sim.allocations, a);
+        free(a->memory);
+        free(a);
+    }
+}
+
+static int32_t sim_init(flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = SIM_SUCCESS;
+    if (!sim.initialized) {
+        rc = read_config(status);
+        if (rc == SIM_SUCCESS) {
+            sim.initialized = 1;
+            sim.next_handle = 1;
+        }
+    } else {
+        rc = sim_ok(status);
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+static void sim_shutdown(void)
+{
+    pthread_mutex_lock(&sim.lock);
+    free_all();
+    sim.initialized = 0;
+    pthread_mutex_unlock(&sim.lock);
+}
+
+/* Caller holds the lock. */
+static int32_t check_device(int32_t device, flagos_status *status)
+{
+    if (!sim.initialized)
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE, "sim is not initialized");
+    if (device < 0 || device >= sim.n_devices)
+        return sim_fail(status, SIM_ERROR_INVALID_DEVICE,
+                        "sim device %d does not exist (%d devices)", device, sim.n_devices);
+    if (sim.devices[device].failed)
+        return sim_fail(status, SIM_ERROR_DEVICE_LOST,
+                        "sim device %d is in a failed state and accepts no more work", device);
+    return SIM_SUCCESS;
+}
+
+static int32_t sim_device_count(int32_t *count, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    *count = sim.initialized ? sim.n_devices : 0;
+    pthread_mutex_unlock(&sim.lock);
+    return sim_ok(status);
+}
+
+/* A failed device still answers queries, as a driver lists a lost device. */
+static int32_t sim_device_props(int32_t device, flagos_device_props *props, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = SIM_SUCCESS;
+    if (device < 0 || device >= sim.n_devices) {
+        rc = sim_fail(status, SIM_ERROR_INVALID_DEVICE, "sim device %d does not exist", device);
+    } else {
+        snprintf(props->name, sizeof(props->name), "flagos sim device %d", device);
+        props->total_memory = sim.devices[device].capacity;
+        props->native_dtypes = sim.native_dtypes;
+        rc = sim_ok(status);
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+/* ---- memory ------------------------------------------------------------ */
+
+static int32_t sim_alloc(int32_t device, uint64_t nbytes, flagos_buffer *buffer, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = check_device(device, status);
+    if (rc != SIM_SUCCESS)
+        goto done;
+    sim_device *d = &sim.devices[device];
+    sim.alloc_calls++;
+    if (sim.fail_alloc_at != 0 && sim.alloc_calls == sim.fail_alloc_at) {
+        rc = sim_fail(status, SIM_ERROR_OUT_OF_MEMORY,
+                      "injected failure of allocation #%llu (FLAGOS_SIM_FAIL_ALLOC_AT)",
+                      (unsigned long long)sim.alloc_calls);
+        goto done;
+    }
+    if (nbytes > d->capacity - d->allocated) {
+        rc = sim_fail(status, SIM_ERROR_OUT_OF_MEMORY,
+                      "cannot allocate %llu bytes on sim device %d: %llu of %llu bytes free",
+                      (unsigned long long)nbytes, device,
+                      (unsigned long long)(d->capacity - d->allocated),
+                      (unsigned long long)d->capacity);
+        goto done;
+    }
+    sim_allocation *a = calloc(1, sizeof(*a));
+    void *memory = malloc(nbytes ? nbytes : 1);
+    if (a == NULL || memory == NULL) {
+        free(a);
+        free(memory);
+        rc = sim_fail(status, SIM_ERROR_OUT_OF_MEMORY, "host memory behind sim device %d ran out",
+                      device);
+        goto done;
+    }
+    a->handle = sim.next_handle++;
+    a->device = device;
+    a->nbytes = nbytes;
+    a->memory = memory;
+    HASH_ADD(hh, sim.allocations, handle, sizeof(a->handle), a);
+    d->allocated += nbytes;
+    if (d->allocated > d->peak)
+        d->peak = d->allocated;
+    *buffer = a->handle;
+    rc = sim_ok(status);
+done:
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+/* Caller holds the lock. */
+static sim_allocation *find(int32_t device, flagos_buffer buffer, flagos_status *status)
+{
+    if (check_device(device, status) != SIM_SUCCESS)
+        return NULL;
+    sim_allocation *a;
+    HASH_FIND(hh, sim.allocations, &buffer, sizeof(buffer), a);
+    if (a == NULL || a->device != device) {
+        sim_fail(status, SIM_ERROR_INVALID_HANDLE, "buffer %llu is not a live allocation of "
+                 "sim device %d", (unsigned long long)buffer, device);
+        return NULL;
+    }
+    return a;
+}
+
+static int32_t sim_free(int32_t device, flagos_buffer buffer, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc;
+    sim_allocation *a = find(device, buffer, status);
+    if (a == NULL && status->code == SIM_ERROR_DEVICE_LOST && device >= 0 && device < sim.n_devices) {
+        /* Memory of a lost device is gone with it: release the host side quietly. */
+        HASH_FIND(hh, sim.allocations, &buffer, sizeof(buffer), a);
+    }
+    if (a == NULL) {
+        rc = status->code;
+    } else {
+        HASH_DEL(sim.allocations, a);
+        sim.devices[a->device].allocated -= a->nbytes;
+        free(a->memory);
+        free(a);
+        rc = sim.devices[device].failed ? status->code : sim_ok(status);
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+void *sim_resolve(int32_t device, flagos_buffer buffer, uint64_t *nbytes, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    sim_allocation *a = find(device, buffer, status);
+    void *p = a ? a->memory : NULL;
+    if (a && nbytes)
+        *nbytes = a->nbytes;
+    pthread_mutex_unlock(&sim.lock);
+    return p;
+}
+
+static int32_t sim_memory_info(int32_t device, flagos_memory_info *info, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = check_device(device, status);
+    if (rc == SIM_SUCCESS) {
+        sim_device *d = &sim.devices[device];
+        info->total = d->capacity;
+        info->free = d->capacity - d->allocated;
+        info->allocated = d->allocated;
+        info->peak_allocated = d->peak;
+        info->reserved = d->allocated; /* no caching: what is allocated is what is held */
+        rc = sim_ok(status);
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+static int32_t sim_reset_peak(int32_t device, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = check_device(device, status);
+    if (rc == SIM_SUCCESS) {
+        sim.devices[device].peak = sim.devices[device].allocated;
+        rc = sim_ok(status);
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+static int32_t sim_empty_cache(int32_t device, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = check_device(device, status);
+    pthread_mutex_unlock(&sim.lock);
+    return rc == SIM_SUCCESS ? sim_ok(status) : rc; /* nothing is cached */
+}
+
+/* ---- copies ------------------------------------------------------------ */
+
+static int32_t range_check(const sim_allocation *a, uint64_t offset, uint64_t nbytes,
+                           flagos_status *status)
+{
+    if (offset > a->nbytes || nbytes > a->nbytes - offset)
+        return sim_fail(status, SIM_ERROR_OUT_OF_RANGE,
+                        "copy of %llu bytes at offset %llu exceeds buffer %llu of %llu bytes",
+                        (unsigned long long)nbytes, (unsigned long long)offset,
+                        (unsigned long long)a->handle, (unsigned long long)a->nbytes);
+    return SIM_SUCCESS;
+}
+
+static int32_t sim_copy_h2d(int32_t device, flagos_buffer dst, uint64_t dst_offset, const void *src,
+                            uint64_t nbytes, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc;
+    sim_allocation *a = find(device, dst, status);
+    if (a == NULL)
+        rc = status->code;
+    else if ((rc = range_check(a, dst_offset, nbytes, status)) == SIM_SUCCESS) {
+        if (nbytes)
+            memcpy((char *)a->memory + dst_offset, src, nbytes);
+        rc = sim_ok(status);
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+static int32_t sim_copy_d2h(int32_t device, void *dst, flagos_buffer src, uint64_t src_offset,
+                            uint64_t nbytes, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc;
+    sim_allocation *a = find(device, src, status);
+    if (a == NULL)
+        rc = status->code;
+    else if ((rc = range_check(a, src_offset, nbytes, status)) == SIM_SUCCESS) {
+        if (nbytes)
+            memcpy(dst, (const char *)a->memory + src_offset, nbytes);
+        rc = sim_ok(status);
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+static int32_t sim_copy_d2d(int32_t dst_device, flagos_buffer dst, uint64_t dst_offset,
+                            int32_t src_device, flagos_buffer src, uint64_t src_offset,
+                            uint64_t nbytes, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc;
+    sim_allocation *d = find(dst_device, dst, status);
+    sim_allocation *s = d ? find(src_device, src, status) : NULL;
+    if (d == NULL || s == NULL)
+        rc = status->code;
+    else if ((rc = range_check(d, dst_offset, nbytes, status)) == SIM_SUCCESS &&
+             (rc = range_check(s, src_offset, nbytes, status)) == SIM_SUCCESS) {
+        if (nbytes)
+            memmove((char *)d->memory + dst_offset, (const char *)s->memory + src_offset, nbytes);
+        rc = sim_ok(status);
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+static int32_t sim_synchronize(int32_t device, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = check_device(device, status); /* work is synchronous: nothing to wait for */
+    pthread_mutex_unlock(&sim.lock);
+    return rc == SIM_SUCCESS ? sim_ok(status) : rc;
+}
+
+/* ---- the adapter table ------------------------------------------------- */
+
+static flagos_adapter sim_adapter = {
+    .struct_size = sizeof(flagos_adapter),
+    .abi_major = FLAGOS_ADAPTER_ABI_MAJOR,
+    .abi_minor = FLAGOS_ADAPTER_ABI_MINOR,
+    .name = "sim",
+    .vendor = "flagos (emulated accelerator)",
+    .init = sim_init,
+    .shutdown = sim_shutdown,
+    .device_count = sim_device_count,
+    .device_props = sim_device_props,
+    .alloc = sim_alloc,
+    .free = sim_free,
+    .memory_info = sim_memory_info,
+    .reset_peak = sim_reset_peak,
+    .empty_cache = sim_empty_cache,
+    .copy_h2d = sim_copy_h2d,
+    .copy_d2h = sim_copy_d2h,
+    .copy_d2d = sim_copy_d2d,
+    .synchronize = sim_synchronize,
+    .error_name = sim_error_name,
+    .out_of_memory_code = SIM_ERROR_OUT_OF_MEMORY,
+    .device_lost_code = SIM_ERROR_DEVICE_LOST,
+};
+
+const flagos_adapter *flagos_adapter_get(void)
+{
+    sim_adapter.n_kernels = sim_n_kernels;
+    sim_adapter.kernels = sim_kernels;
+    return &sim_adapter;
+}

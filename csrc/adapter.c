@@ -1,0 +1,662 @@
+/* Chip adapters: loading a libflagos_<chip>_adapter.so with dlopen, checking its ABI, and
+ * the two Python types that use it: Adapter (one loaded library) and Buffer (one device
+ * allocation, freed when the last Python reference goes).
+ *
+ * Host memory is exchanged through DLPack capsules (torch.utils.dlpack.to_dlpack), which
+ * carry bfloat16, strides and the device, so the copy functions can check what they get.
+ */
+#include "adapter.h"
+
+#include <dlfcn.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ---- DLPack (the subset flagos reads; layout of DLPack 0.x "dltensor" capsules) ---- */
+
+typedef struct { int32_t device_type; int32_t device_id; } DLDevice;
+typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } DLDataType;
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} DLTensor;
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+#define DL_CPU 1
+
+/* Host memory of a contiguous CPU tensor behind a capsule (borrowed from the capsule). */
+static int host_region(PyObject *capsule, void **data, uint64_t *nbytes)
+{
+    DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
+    if (m == NULL)
+        return -1;
+    DLTensor *t = &m->dl_tensor;
+    if (t->device.device_type != DL_CPU) {
+        PyErr_SetString(PyExc_ValueError, "adapter copies take host (CPU) tensors");
+        return -1;
+    }
+    uint64_t n = (uint64_t)t->dtype.bits / 8 * t->dtype.lanes;
+    int64_t expected = 1;
+    for (int32_t i = t->ndim - 1; i >= 0; i--) {
+        if (t->strides != NULL && t->shape[i] > 1 && t->strides[i] != expected) {
+            PyErr_SetString(PyExc_ValueError, "adapter copies take contiguous host tensors");
+            return -1;
+        }
+        expected *= t->shape[i];
+    }
+    *nbytes = n * (uint64_t)expected;
+    *data = (char *)t->data + t->byte_offset;
+    return 0;
+}
+
+/* ---- errors ------------------------------------------------------------ */
+
+static PyObject *adapter_error_type = NULL; /* set by set_error_types() */
+static PyObject *oom_error_type = NULL;
+static PyObject *device_error_type = NULL;
+
+PyObject *flagos_set_error_types(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *adapter_error, *oom, *device_error;
+    if (!PyArg_ParseTuple(args, "OOO", &adapter_error, &oom, &device_error))
+        return NULL;
+    Py_XSETREF(adapter_error_type, Py_NewRef(adapter_error));
+    Py_XSETREF(oom_error_type, Py_NewRef(oom));
+    Py_XSETREF(device_error_type, Py_NewRef(device_error));
+    Py_RETURN_NONE;
+}
+
+void flagos_adapter_types_clear(void)
+{
+    Py_CLEAR(adapter_error_type);
+    Py_CLEAR(oom_error_type);
+    Py_CLEAR(device_error_type);
+}
+
+static PyObject *error_type(PyObject *t)
+{
+    return t ? t : PyExc_RuntimeError;
+}
+
+/* Raise the flagos form of a failed adapter call: torch.OutOfMemoryError for the chip's
+ * out-of-memory code, flagos.DeviceError (chip, code, code_name, hint) for anything else. */
+static void raise_status(AdapterObject *a, const char *call, int32_t device, const flagos_status *st,
+                         const char *detail)
+{
+    const char *name = a->api->error_name(st->code);
+    const char *chip = a->api->name;
+    if (st->code == a->api->out_of_memory_code) {
+        PyErr_Format(error_type(oom_error_type),
+                     "%s device %d is out of memory%s (%s, code %d): %s. Free tensors you no "
+                     "longer need (del, gc.collect()) or use smaller batches; "
+                     "torch.flagos.memory_allocated() shows what flagos holds.",
+                     chip, device, detail ? detail : "", name, st->code, st->message);
+        return;
+    }
+    const char *hint = st->code == a->api->device_lost_code
+                           ? "the device is in a failed state; other devices keep working, and "
+                             "a new process is needed to use this one again"
+                           : "check the arguments of the call; set FLAGOS_LOG_LEVEL=debug for "
+                             "more";
+    PyObject *msg = PyUnicode_FromFormat("%s device %d: %s failed (%s, code %d): %s", chip, device,
+                                         call, name, st->code, st->message);
+    if (msg == NULL)
+        return;
+    PyObject *kw = Py_BuildValue("{s:s,s:i,s:s,s:s}", "chip", chip, "code", st->code, "code_name",
+                                 name, "hint", hint);
+    PyObject *args = kw ? PyTuple_Pack(1, msg) : NULL;
+    PyObject *exc = args ? PyObject_Call(error_type(device_error_type), args, kw) : NULL;
+    if (exc != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    Py_XDECREF(args);
+    Py_XDECREF(kw);
+    Py_DECREF(msg);
+}
+
+/* ---- Buffer -------------------------------------------------------------- */
+
+static void buffer_dealloc(BufferObject *self)
+{
+    if (self->adapter != NULL && self->buffer != 0) {
+        flagos_status st = {0};
+        /* A failed free (e.g. a lost device) has nowhere to go from a destructor. */
+        self->adapter->api->free(self->device, self->buffer, &st);
+    }
+    Py_XDECREF(self->adapter);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *buffer_read(BufferObject *self, PyObject *args)
+{
+    PyObject *capsule;
+    unsigned long long offset;
+    if (!PyArg_ParseTuple(args, "OK", &capsule, &offset))
+        return NULL;
+    void *data;
+    uint64_t nbytes;
+    if (host_region(capsule, &data, &nbytes) < 0)
+        return NULL;
+    flagos_status st = {0};
+    int32_t rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = self->adapter->api->copy_d2h(self->device, data, self->buffer, offset, nbytes, &st);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        raise_status(self->adapter, "copy to host", self->device, &st, NULL);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(nbytes);
+}
+
+static PyObject *buffer_write(BufferObject *self, PyObject *args)
+{
+    PyObject *capsule;
+    unsigned long long offset;
+    if (!PyArg_ParseTuple(args, "OK", &capsule, &offset))
+        return NULL;
+    void *data;
+    uint64_t nbytes;
+    if (host_region(capsule, &data, &nbytes) < 0)
+        return NULL;
+    flagos_status st = {0};
+    int32_t rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = self->adapter->api->copy_h2d(self->device, self->buffer, offset, data, nbytes, &st);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        raise_status(self->adapter, "copy from host", self->device, &st, NULL);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(nbytes);
+}
+
+static PyTypeObject Buffer_Type;
+
+/* copy_from(src, dst_offset, src_offset, nbytes): device to device, possibly across devices. */
+static PyObject *buffer_copy_from(BufferObject *self, PyObject *args)
+{
+    BufferObject *src;
+    unsigned long long dst_offset, src_offset, nbytes;
+    if (!PyArg_ParseTuple(args, "O!KKK", &Buffer_Type, &src, &dst_offset, &src_offset, &nbytes))
+        return NULL;
+    if (src->adapter != self->adapter) {
+        PyErr_SetString(PyExc_ValueError, "device copies stay within one adapter");
+        return NULL;
+    }
+    flagos_status st = {0};
+    int32_t rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = self->adapter->api->copy_d2d(self->device, self->buffer, dst_offset, src->device,
+                                      src->buffer, src_offset, nbytes, &st);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        raise_status(self->adapter, "device copy", self->device, &st, NULL);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *buffer_repr(BufferObject *self)
+{
+    return PyUnicode_FromFormat("<flagos %s buffer %llu: %llu bytes on device %d>",
+                                self->adapter->api->name, (unsigned long long)self->buffer,
+                                (unsigned long long)self->nbytes, self->device);
+}
+
+static PyMethodDef buffer_methods[] = {
+    {"read", (PyCFunction)buffer_read, METH_VARARGS,
+     "read(dlpack_capsule, offset): copy bytes at offset into a contiguous host tensor."},
+    {"write", (PyCFunction)buffer_write, METH_VARARGS,
+     "write(dlpack_capsule, offset): copy a contiguous host tensor to bytes at offset."},
+    {"copy_from", (PyCFunction)buffer_copy_from, METH_VARARGS,
+     "copy_from(src, dst_offset, src_offset, nbytes): device-to-device copy."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef buffer_members[] = {
+    {"device", T_INT, offsetof(BufferObject, device), READONLY, "device index"},
+    {"nbytes", T_ULONGLONG, offsetof(BufferObject, nbytes), READONLY, "size in bytes"},
+    {"handle", T_ULONGLONG, offsetof(BufferObject, buffer), READONLY, "the adapter's handle"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject Buffer_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "flagos._C.Buffer",
+    .tp_doc = "One allocation in a chip adapter's device memory; freed with its last reference.",
+    .tp_basicsize = sizeof(BufferObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)buffer_dealloc,
+    .tp_repr = (reprfunc)buffer_repr,
+    .tp_methods = buffer_methods,
+    .tp_members = buffer_members,
+};
+
+/* ---- Adapter ------------------------------------------------------------- */
+
+static void adapter_dealloc(AdapterObject *self)
+{
+    if (self->api != NULL && self->api->shutdown != NULL)
+        self->api->shutdown();
+    if (self->library != NULL)
+        dlclose(self->library);
+    Py_XDECREF(self->path);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int adapter_check(AdapterObject *self, int32_t rc, const char *call, int32_t device,
+                         const flagos_status *st)
+{
+    if (rc == 0)
+        return 0;
+    raise_status(self, call, device, st, NULL);
+    return -1;
+}
+
+static PyObject *adapter_device_count(AdapterObject *self, PyObject *Py_UNUSED(arg))
+{
+    int32_t n = 0;
+    flagos_status st = {0};
+    if (adapter_check(self, self->api->device_count(&n, &st), "device_count", -1, &st) < 0)
+        return NULL;
+    return PyLong_FromLong(n);
+}
+
+static PyObject *adapter_props(AdapterObject *self, PyObject *arg)
+{
+    int device = _PyLong_AsInt(arg);
+    if (device == -1 && PyErr_Occurred())
+        return NULL;
+    flagos_device_props p = {.struct_size = sizeof(p)};
+    flagos_status st = {0};
+    if (adapter_check(self, self->api->device_props(device, &p, &st), "device_props", device, &st) < 0)
+        return NULL;
+    p.name[sizeof(p.name) - 1] = '\0';
+    return Py_BuildValue("{s:s,s:K,s:K}", "name", p.name, "total_memory",
+                         (unsigned long long)p.total_memory, "native_dtypes",
+                         (unsigned long long)p.native_dtypes);
+}
+
+static PyObject *adapter_memory_info(AdapterObject *self, PyObject *arg)
+{
+    int device = _PyLong_AsInt(arg);
+    if (device == -1 && PyErr_Occurred())
+        return NULL;
+    flagos_memory_info m = {.struct_size = sizeof(m)};
+    flagos_status st = {0};
+    if (adapter_check(self, self->api->memory_info(device, &m, &st), "memory_info", device, &st) < 0)
+        return NULL;
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K}", "total", (unsigned long long)m.total, "free",
+                         (unsigned long long)m.free, "allocated", (unsigned long long)m.allocated,
+                         "peak_allocated", (unsigned long long)m.peak_allocated, "reserved",
+                         (unsigned long long)m.reserved);
+}
+
+typedef int32_t (*device_call)(int32_t, flagos_status *);
+
+static PyObject *call_on_device(AdapterObject *self, PyObject *arg, device_call fn, const char *name)
+{
+    int device = _PyLong_AsInt(arg);
+    if (device == -1 && PyErr_Occurred())
+        return NULL;
+    if (fn == NULL) /* optional entry the adapter does not have */
+        Py_RETURN_NONE;
+    flagos_status st = {0};
+    int32_t rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fn(device, &st);
+    Py_END_ALLOW_THREADS
+    if (adapter_check(self, rc, name, device, &st) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *adapter_synchronize(AdapterObject *self, PyObject *arg)
+{
+    return call_on_device(self, arg, self->api->synchronize, "synchronize");
+}
+
+static PyObject *adapter_reset_peak(AdapterObject *self, PyObject *arg)
+{
+    return call_on_device(self, arg, self->api->reset_peak, "reset_peak");
+}
+
+static PyObject *adapter_empty_cache(AdapterObject *self, PyObject *arg)
+{
+    return call_on_device(self, arg, self->api->empty_cache, "empty_cache");
+}
+
+static PyObject *adapter_error_name(AdapterObject *self, PyObject *arg)
+{
+    int code = _PyLong_AsInt(arg);
+    if (code == -1 && PyErr_Occurred())
+        return NULL;
+    return PyUnicode_FromString(self->api->error_name(code));
+}
+
+static PyObject *adapter_kernels(AdapterObject *self, PyObject *Py_UNUSED(arg))
+{
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    for (int32_t i = 0; i < self->api->n_kernels; i++) {
+        const flagos_kernel *k = &self->api->kernels[i];
+        PyObject *item = Py_BuildValue("(sK)", k->op, (unsigned long long)k->dtypes);
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return out;
+}
+
+static PyObject *adapter_alloc(AdapterObject *self, PyObject *args)
+{
+    int device;
+    unsigned long long nbytes;
+    if (!PyArg_ParseTuple(args, "iK", &device, &nbytes))
+        return NULL;
+    flagos_buffer handle = 0;
+    flagos_status st = {0};
+    int32_t rc = self->api->alloc(device, nbytes, &handle, &st);
+    if (rc != 0) {
+        char detail[160] = "";
+        flagos_memory_info m = {.struct_size = sizeof(m)};
+        flagos_status st2 = {0};
+        if (rc == self->api->out_of_memory_code && self->api->memory_info(device, &m, &st2) == 0)
+            snprintf(detail, sizeof(detail), ": requested %llu bytes, %llu bytes free of %llu",
+                     nbytes, (unsigned long long)m.free, (unsigned long long)m.total);
+        raise_status(self, "alloc", device, &st, detail);
+        return NULL;
+    }
+    BufferObject *b = PyObject_New(BufferObject, &Buffer_Type);
+    if (b == NULL) {
+        self->api->free(device, handle, &st);
+        return NULL;
+    }
+    b->adapter = (AdapterObject *)Py_NewRef(self);
+    b->device = device;
+    b->buffer = handle;
+    b->nbytes = nbytes;
+    return (PyObject *)b;
+}
+
+/* One kernel tensor from (buffer | None, offset, dtype, sizes, strides). */
+static int parse_tensor(PyObject *item, flagos_tensor *t, int32_t *device)
+{
+    memset(t, 0, sizeof(*t));
+    if (item == Py_None) {
+        t->ndim = -1;
+        return 0;
+    }
+    PyObject *buf, *sizes, *strides;
+    long long offset;
+    int dtype;
+    if (!PyArg_ParseTuple(item, "O!LiO!O!", &Buffer_Type, &buf, &offset, &dtype, &PyTuple_Type,
+                          &sizes, &PyTuple_Type, &strides))
+        return -1;
+    Py_ssize_t nd = PyTuple_GET_SIZE(sizes);
+    if (nd > FLAGOS_MAX_DIMS || PyTuple_GET_SIZE(strides) != nd) {
+        PyErr_Format(PyExc_ValueError, "kernel tensors have at most %d dims, sizes and strides "
+                     "of equal length", FLAGOS_MAX_DIMS);
+        return -1;
+    }
+    t->buffer = ((BufferObject *)buf)->buffer;
+    *device = ((BufferObject *)buf)->device;
+    t->offset = offset;
+    t->dtype = dtype;
+    t->ndim = (int32_t)nd;
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        t->sizes[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, i));
+        t->strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, i));
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+#define MAX_KERNEL_TENSORS 8
+#define MAX_KERNEL_VALUES 16
+
+static int parse_tensors(PyObject *seq, flagos_tensor *out, int32_t *n, int32_t *device)
+{
+    if (!PyList_Check(seq) || PyList_GET_SIZE(seq) > MAX_KERNEL_TENSORS) {
+        PyErr_Format(PyExc_ValueError, "kernel tensors: a list of at most %d", MAX_KERNEL_TENSORS);
+        return -1;
+    }
+    *n = (int32_t)PyList_GET_SIZE(seq);
+    for (int32_t i = 0; i < *n; i++)
+        if (parse_tensor(PyList_GET_ITEM(seq, i), &out[i], device) < 0)
+            return -1;
+    return 0;
+}
+
+/* run_kernel(index, device, inputs, outputs, scalars, ints) */
+static PyObject *adapter_run_kernel(AdapterObject *self, PyObject *args)
+{
+    int index, device;
+    PyObject *ins, *outs, *scalars, *ints;
+    if (!PyArg_ParseTuple(args, "iiOOO!O!", &index, &device, &ins, &outs, &PyTuple_Type, &scalars,
+                          &PyTuple_Type, &ints))
+        return NULL;
+    if (index < 0 || index >= self->api->n_kernels) {
+        PyErr_Format(PyExc_IndexError, "kernel %d does not exist", index);
+        return NULL;
+    }
+    flagos_tensor inputs[MAX_KERNEL_TENSORS], outputs[MAX_KERNEL_TENSORS];
+    double svals[MAX_KERNEL_VALUES];
+    int64_t ivals[MAX_KERNEL_VALUES];
+    int32_t n_in = 0, n_out = 0, dev = device;
+    if (parse_tensors(ins, inputs, &n_in, &dev) < 0 || parse_tensors(outs, outputs, &n_out, &dev) < 0)
+        return NULL;
+    Py_ssize_t ns = PyTuple_GET_SIZE(scalars), ni = PyTuple_GET_SIZE(ints);
+    if (ns > MAX_KERNEL_VALUES || ni > MAX_KERNEL_VALUES) {
+        PyErr_Format(PyExc_ValueError, "at most %d scalars and ints", MAX_KERNEL_VALUES);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < ns; i++)
+        svals[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(scalars, i));
+    for (Py_ssize_t i = 0; i < ni; i++)
+        ivals[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(ints, i));
+    if (PyErr_Occurred())
+        return NULL;
+    flagos_kernel_args ka = {
+        .struct_size = sizeof(ka), .device = device, .n_inputs = n_in, .inputs = inputs,
+        .n_outputs = n_out, .outputs = outputs, .n_scalars = (int32_t)ns, .scalars = svals,
+        .n_ints = (int32_t)ni, .ints = ivals,
+    };
+    flagos_status st = {0};
+    const flagos_kernel *k = &self->api->kernels[index];
+    int32_t rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = k->fn(&ka, &st);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        char call[128];
+        snprintf(call, sizeof(call), "kernel %s", k->op);
+        raise_status(self, call, device, &st, NULL);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *adapter_get_name(AdapterObject *self, void *Py_UNUSED(c))
+{
+    return PyUnicode_FromString(self->api->name);
+}
+
+static PyObject *adapter_get_vendor(AdapterObject *self, void *Py_UNUSED(c))
+{
+    return PyUnicode_FromString(self->api->vendor ? self->api->vendor : "");
+}
+
+static PyObject *adapter_get_abi(AdapterObject *self, void *Py_UNUSED(c))
+{
+    return Py_BuildValue("(II)", self->api->abi_major, self->api->abi_minor);
+}
+
+static PyObject *adapter_get_path(AdapterObject *self, void *Py_UNUSED(c))
+{
+    return Py_NewRef(self->path);
+}
+
+static PyGetSetDef adapter_getset[] = {
+    {"name", (getter)adapter_get_name, NULL, "chip name", NULL},
+    {"vendor", (getter)adapter_get_vendor, NULL, "vendor", NULL},
+    {"abi", (getter)adapter_get_abi, NULL, "(major, minor) the adapter was built for", NULL},
+    {"path", (getter)adapter_get_path, NULL, "the shared library", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef adapter_methods[] = {
+    {"device_count", (PyCFunction)adapter_device_count, METH_NOARGS, "number of devices"},
+    {"props", (PyCFunction)adapter_props, METH_O, "props(device) -> dict"},
+    {"memory_info", (PyCFunction)adapter_memory_info, METH_O, "memory_info(device) -> dict"},
+    {"reset_peak", (PyCFunction)adapter_reset_peak, METH_O, "reset_peak(device)"},
+    {"empty_cache", (PyCFunction)adapter_empty_cache, METH_O, "empty_cache(device)"},
+    {"synchronize", (PyCFunction)adapter_synchronize, METH_O, "synchronize(device)"},
+    {"error_name", (PyCFunction)adapter_error_name, METH_O, "error_name(code) -> str"},
+    {"kernels", (PyCFunction)adapter_kernels, METH_NOARGS, "[(op, dtype mask)] in table order"},
+    {"alloc", (PyCFunction)adapter_alloc, METH_VARARGS, "alloc(device, nbytes) -> Buffer"},
+    {"run_kernel", (PyCFunction)adapter_run_kernel, METH_VARARGS,
+     "run_kernel(index, device, inputs, outputs, scalars, ints)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject Adapter_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "flagos._C.Adapter",
+    .tp_doc = "A loaded chip adapter library.",
+    .tp_basicsize = sizeof(AdapterObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)adapter_dealloc,
+    .tp_methods = adapter_methods,
+    .tp_getset = adapter_getset,
+};
+
+/* ---- loading ------------------------------------------------------------- */
+
+/* The table entries every adapter must fill; NULL in any of them is a clear error. */
+static const struct { const char *name; size_t offset; } required[] = {
+#define REQ(f) {#f, offsetof(flagos_adapter, f)}
+    REQ(init), REQ(device_count), REQ(device_props), REQ(alloc), REQ(free), REQ(memory_info),
+    REQ(copy_h2d), REQ(copy_d2h), REQ(copy_d2d), REQ(synchronize), REQ(error_name),
+#undef REQ
+};
+
+static PyObject *load_error(PyObject *path, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    PyObject *reason = PyUnicode_FromFormatV(fmt, ap);
+    va_end(ap);
+    if (reason != NULL) {
+        PyErr_Format(error_type(adapter_error_type), "cannot use chip adapter %U: %U", path, reason);
+        Py_DECREF(reason);
+    }
+    return NULL;
+}
+
+/* load_adapter(path) -> Adapter */
+PyObject *flagos_load_adapter(PyObject *Py_UNUSED(module), PyObject *path_obj)
+{
+    PyObject *path = PyOS_FSPath(path_obj);
+    if (path == NULL)
+        return NULL;
+    PyObject *bytes = NULL, *result = NULL;
+    if (!PyUnicode_Check(path) || (bytes = PyUnicode_EncodeFSDefault(path)) == NULL)
+        goto done;
+    void *lib = dlopen(PyBytes_AS_STRING(bytes), RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL) {
+        const char *why = dlerror();
+        load_error(path, "the library does not load (%s)", why ? why : "unknown reason");
+        goto done;
+    }
+    flagos_adapter_get_fn get = (flagos_adapter_get_fn)(uintptr_t)dlsym(lib, FLAGOS_ADAPTER_ENTRY);
+    const flagos_adapter *api = get ? get() : NULL;
+    if (get == NULL) {
+        dlclose(lib);
+        load_error(path, "it exports no %s() (is it a flagos adapter? see docs/adapters.md)",
+                   FLAGOS_ADAPTER_ENTRY);
+        goto done;
+    }
+    if (api == NULL || api->struct_size < offsetof(flagos_adapter, abi_minor) + sizeof(uint32_t)) {
+        dlclose(lib);
+        load_error(path, "%s() returned no adapter table", FLAGOS_ADAPTER_ENTRY);
+        goto done;
+    }
+    if (api->abi_major != FLAGOS_ADAPTER_ABI_MAJOR) {
+        dlclose(lib);
+        load_error(path, "it was built for adapter ABI %u.%u, and this flagos speaks %d.%d; "
+                   "rebuild it against this flagos's csrc/include/flagos/adapter.h",
+                   api->abi_major, api->abi_minor, FLAGOS_ADAPTER_ABI_MAJOR, FLAGOS_ADAPTER_ABI_MINOR);
+        goto done;
+    }
+    if (api->struct_size < offsetof(flagos_adapter, kernels) + sizeof(api->kernels)) {
+        dlclose(lib);
+        load_error(path, "its adapter table is %zu bytes, shorter than ABI %d.0 requires (%zu)",
+                   api->struct_size, FLAGOS_ADAPTER_ABI_MAJOR, offsetof(flagos_adapter, kernels) + sizeof(api->kernels));
+        goto done;
+    }
+    for (size_t i = 0; i < sizeof(required) / sizeof(required[0]); i++) {
+        void *fn;
+        memcpy(&fn, (const char *)api + required[i].offset, sizeof(fn));
+        if (fn == NULL) {
+            dlclose(lib);
+            load_error(path, "its adapter table has no '%s' entry point (required)", required[i].name);
+            goto done;
+        }
+    }
+    if (api->name == NULL || (api->n_kernels > 0 && api->kernels == NULL) || api->n_kernels < 0) {
+        dlclose(lib);
+        load_error(path, "its adapter table has no name or an inconsistent kernel table");
+        goto done;
+    }
+    flagos_status st = {0};
+    if (api->init(&st) != 0) {
+        const char *name = api->error_name(st.code);
+        dlclose(lib);
+        st.message[sizeof(st.message) - 1] = '\0';
+        load_error(path, "its init() failed (%s, code %d): %s", name, st.code, st.message);
+        goto done;
+    }
+    AdapterObject *a = PyObject_New(AdapterObject, &Adapter_Type);
+    if (a == NULL) {
+        if (api->shutdown)
+            api->shutdown();
+        dlclose(lib);
+        goto done;
+    }
+    a->library = lib;
+    a->api = api;
+    a->path = Py_NewRef(path);
+    result = (PyObject *)a;
+done:
+    Py_XDECREF(bytes);
+    Py_DECREF(path);
+    return result;
+}
+
+int flagos_adapter_types_ready(PyObject *module)
+{
+    if (PyType_Ready(&Buffer_Type) < 0 || PyType_Ready(&Adapter_Type) < 0)
+        return -1;
+    if (PyModule_AddObjectRef(module, "Buffer", (PyObject *)&Buffer_Type) < 0 ||
+        PyModule_AddObjectRef(module, "Adapter", (PyObject *)&Adapter_Type) < 0)
+        return -1;
+    return PyModule_AddIntConstant(module, "ADAPTER_ABI_MAJOR", FLAGOS_ADAPTER_ABI_MAJOR) < 0 ||
+                   PyModule_AddIntConstant(module, "ADAPTER_ABI_MINOR", FLAGOS_ADAPTER_ABI_MINOR) < 0
+               ? -1
+               : 0;
+}

@@ -1,0 +1,196 @@
+/* flagos chip adapter ABI.
+ *
+ * A chip without PyTorch integration joins flagos as a shared library
+ * (libflagos_<chip>_adapter.so) that exports one function,
+ *
+ *     const flagos_adapter *flagos_adapter_get(void);
+ *
+ * returning a table of plain C functions. The rules, in the manner of the PJRT C API:
+ *
+ *  - Versioned: the table starts with struct_size and abi_major/abi_minor. flagos loads an
+ *    adapter whose major equals FLAGOS_ADAPTER_ABI_MAJOR; a newer minor only appends fields,
+ *    and flagos reads a field only when struct_size says the adapter has it, so adapters
+ *    built against an older minor keep loading.
+ *  - Every call returns a status code (0 = success, otherwise the vendor's own code) and
+ *    fills the caller's flagos_status with the code and a NUL-terminated message.
+ *  - Explicit sizes and ownership: device memory is named by opaque flagos_buffer handles
+ *    that the adapter owns from alloc() to free(); no device pointer is ever handed to
+ *    flagos, and no host pointer is kept by the adapter after a call returns.
+ *  - Calls may come from any thread, one at a time per device.
+ *
+ * docs/adapters.md is the guide to writing one; backends/sim is the reference adapter.
+ */
+#ifndef FLAGOS_ADAPTER_H
+#define FLAGOS_ADAPTER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FLAGOS_ADAPTER_ABI_MAJOR 1
+#define FLAGOS_ADAPTER_ABI_MINOR 0
+#define FLAGOS_ADAPTER_ENTRY "flagos_adapter_get"
+
+#define FLAGOS_MAX_DIMS 8
+#define FLAGOS_STATUS_MESSAGE_SIZE 256
+
+/* ---- status ------------------------------------------------------------ */
+
+typedef struct flagos_status {
+    int32_t code;                                 /* 0: success; else the vendor code */
+    char message[FLAGOS_STATUS_MESSAGE_SIZE];     /* what went wrong, for people */
+} flagos_status;
+
+/* ---- data types -------------------------------------------------------- */
+
+typedef enum flagos_dtype {
+    FLAGOS_FLOAT32 = 0,
+    FLAGOS_FLOAT16 = 1,
+    FLAGOS_BFLOAT16 = 2,
+    FLAGOS_FLOAT64 = 3,
+    FLAGOS_INT64 = 4,
+    FLAGOS_INT32 = 5,
+    FLAGOS_INT16 = 6,
+    FLAGOS_INT8 = 7,
+    FLAGOS_UINT8 = 8,
+    FLAGOS_BOOL = 9,
+    FLAGOS_N_DTYPES = 10
+} flagos_dtype;
+
+#define FLAGOS_DTYPE_BIT(d) ((uint64_t)1 << (d))
+
+/* ---- devices and memory ------------------------------------------------ */
+
+/* Opaque handle of one device allocation; 0 is never a valid buffer. */
+typedef uint64_t flagos_buffer;
+
+typedef struct flagos_device_props {
+    size_t struct_size;        /* set by flagos to sizeof(flagos_device_props) */
+    char name[128];
+    uint64_t total_memory;     /* bytes */
+    uint64_t native_dtypes;    /* FLAGOS_DTYPE_BIT mask: dtypes the chip computes in natively */
+} flagos_device_props;
+
+typedef struct flagos_memory_info {
+    size_t struct_size;        /* set by flagos */
+    uint64_t total;            /* capacity in bytes */
+    uint64_t free;             /* bytes that can still be allocated */
+    uint64_t allocated;        /* bytes held by live allocations */
+    uint64_t peak_allocated;   /* highest `allocated` since start or reset_peak() */
+    uint64_t reserved;         /* bytes the allocator holds from the device (>= allocated) */
+} flagos_memory_info;
+
+/* ---- kernels ----------------------------------------------------------- */
+
+/* A tensor argument of a kernel: a strided view into one buffer. */
+typedef struct flagos_tensor {
+    flagos_buffer buffer;
+    int64_t offset;                      /* in elements, from the start of the buffer */
+    int32_t dtype;                       /* flagos_dtype */
+    int32_t ndim;                        /* 0..FLAGOS_MAX_DIMS; -1: optional argument absent */
+    int64_t sizes[FLAGOS_MAX_DIMS];
+    int64_t strides[FLAGOS_MAX_DIMS];    /* in elements, >= 0; 0 on broadcast dimensions */
+} flagos_tensor;
+
+typedef struct flagos_kernel_args {
+    size_t struct_size;                  /* sizeof(flagos_kernel_args) */
+    int32_t device;
+    int32_t n_inputs;
+    const flagos_tensor *inputs;
+    int32_t n_outputs;
+    const flagos_tensor *outputs;        /* allocated by flagos: contiguous, final shapes */
+    int32_t n_scalars;
+    const double *scalars;
+    int32_t n_ints;
+    const int64_t *ints;
+} flagos_kernel_args;
+
+typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_status *status);
+
+/* One entry of the kernel table. flagos calls a kernel only when every tensor input and
+ * output has the same dtype, that dtype is in `dtypes` and native on the device, and the
+ * op's arguments fit the convention below; every other call takes the CPU fallback.
+ *
+ * Calling convention, by op (inputs, outputs, scalars and ints in this order):
+ *
+ *   aten::add.Tensor, aten::sub.Tensor    in: self, other (both broadcast to the output
+ *                                         shape: stride 0 on broadcast dims); scalars: alpha
+ *   aten::mul.Tensor, aten::div.Tensor    in: self, other (broadcast as above)
+ *   aten::add.Scalar, aten::sub.Scalar    in: self; scalars: other, alpha
+ *   aten::mul.Scalar, aten::div.Scalar    in: self; scalars: other
+ *       (flagos also uses the .Scalar kernels for a .Tensor op whose `other` is a 0-dim
+ *        host tensor, which is how `x + 2` reaches the router)
+ *   aten::neg, aten::relu, aten::silu,    in: self; out: same shape
+ *   aten::sigmoid, aten::tanh, aten::exp
+ *   aten::gelu                            in: self; ints: approximate (0 "none", 1 "tanh")
+ *   aten::mm                              in: self [M,K], mat2 [K,N]; out: [M,N]
+ *   aten::bmm                             in: self [B,M,K], mat2 [B,K,N]; out: [B,M,N]
+ *   aten::addmm                           in: self (broadcast to [M,N]), mat1, mat2;
+ *                                         scalars: beta, alpha; out = beta*self + alpha*mat1@mat2
+ *   aten::sum.dim_IntList, aten::mean.dim in: self; out: keepdim shape (size 1 on reduced
+ *                                         dims, same ndim as self); ints: reduced dims,
+ *                                         ascending, non-negative
+ *   aten::_softmax                        in: self; ints: dim (non-negative)
+ *   aten::native_layer_norm               in: input, weight, bias (ndim -1 when absent);
+ *                                         ints: number of normalized trailing dims;
+ *                                         scalars: eps; out: output, mean, rstd (mean and
+ *                                         rstd: input's leading dims, trailing dims size 1)
+ *
+ * Copies between devices and the host are not kernels: they are the copy_* functions.
+ */
+typedef struct flagos_kernel {
+    const char *op;                      /* "aten::add.Tensor" */
+    flagos_kernel_fn fn;
+    uint64_t dtypes;                     /* FLAGOS_DTYPE_BIT mask the kernel accepts */
+} flagos_kernel;
+
+/* ---- the adapter table --------------------------------------------------- */
+
+typedef struct flagos_adapter {
+    size_t struct_size;                  /* sizeof(flagos_adapter) as the adapter was built */
+    uint32_t abi_major;
+    uint32_t abi_minor;
+    const char *name;                    /* chip name: "sim" */
+    const char *vendor;
+
+    /* Called once after loading, before anything else; shutdown at process exit. */
+    int32_t (*init)(flagos_status *status);
+    void (*shutdown)(void);
+
+    int32_t (*device_count)(int32_t *count, flagos_status *status);
+    int32_t (*device_props)(int32_t device, flagos_device_props *props, flagos_status *status);
+
+    int32_t (*alloc)(int32_t device, uint64_t nbytes, flagos_buffer *buffer, flagos_status *status);
+    int32_t (*free)(int32_t device, flagos_buffer buffer, flagos_status *status);
+    int32_t (*memory_info)(int32_t device, flagos_memory_info *info, flagos_status *status);
+    int32_t (*reset_peak)(int32_t device, flagos_status *status);
+    int32_t (*empty_cache)(int32_t device, flagos_status *status);
+
+    /* Contiguous byte copies; offsets are in bytes from the start of the buffer. */
+    int32_t (*copy_h2d)(int32_t device, flagos_buffer dst, uint64_t dst_offset, const void *src,
+                        uint64_t nbytes, flagos_status *status);
+    int32_t (*copy_d2h)(int32_t device, void *dst, flagos_buffer src, uint64_t src_offset,
+                        uint64_t nbytes, flagos_status *status);
+    int32_t (*copy_d2d)(int32_t dst_device, flagos_buffer dst, uint64_t dst_offset,
+                        int32_t src_device, flagos_buffer src, uint64_t src_offset,
+                        uint64_t nbytes, flagos_status *status);
+    int32_t (*synchronize)(int32_t device, flagos_status *status);
+
+    /* "SIM_ERROR_OUT_OF_MEMORY" for a code; never NULL (unknown codes get a generic name). */
+    const char *(*error_name)(int32_t code);
+    int32_t out_of_memory_code;          /* the code alloc() returns when memory runs out */
+    int32_t device_lost_code;            /* the code of a device in a sticky failed state */
+
+    int32_t n_kernels;
+    const flagos_kernel *kernels;
+} flagos_adapter;
+
+typedef const flagos_adapter *(*flagos_adapter_get_fn)(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,513 @@
+"""Running one aten op on a C-ABI chip (sim, vendor adapters).
+
+The C router calls `Runner.__call__` for every op on such a chip, after its table lookup and
+route resolution; counting, warnings and the report stay in C. A flagos tensor's payload is
+an adapter `Buffer`; the wrapper's own sizes, strides and storage offset say which part of
+the buffer it is, so views share buffers exactly as on a device.
+
+Per op, in order:
+- allocation, copies and views are metadata or adapter copies (never a fallback);
+- an adapter kernel runs when the op is in its table and the arguments fit its convention
+  (csrc/include/flagos/adapter.h); output shapes come from running the op on meta tensors;
+- everything else takes the host round trip: the touched bytes of each buffer go to the
+  host once, the op runs there, written arguments go back, new results are uploaded.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from . import _C, _schema
+from ._tensor import FlagosTensor
+from .errors import DeviceMismatchError
+
+NATIVE, FALLBACK, WOULD_FALL_BACK = _C.ROUTE_NATIVE, _C.ROUTE_FALLBACK, _C.ROUTE_ERROR
+OVERRIDE = _C.ROUTE_OVERRIDE
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3,
+               torch.int64: 4, torch.int32: 5, torch.int16: 6, torch.int8: 7, torch.uint8: 8,
+               torch.bool: 9}
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+
+def _contiguous_strides(size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(tuple(size)):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def _span(size, stride, offset) -> tuple[int, int]:
+    """[first, last + 1) element of the storage a strided view touches (empty: (offset, offset))."""
+    if any(s == 0 for s in size):
+        return offset, offset
+    return offset, offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
+
+
+def _walk(value, fn):
+    """Apply fn to every flagos tensor in an argument (lists and tuples one level deep)."""
+    if isinstance(value, FlagosTensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_walk(v, fn) for v in value)
+    return value
+
+
+def _is_flagos_device(value) -> bool:
+    return isinstance(value, torch.device) and value.type == "flagos"
+
+
+def _host_scalar(value):
+    """A Python number for a number or a 0-dim host tensor; None otherwise."""
+    if isinstance(value, (int, float, bool)) and not isinstance(value, torch.Tensor):
+        return float(value)
+    if (isinstance(value, torch.Tensor) and not isinstance(value, FlagosTensor)
+            and value.dim() == 0 and value.device.type == "cpu"):
+        return float(value.item())
+    return None
+
+
+class Runner:
+    def __init__(self, chip, flagos_devices):
+        self.chip = chip
+        self.adapter = chip.adapter
+        self.devices = flagos_devices
+        self.kernels = {op: (i, mask) for i, (op, mask) in enumerate(self.adapter.kernels())}
+        self.native = [self.adapter.props(i)["native_dtypes"] for i in range(len(flagos_devices))]
+        self.facts = {}
+
+    # ---- entry ------------------------------------------------------------
+    def __call__(self, func, name, route, policy, flags, args, kwargs):
+        kwargs = kwargs or {}
+        special = SPECIAL.get(name)
+        if special is not None:
+            return special(self, func, args, kwargs), NATIVE, 0, 0, 0, ()
+        index = self._device_index(name, flags, args, kwargs)
+        if flags & _C.OP_VIEW:
+            return self._view(func, args, kwargs), NATIVE, 0, 0, 0, ()
+        if route == OVERRIDE:
+            from . import _routes
+            try:
+                return _routes._override_for(name)(*args, **kwargs), OVERRIDE, 0, 0, 0, ()
+            except NotImplementedError:
+                pass
+        if route != FALLBACK:
+            out = self._try_kernel(func, name, index, args, kwargs)
+            if out is not NotImplemented:
+                return out, NATIVE, 0, 0, 0, ()
+        if policy == 2:
+            return None, WOULD_FALL_BACK, 0, 0, 0, ()  # the router raises before anything ran
+        start = time.perf_counter_ns()
+        out, to_host, to_device, dtypes = self._fallback(func, index, args, kwargs)
+        return out, FALLBACK, to_host, to_device, time.perf_counter_ns() - start, dtypes
+
+    def _device_index(self, name, flags, args, kwargs) -> int:
+        seen = set()
+        _walk((args, tuple(kwargs.values())), lambda t: seen.add(t.device.index))
+        if len(seen) > 1 and not flags & _C.OP_CROSS_DEVICE:
+            found = ", ".join(f"flagos:{i}" for i in sorted(seen))
+            raise DeviceMismatchError(
+                f"{name}: its tensors are on {found}; every tensor argument must be on the same "
+                f"device. Move them to one with .to('flagos:N').")
+        if seen:
+            return min(seen)
+        device = kwargs.get("device")
+        return device.index or 0 if _is_flagos_device(device) else 0
+
+    # ---- buffers and wrappers ------------------------------------------------
+    def _wrap(self, buffer, size, stride, offset, dtype, index) -> FlagosTensor:
+        out = torch.Tensor._make_wrapper_subclass(
+            FlagosTensor, size, strides=stride, storage_offset=offset, dtype=dtype,
+            device=self.devices[index], storage_size=_C.WRAPPER_STORAGE_BYTES)
+        out._payload = buffer
+        return out
+
+    def _alloc(self, size, dtype, index, stride=None) -> FlagosTensor:
+        size = tuple(size)
+        stride = _contiguous_strides(size) if stride is None else tuple(stride)
+        numel = _span(size, stride, 0)[1]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self._wrap(self.adapter.alloc(index, numel * itemsize), size, stride, 0, dtype, index)
+
+    def _upload(self, host: torch.Tensor, index: int) -> FlagosTensor:
+        host = host.contiguous()
+        out = self._alloc(host.shape, host.dtype, index)
+        if host.numel():
+            out._payload.write(to_dlpack(host.view(-1)), 0)
+        return out
+
+    def _meta(self, t: FlagosTensor) -> torch.Tensor:
+        numel = t._payload.nbytes // t.element_size()
+        return torch.empty(numel, dtype=t.dtype, device=META).as_strided(
+            t.size(), t.stride(), t.storage_offset())
+
+    def _download(self, t: FlagosTensor) -> torch.Tensor:
+        """A host copy of just the elements the view touches, with the view's layout."""
+        lo, hi = _span(t.size(), t.stride(), t.storage_offset())
+        item = t.element_size()
+        host = torch.empty(hi - lo, dtype=t.dtype)
+        if hi > lo:
+            t._payload.read(to_dlpack(host.view(torch.uint8) if host.dtype != torch.bool else host), lo * item)
+        return host.as_strided(t.size(), t.stride(), t.storage_offset() - lo)
+
+    # ---- views: metadata over the same buffer -----------------------------------
+    def _view(self, func, args, kwargs):
+        base = next(t for t in _flatten(args) if isinstance(t, FlagosTensor))
+        out = func(*_walk(args, self._meta), **self._meta_kwargs(kwargs))
+        index = base.device.index
+
+        def rewrap(m):
+            if isinstance(m, torch.Tensor):
+                return self._wrap(base._payload, m.shape, m.stride(), m.storage_offset(), m.dtype, index)
+            if isinstance(m, (list, tuple)):
+                return type(m)(rewrap(x) for x in m)
+            return m
+        return rewrap(out)
+
+    def _meta_kwargs(self, kwargs):
+        return {k: META if _is_flagos_device(v) else _walk(v, self._meta) for k, v in kwargs.items()}
+
+    # ---- adapter kernels ------------------------------------------------------
+    def _try_kernel(self, func, name, index, args, kwargs):
+        builder = KERNEL_BUILDERS.get(name)
+        if builder is None:
+            return NotImplemented
+        plan = builder(self, name, args, kwargs)
+        if plan is None:
+            return NotImplemented
+        kname, inputs, scalars, ints, out_shapes, broadcast = plan
+        entry = self.kernels.get(kname)
+        tensors = [t for t in inputs if t is not None]
+        if entry is None or not tensors:
+            return NotImplemented
+        dtype = tensors[0].dtype
+        code = DTYPE_CODES.get(dtype)
+        if code is None or any(t.dtype != dtype for t in tensors):
+            return NotImplemented
+        if not (entry[1] >> code & 1) or not (self.native[index] >> code & 1):
+            return NotImplemented
+        metas = func(*_walk(args, self._meta), **self._meta_kwargs(kwargs))
+        metas = metas if isinstance(metas, tuple) else (metas,)
+        if any(m.dtype != dtype for m in metas):
+            return NotImplemented  # type promotion: let the host do it
+        shapes = out_shapes if out_shapes is not None else [tuple(m.shape) for m in metas]
+        outs = [self._alloc(s, dtype, index) for s in shapes]
+        descs = [self._desc(t, broadcast[i] if broadcast else None) for i, t in enumerate(inputs)]
+        self.adapter.run_kernel(entry[0], index, descs, [self._desc(o) for o in outs],
+                                tuple(float(s) for s in scalars), tuple(int(i) for i in ints))
+        results = []
+        for o, m in zip(outs, metas):
+            if tuple(o.shape) != tuple(m.shape):  # keepdim=False reductions: same bytes, final shape
+                o = self._wrap(o._payload, m.shape, _contiguous_strides(m.shape), 0, dtype, index)
+            results.append(o)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def _desc(self, t, shape=None):
+        if t is None:
+            return None
+        m = self._meta(t)
+        if shape is not None and tuple(m.shape) != tuple(shape):
+            m = m.expand(shape)
+        return (t._payload, m.storage_offset(), DTYPE_CODES[t.dtype], tuple(m.shape), tuple(m.stride()))
+
+    # ---- the host round trip ------------------------------------------------------
+    def _fallback(self, func, index, args, kwargs):
+        fts = [t for t in _flatten((args, tuple(kwargs.values()))) if isinstance(t, FlagosTensor)]
+        # One host region per buffer, covering every view of it in this op, so host views of
+        # one buffer alias each other as they do on the device.
+        regions = {}
+        for t in fts:
+            lo, hi = _span(t.size(), t.stride(), t.storage_offset())
+            item = t.element_size()
+            key = id(t._payload)
+            b0, b1 = lo * item, hi * item
+            if key in regions:
+                buf, r0, r1 = regions[key]
+                regions[key] = (buf, min(r0, b0) if r1 > r0 else b0, max(r1, b1))
+            else:
+                regions[key] = (t._payload, b0, b1)
+        host_bytes = {}
+        to_host = 0
+        for key, (buf, b0, b1) in regions.items():
+            data = torch.empty(max(b1 - b0, 0), dtype=torch.uint8)
+            if b1 > b0:
+                buf.read(to_dlpack(data), b0)
+                to_host += b1 - b0
+            host_bytes[key] = (data, b0)
+
+        def host_view(t):
+            data, b0 = host_bytes[id(t._payload)]
+            item = t.element_size()
+            usable = (data.numel() // item) * item
+            flat = data[:usable].view(t.dtype) if usable else torch.empty(0, dtype=t.dtype)
+            return flat.as_strided(t.size(), t.stride(), t.storage_offset() - b0 // item)
+
+        hargs = _walk(args, host_view)
+        hkwargs = {k: CPU if _is_flagos_device(v) else _walk(v, host_view) for k, v in kwargs.items()}
+        dtypes = tuple(sorted({t.dtype for t in fts}, key=str))
+        out = func(*hargs, **hkwargs)
+
+        facts = self.facts.get(func)
+        if facts is None:
+            facts = self.facts[func] = _schema.describe(func)
+        _, arg_names, write_args, return_alias, _ = facts
+        to_device = 0
+        written = set()
+        for i in write_args:
+            value = args[i] if i < len(args) else kwargs.get(arg_names[i])
+            for t in _flatten((value,)):
+                if isinstance(t, FlagosTensor) and id(t._payload) not in written:
+                    written.add(id(t._payload))
+                    buf, b0, b1 = regions[id(t._payload)]
+                    if b1 > b0:
+                        buf.write(to_dlpack(host_bytes[id(t._payload)][0]), b0)
+                        to_device += b1 - b0
+
+        target = kwargs.get("device")
+        if isinstance(target, torch.device) and target.type != "flagos":
+            return out, to_host, to_device, dtypes  # the op asked for host results
+        if _is_flagos_device(target):
+            index = target.index or 0
+        uploaded = [0]
+
+        def to_chip(v):
+            if isinstance(v, torch.Tensor) and not isinstance(v, FlagosTensor):
+                uploaded[0] += v.numel() * v.element_size()
+                return self._upload(v, index)
+            if isinstance(v, (list, tuple)):
+                return type(v)(to_chip(x) for x in v)
+            return v
+
+        def original(i):
+            return args[i] if i < len(args) else kwargs.get(arg_names[i])
+
+        if len(return_alias) == 1:
+            result = original(return_alias[0]) if return_alias[0] >= 0 else to_chip(out)
+        elif len(return_alias) > 1:
+            result = tuple(original(a) if a >= 0 else to_chip(v) for a, v in zip(return_alias, out))
+        else:
+            result = out
+        return result, to_host, to_device + uploaded[0], dtypes
+
+    # ---- allocation and copies (never a fallback) ------------------------------------
+    def empty(self, func, args, kwargs):
+        size = args[0]
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+        return self._alloc(size, dtype, self._index_of(kwargs.get("device")))
+
+    def empty_strided(self, func, args, kwargs):
+        size, stride = args[0], args[1]
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+        return self._alloc(size, dtype, self._index_of(kwargs.get("device")), stride)
+
+    def empty_like(self, func, args, kwargs):
+        t = args[0]
+        dtype = kwargs.get("dtype") or t.dtype
+        device = kwargs.get("device")
+        if isinstance(device, torch.device) and device.type != "flagos":
+            return torch.empty(t.shape, dtype=dtype, device=device)
+        return self._alloc(t.shape, dtype, self._index_of(device, t.device.index))
+
+    def _index_of(self, device, default=0) -> int:
+        if _is_flagos_device(device) and device.index is not None:
+            return device.index
+        return default
+
+    def copy_(self, func, args, kwargs):
+        dst, src = args[0], args[1]
+        if not isinstance(dst, FlagosTensor):  # host destination: bring the source here
+            dst.copy_(self._download(src) if isinstance(src, FlagosTensor) else src)
+            return dst
+        if (isinstance(src, FlagosTensor) and src.dtype == dst.dtype and src.shape == dst.shape
+                and src.is_contiguous() and dst.is_contiguous()):
+            item = dst.element_size()
+            if dst.numel():
+                dst._payload.copy_from(src._payload, dst.storage_offset() * item,
+                                       src.storage_offset() * item, dst.numel() * item)
+            return dst
+        host = self._download(src) if isinstance(src, FlagosTensor) else src
+        if dst.is_contiguous():
+            data = host.to(dst.dtype).expand(dst.shape).contiguous()
+            if data.numel():
+                dst._payload.write(to_dlpack(data.view(-1)), dst.storage_offset() * dst.element_size())
+            return dst
+        region = self._download(dst)
+        region.copy_(host)
+        self._write_region(dst, region)
+        return dst
+
+    def _write_region(self, t: FlagosTensor, region: torch.Tensor) -> None:
+        """Upload a host region made by _download(t) (after changing it) back to t's buffer."""
+        lo, hi = _span(t.size(), t.stride(), t.storage_offset())
+        if hi > lo:
+            flat = region.as_strided((hi - lo,), (1,), region.storage_offset() - (t.storage_offset() - lo))
+            t._payload.write(to_dlpack(flat.contiguous()), lo * t.element_size())
+
+    def to_copy(self, func, args, kwargs):
+        t = args[0]
+        dtype = kwargs.get("dtype") or t.dtype
+        device = kwargs.get("device")
+        if isinstance(device, torch.device) and device.type != "flagos":
+            return self._download(t).to(dtype=dtype, device=device).clone()
+        index = self._index_of(device, t.device.index)
+        if dtype == t.dtype and t.is_contiguous():
+            out = self._alloc(t.shape, dtype, index)
+            if t.numel():
+                item = t.element_size()
+                out._payload.copy_from(t._payload, 0, t.storage_offset() * item, t.numel() * item)
+            return out
+        return self._upload(self._download(t).to(dtype), index)
+
+    def clone(self, func, args, kwargs):
+        return self.to_copy(func, (args[0],), {})
+
+    def local_scalar(self, func, args, kwargs):
+        return self._download(args[0]).item()
+
+    def unsafe_view(self, func, args, kwargs):
+        t, size = args[0], args[1]
+        if not t.is_contiguous():
+            return self.to_copy(func, (t,), {}).view(size)
+        meta = self._meta(t).view(size)
+        return self._wrap(t._payload, meta.shape, meta.stride(), meta.storage_offset(), t.dtype,
+                          t.device.index)
+
+    def fill_(self, func, args, kwargs):
+        t, value = args[0], args[1]
+        host = torch.full(t.shape, value.item() if isinstance(value, torch.Tensor) else value, dtype=t.dtype)
+        return self.copy_(func, (t, host), {})
+
+    def zero_(self, func, args, kwargs):
+        return self.fill_(func, (args[0], 0), {})
+
+    def lift_fresh(self, func, args, kwargs):
+        return args[0]
+
+
+def _flatten(value):
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flatten(v)
+    else:
+        yield value
+
+
+SPECIAL = {
+    "aten::empty.memory_format": Runner.empty,
+    "aten::empty_strided": Runner.empty_strided,
+    "aten::empty_like": Runner.empty_like,
+    "aten::copy_": Runner.copy_,
+    "aten::_to_copy": Runner.to_copy,
+    "aten::clone": Runner.clone,
+    "aten::_local_scalar_dense": Runner.local_scalar,
+    "aten::_unsafe_view": Runner.unsafe_view,
+    "aten::fill_.Scalar": Runner.fill_,
+    "aten::zero_": Runner.zero_,
+    "aten::lift_fresh": Runner.lift_fresh,
+}
+
+
+# ---- kernel argument builders: aten arguments -> adapter calling convention -------------
+# Each returns (kernel name, inputs, scalars, ints, output shapes or None, broadcast shape
+# per input or None), or None when the call does not fit the convention.
+
+def _out_shape(*tensors):
+    return tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
+
+
+def _binary(runner, name, args, kwargs, with_alpha):
+    self, other = args[0], args[1]
+    alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+    if not isinstance(self, FlagosTensor) or isinstance(alpha, torch.Tensor):
+        return None
+    if isinstance(other, FlagosTensor):
+        shape = _out_shape(self, other)
+        return name, [self, other], ([alpha] if with_alpha else []), [], None, [shape, shape]
+    value = _host_scalar(other)
+    if value is None:
+        return None
+    scalar_name = name.replace(".Tensor", ".Scalar")
+    return scalar_name, [self], ([value, alpha] if with_alpha else [value]), [], None, None
+
+
+def _binary_scalar(runner, name, args, kwargs, with_alpha):
+    self, other = args[0], args[1]
+    alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+    value = _host_scalar(other)
+    if value is None or isinstance(alpha, torch.Tensor):
+        return None
+    return name, [self], ([value, alpha] if with_alpha else [value]), [], None, None
+
+
+def _unary(runner, name, args, kwargs):
+    return name, [args[0]], [], [], None, None
+
+
+def _gelu(runner, name, args, kwargs):
+    approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+    return name, [args[0]], [], [1 if approximate == "tanh" else 0], None, None
+
+
+def _matmul(runner, name, args, kwargs):
+    return name, [args[0], args[1]], [], [], None, None
+
+
+def _addmm(runner, name, args, kwargs):
+    self, mat1, mat2 = args[0], args[1], args[2]
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
+    if not all(isinstance(t, FlagosTensor) for t in (self, mat1, mat2)):
+        return None
+    shape = (mat1.shape[0], mat2.shape[1])
+    return name, [self, mat1, mat2], [beta, alpha], [], None, [shape, None, None]
+
+
+def _reduce(runner, name, args, kwargs):
+    self = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    if kwargs.get("dtype", args[3] if len(args) > 3 else None) is not None:
+        return None
+    ndim = self.dim()
+    dims = sorted({d % ndim for d in dim} if dim else range(ndim)) if ndim else []
+    keep_shape = tuple(1 if i in dims else s for i, s in enumerate(self.shape))
+    del keepdim  # the kernel writes the keepdim shape; the wrapper takes the final one
+    return name, [self], [], dims, [keep_shape], None
+
+
+def _softmax(runner, name, args, kwargs):
+    self, dim, half_to_float = args[0], args[1], args[2]
+    if half_to_float or self.dim() == 0:
+        return None
+    return name, [self], [], [dim % self.dim()], None, None
+
+
+def _layer_norm(runner, name, args, kwargs):
+    inp, normalized_shape, weight, bias, eps = args
+    return name, [inp, weight, bias], [eps], [len(normalized_shape)], None, None
+
+
+KERNEL_BUILDERS = {
+    "aten::add.Tensor": lambda r, n, a, k: _binary(r, n, a, k, True),
+    "aten::sub.Tensor": lambda r, n, a, k: _binary(r, n, a, k, True),
+    "aten::mul.Tensor": lambda r, n, a, k: _binary(r, n, a, k, False),
+    "aten::div.Tensor": lambda r, n, a, k: _binary(r, n, a, k, False),
+    "aten::add.Scalar": lambda r, n, a, k: _binary_scalar(r, n, a, k, True),
+    "aten::sub.Scalar": lambda r, n, a, k: _binary_scalar(r, n, a, k, True),
+    "aten::mul.Scalar": lambda r, n, a, k: _binary_scalar(r, n, a, k, False),
+    "aten::div.Scalar": lambda r, n, a, k: _binary_scalar(r, n, a, k, False),
+    **{op: _unary for op in ("aten::neg", "aten::relu", "aten::silu", "aten::sigmoid",
+                             "aten::tanh", "aten::exp")},
+    "aten::gelu": _gelu,
+    "aten::mm": _matmul,
+    "aten::bmm": _matmul,
+    "aten::addmm": _addmm,
+    "aten::sum.dim_IntList": _reduce,
+    "aten::mean.dim": _reduce,
+    "aten::_softmax": _softmax,
+    "aten::native_layer_norm": _layer_norm,
+}
