@@ -609,6 +609,11 @@ static PyObject *route_adapter(flagos_state *st, op_entry *e, PyObject *func, Py
         Py_DECREF(res);
         return NULL;
     }
+    if (taken == ROUTE_ERROR) { /* it would fall back and FLAGOS_FALLBACK=error: nothing ran */
+        Py_DECREF(res);
+        check_policy(st, e);
+        return NULL;
+    }
     Py_INCREF(out);
     e->calls[taken]++;
     e->bytes_to_host += to_host;

@@ -20,6 +20,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from . import _C, _schema
+from ._runtime import set_metadata
 from ._tensor import FlagosTensor
 from .errors import DeviceMismatchError
 
@@ -239,12 +240,15 @@ class Runner:
                 to_host += b1 - b0
             host_bytes[key] = (data, b0)
 
+        views = {}
+
         def host_view(t):
             data, b0 = host_bytes[id(t._payload)]
             item = t.element_size()
             usable = (data.numel() // item) * item
             flat = data[:usable].view(t.dtype) if usable else torch.empty(0, dtype=t.dtype)
-            return flat.as_strided(t.size(), t.stride(), t.storage_offset() - b0 // item)
+            views[id(t)] = v = flat.as_strided(t.size(), t.stride(), t.storage_offset() - b0 // item)
+            return v
 
         hargs = _walk(args, host_view)
         hkwargs = {k: CPU if _is_flagos_device(v) else _walk(v, host_view) for k, v in kwargs.items()}
@@ -260,11 +264,22 @@ class Runner:
         for i in write_args:
             value = args[i] if i < len(args) else kwargs.get(arg_names[i])
             for t in _flatten((value,)):
-                if isinstance(t, FlagosTensor) and id(t._payload) not in written:
+                if not isinstance(t, FlagosTensor):
+                    continue
+                view = views[id(t)]
+                data = host_bytes[id(t._payload)][0]
+                if (view.shape != t.shape or view.stride() != t.stride()
+                        or view.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()):
+                    # out= resized it (or an in-place op re-laid it): it gets a buffer of its own
+                    fresh = self._upload(view, t.device.index)
+                    to_device += fresh._payload.nbytes
+                    t._payload = fresh._payload
+                    set_metadata(t, fresh.shape, fresh.stride(), 0)
+                elif id(t._payload) not in written:
                     written.add(id(t._payload))
                     buf, b0, b1 = regions[id(t._payload)]
                     if b1 > b0:
-                        buf.write(to_dlpack(host_bytes[id(t._payload)][0]), b0)
+                        buf.write(to_dlpack(data), b0)
                         to_device += b1 - b0
 
         target = kwargs.get("device")
@@ -314,6 +329,9 @@ class Runner:
 
     def _index_of(self, device, default=0) -> int:
         if _is_flagos_device(device) and device.index is not None:
+            if device.index >= len(self.devices):
+                raise RuntimeError(f"flagos:{device.index} does not exist: the active chip has "
+                                   f"{len(self.devices)} device(s) (see flagos.list_devices())")
             return device.index
         return default
 
@@ -387,6 +405,13 @@ class Runner:
     def lift_fresh(self, func, args, kwargs):
         return args[0]
 
+    def inplace_view(self, func, args, kwargs):
+        """unsqueeze_, t_, as_strided_, ...: new metadata over the same buffer."""
+        t = args[0]
+        m = func(self._meta(t), *_walk(args[1:], self._meta), **self._meta_kwargs(kwargs))
+        set_metadata(t, m.shape, m.stride(), m.storage_offset())
+        return t
+
 
 def _flatten(value):
     if isinstance(value, (list, tuple)):
@@ -408,6 +433,9 @@ SPECIAL = {
     "aten::fill_.Scalar": Runner.fill_,
     "aten::zero_": Runner.zero_,
     "aten::lift_fresh": Runner.lift_fresh,
+    **{f"aten::{op}": Runner.inplace_view for op in (
+        "unsqueeze_", "squeeze_", "squeeze_.dim", "squeeze_.dims", "t_", "transpose_",
+        "as_strided_", "swapdims_", "swapaxes_")},
 }
 
 

@@ -48,6 +48,41 @@ def run_python(code: str, env: dict | None = None, check: bool = True) -> subpro
     return proc
 
 
+class OpCounter:
+    """Counts aten ops called with flagos tensor arguments, seen from a dispatch mode above the
+    router. (Ops that only create flagos tensors from host data, e.g. `.to("flagos")`, reach the
+    router as the empty/copy_ ops PyTorch splits them into, below any mode: not counted here.)"""
+
+    def __init__(self):
+        from collections import Counter
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self.counts = Counter()
+
+        def on_flagos(v):
+            if isinstance(v, flagos.FlagosTensor):
+                return True
+            if isinstance(v, (list, tuple)):
+                return any(on_flagos(x) for x in v)
+            return False
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if on_flagos(args) or on_flagos(tuple(kwargs.values())):
+                    counts[flagos._schema.op_name(func)] += 1
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
 def assert_close(actual, expected, atol=1e-6, rtol=1e-5):
     actual = actual.detach().cpu() if isinstance(actual, torch.Tensor) else torch.as_tensor(actual)
     expected = expected.detach().cpu() if isinstance(expected, torch.Tensor) else torch.as_tensor(expected)

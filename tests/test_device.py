@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flagos
-from conftest import assert_close
+from conftest import CHIP, assert_close
 
 
 def test_to_and_back(dev):
@@ -139,7 +139,8 @@ def test_save_and_load(dev, tmp_path):
 
 def test_device_module(dev):
     m = torch.flagos
-    assert m.is_available() and m.device_count() == 1 and m.current_device() == 0
+    count = len([d for d in flagos.list_devices() if d.chip == CHIP])
+    assert m.is_available() and m.device_count() == count >= 1 and m.current_device() == 0
     m.set_device(0)
     with m.device(0):
         assert m.current_device() == 0
@@ -158,9 +159,9 @@ def test_device_module(dev):
     assert torch.equal(torch.randn(3, device=dev).cpu(), b.cpu())
     m.manual_seed_all(7)
     assert torch.equal(torch.randn(3, device=dev).cpu(), a.cpu())
-    assert m.info()["chip"] == "cpu"
+    assert m.info()["chip"] == CHIP
     with pytest.raises(ValueError, match="does not exist"):
-        m.set_device(3)
+        m.set_device(count)
 
 
 def test_accelerator_reports_flagos(dev):
@@ -170,12 +171,13 @@ def test_accelerator_reports_flagos(dev):
 
 
 def test_public_api(dev):
-    info = flagos.activate("cpu")  # same chip again: no-op
-    assert info["chip"] == "cpu" and info["mode"] == "device" and info["device"] == "flagos:0"
+    info = flagos.activate(CHIP)  # same chip again: no-op
+    assert info["chip"] == CHIP and info["mode"] == "device" and info["device"] == "flagos:0"
     assert flagos.device() == torch.device("flagos", 0) == flagos.device(0)
     devices = flagos.list_devices()
-    cpu = [d for d in devices if d.chip == "cpu"]
-    assert cpu and cpu[0].available and cpu[0].total_memory > 0 and "float32" in cpu[0].native_dtypes
+    mine = [d for d in devices if d.chip == CHIP]
+    assert mine and mine[0].available and mine[0].total_memory > 0 and "float32" in mine[0].native_dtypes
+    assert len(mine) == info["device_count"]
     absent = [d for d in flagos.list_devices(include_unavailable=True) if not d.available]
-    assert all(d.chip != "cpu" for d in absent)
+    assert all(d.chip not in ("cpu", CHIP) for d in absent)
     assert flagos.info()["torch_tested"] == "2.9 to 2.14"

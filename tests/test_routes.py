@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flagos
-from conftest import assert_close, run_python
+from conftest import CHIP, assert_close, run_python
 
 
 def test_forced_fallback_matches_native(dev):
@@ -97,14 +97,15 @@ def test_override_kernel(dev):
         calls.append(x.device.type)
         return torch.clamp(x, min=0)
 
-    flagos.register_kernel("aten::relu", my_relu, chip="cpu")
+    flagos.register_kernel("aten::relu", my_relu, chip=CHIP)
     try:
         out = torch.tensor([-1.0, 2.0], device=dev).relu()
-        assert out.cpu().tolist() == [0.0, 2.0] and calls == ["cpu"]
+        # torch-native chips hand the kernel their own tensors; C-ABI chips hand it flagos tensors
+        assert out.cpu().tolist() == [0.0, 2.0] and calls == ["cpu" if CHIP == "cpu" else "flagos"]
         assert flagos.route_of("aten::relu") == "override"
         assert flagos.fallback_report().op("aten::relu")["calls"]["override"] == 1
     finally:
-        flagos.unregister_kernel("aten::relu", chip="cpu")
+        flagos.unregister_kernel("aten::relu", chip=CHIP)
     assert flagos.route_of("aten::relu") == "native"
 
 
@@ -127,11 +128,12 @@ def test_report_table_dict_json_save(dev, tmp_path):
     assert lines[1].split() == ["op", "route", "calls", "fallback", "ms", "MB", "to", "host", "MB",
                                 "from", "host", "first", "call", "site"]
     assert any(line.startswith("aten::mm ") and " fallback " in line for line in lines)
-    assert "fallback: 1 ops, 1 calls" in lines[-1]
     d = report.to_dict()
-    assert d["totals"]["calls_by_route"]["fallback"] == 1
+    n_ops, n_calls = len(report.fallback_ops), d["totals"]["calls_by_route"]["fallback"]
+    assert f"fallback: {n_ops} ops, {n_calls} calls" in lines[-1]
+    assert n_calls >= 1 and report.op("aten::mm")["calls"]["fallback"] == 1
     assert 0 < d["totals"]["fallback_call_share"] < 1
-    assert json.loads(report.to_json())["ops"][0]["op"] == "aten::mm"
+    assert "aten::mm" in [r["op"] for r in json.loads(report.to_json())["ops"]]
     path = tmp_path / "r.json"
     report.save(str(path))
     assert json.loads(path.read_text())["totals"] == json.loads(report.to_json())["totals"]

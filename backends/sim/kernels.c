@@ -77,7 +77,7 @@ static uint16_t float_to_half(float value)
         return (uint16_t)(sign | 0x7c00u);
     if (magnitude >= 0x38800000u)           /* normal: round off 13 bits, rebias exponent */
         return (uint16_t)(sign | (shift_right_round_even(magnitude, 13) - (112u << 10)));
-    if (magnitude < 0x33000000u)            /* at most 2^-25 (a tie to even): zero */
+    if (magnitude < 0x33000000u)            /* below 2^-25, half the smallest subnormal: zero */
         return (uint16_t)sign;
     /* subnormal: count units of 2^-24 from the full 24-bit significand */
     uint32_t exponent = magnitude >> 23;
