@@ -482,6 +482,10 @@ static PyObject *adapter_run_kernel(AdapterObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     rc = k->fn(&ka, &st);
     Py_END_ALLOW_THREADS
+    if (rc == FLAGOS_STATUS_UNSUPPORTED) {
+        PyErr_Format(PyExc_NotImplementedError, "%s: %s", k->op, st.message);
+        return NULL;
+    }
     if (rc != 0) {
         char call[128];
         snprintf(call, sizeof(call), "kernel %s", k->op);
@@ -586,49 +590,51 @@ PyObject *flagos_load_adapter(PyObject *Py_UNUSED(module), PyObject *path_obj)
     flagos_adapter_get_fn get = (flagos_adapter_get_fn)(uintptr_t)dlsym(lib, FLAGOS_ADAPTER_ENTRY);
     const flagos_adapter *api = get ? get() : NULL;
     if (get == NULL) {
-        dlclose(lib);
         load_error(path, "it exports no %s() (is it a flagos adapter? see docs/adapters.md)",
                    FLAGOS_ADAPTER_ENTRY);
+        dlclose(lib);
         goto done;
     }
     if (api == NULL || api->struct_size < offsetof(flagos_adapter, abi_minor) + sizeof(uint32_t)) {
-        dlclose(lib);
         load_error(path, "%s() returned no adapter table", FLAGOS_ADAPTER_ENTRY);
+        dlclose(lib);
         goto done;
     }
+    /* Every message is formatted before dlclose(): the table and its strings live in the library. */
     if (api->abi_major != FLAGOS_ADAPTER_ABI_MAJOR) {
-        dlclose(lib);
         load_error(path, "it was built for adapter ABI %u.%u, and this flagos speaks %d.%d; "
                    "rebuild it against this flagos's csrc/include/flagos/adapter.h",
                    api->abi_major, api->abi_minor, FLAGOS_ADAPTER_ABI_MAJOR, FLAGOS_ADAPTER_ABI_MINOR);
+        dlclose(lib);
         goto done;
     }
-    if (api->struct_size < offsetof(flagos_adapter, kernels) + sizeof(api->kernels)) {
-        dlclose(lib);
+    size_t needed = offsetof(flagos_adapter, kernels) + sizeof(api->kernels);
+    if (api->struct_size < needed) {
         load_error(path, "its adapter table is %zu bytes, shorter than ABI %d.0 requires (%zu)",
-                   api->struct_size, FLAGOS_ADAPTER_ABI_MAJOR, offsetof(flagos_adapter, kernels) + sizeof(api->kernels));
+                   api->struct_size, FLAGOS_ADAPTER_ABI_MAJOR, needed);
+        dlclose(lib);
         goto done;
     }
     for (size_t i = 0; i < sizeof(required) / sizeof(required[0]); i++) {
         void *fn;
         memcpy(&fn, (const char *)api + required[i].offset, sizeof(fn));
         if (fn == NULL) {
-            dlclose(lib);
             load_error(path, "its adapter table has no '%s' entry point (required)", required[i].name);
+            dlclose(lib);
             goto done;
         }
     }
     if (api->name == NULL || (api->n_kernels > 0 && api->kernels == NULL) || api->n_kernels < 0) {
-        dlclose(lib);
         load_error(path, "its adapter table has no name or an inconsistent kernel table");
+        dlclose(lib);
         goto done;
     }
     flagos_status st = {0};
     if (api->init(&st) != 0) {
-        const char *name = api->error_name(st.code);
-        dlclose(lib);
         st.message[sizeof(st.message) - 1] = '\0';
-        load_error(path, "its init() failed (%s, code %d): %s", name, st.code, st.message);
+        load_error(path, "its init() failed (%s, code %d): %s", api->error_name(st.code), st.code,
+                   st.message);
+        dlclose(lib);
         goto done;
     }
     AdapterObject *a = PyObject_New(AdapterObject, &Adapter_Type);

@@ -16,6 +16,11 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+# torch first: with FLAGOS_DEVICE set, importing torch runs flagos's autoload, which must find
+# this package importable whichever of `import flagos` and `import torch` a script does first.
+import torch  # noqa: F401
+
+
 _EXPORTS = {
     "activate": "_runtime", "deactivate": "_runtime", "device": "_runtime",
     "list_devices": "_runtime", "info": "_runtime", "TESTED_TORCH": "_runtime",

@@ -198,8 +198,11 @@ class Runner:
         shapes = out_shapes if out_shapes is not None else [tuple(m.shape) for m in metas]
         outs = [self._alloc(s, dtype, index) for s in shapes]
         descs = [self._desc(t, broadcast[i] if broadcast else None) for i, t in enumerate(inputs)]
-        self.adapter.run_kernel(entry[0], index, descs, [self._desc(o) for o in outs],
-                                tuple(float(s) for s in scalars), tuple(int(i) for i in ints))
+        try:
+            self.adapter.run_kernel(entry[0], index, descs, [self._desc(o) for o in outs],
+                                    tuple(float(s) for s in scalars), tuple(int(i) for i in ints))
+        except NotImplementedError:  # FLAGOS_STATUS_UNSUPPORTED: the kernel declined these arguments
+            return NotImplemented
         results = []
         for o, m in zip(outs, metas):
             if tuple(o.shape) != tuple(m.shape):  # keepdim=False reductions: same bytes, final shape

@@ -11,6 +11,16 @@ def test_autoload_with_flagos_device():
     assert "tensor([2., 2.], device='flagos:0')" in proc.stdout
 
 
+def test_import_flagos_first_with_flagos_device_set():
+    proc = run_python("""
+        import flagos
+        info = flagos.activate()      # autoload already activated it: same chip, a no-op
+        import torch
+        print(info["chip"], torch.ones(1, device="flagos").device)
+    """, env={"FLAGOS_DEVICE": "cpu"})
+    assert "cpu flagos:0" in proc.stdout
+
+
 def test_autoload_alias_variable():
     proc = run_python("""
         import torch

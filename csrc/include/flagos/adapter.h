@@ -37,6 +37,11 @@ extern "C" {
 #define FLAGOS_MAX_DIMS 8
 #define FLAGOS_STATUS_MESSAGE_SIZE 256
 
+/* A kernel returns this (never a vendor code) when it cannot handle these particular
+ * arguments, e.g. a layout it does not support: flagos then runs this call on the CPU
+ * fallback instead of raising. */
+#define FLAGOS_STATUS_UNSUPPORTED (-1)
+
 /* ---- status ------------------------------------------------------------ */
 
 typedef struct flagos_status {

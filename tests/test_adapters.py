@@ -1,0 +1,135 @@
+"""The adapter ABI: the guide's example adapter runs a model; broken adapters fail clearly."""
+import os
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+import flagos
+from flagos import _C
+from flagos.chips.adapter import load
+from conftest import run_python
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+INCLUDE = ROOT / "csrc" / "include"
+
+
+def guide_example() -> str:
+    """The complete example adapter from docs/adapters.md, as printed there."""
+    text = (ROOT / "docs" / "adapters.md").read_text()
+    blocks = re.findall(r"```c\n(.*?)```", text, re.S)
+    return next(b for b in blocks if "flagos_adapter_get(void)\n{" in b)
+
+
+def build(tmp_path, name: str, source: str, strict: bool = True) -> pathlib.Path:
+    src = tmp_path / f"{name}.c"
+    src.write_text(source)
+    lib = tmp_path / f"libflagos_{name}_adapter.so"
+    flags = ["-Wall", "-Wextra", "-Werror"] if strict else ["-w"]
+    subprocess.run(["cc", "-std=c11", *flags, "-fPIC", "-shared", f"-I{INCLUDE}", str(src),
+                    "-o", str(lib)], check=True)
+    return lib
+
+
+def test_guide_example_runs_a_model_with_the_rest_falling_back(tmp_path):
+    build(tmp_path, "toy", guide_example())
+    proc = run_python("""
+        import torch, flagos
+        info = flagos.activate("toy")
+        assert info["chip"] == "toy" and info["devices"] == ["toy accelerator"]
+        torch.manual_seed(0)
+        w = torch.randn(8, 16)
+        head = torch.nn.Linear(16, 4)
+
+        def model(x, w):
+            h = torch.relu(x @ w)            # mm and relu: toy kernels
+            return head(h + h)               # add: toy kernel; linear's addmm: CPU fallback
+
+        x = torch.randn(5, 8)
+        with torch.no_grad():
+            ref = model(x, w)
+            d = flagos.device()
+            head.to(d)
+            out = model(x.to(d), w.to(d)).cpu()
+            # toy's mm takes contiguous operands only: a transposed one is declined and falls back
+            declined = (x.to(d) @ w.t().contiguous().to(d).t()).cpu()
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(declined, x @ w, atol=1e-5, rtol=1e-5)
+        report = flagos.fallback_report()
+        for op in ("aten::relu", "aten::add.Tensor"):
+            assert report.op(op)["calls"] == {"override": 0, "native": 1, "fallback": 0}, op
+        assert report.op("aten::mm")["calls"] == {"override": 0, "native": 1, "fallback": 1}
+        assert report.op("aten::addmm")["calls"] == {"override": 0, "native": 0, "fallback": 1}
+        print(report)
+        print("OK", torch.flagos.memory_allocated() > 0)
+    """, env={"FLAGOS_ADAPTER_PATH": str(tmp_path), "FLAGOS_FALLBACK": "allow"})
+    assert "OK True" in proc.stdout
+
+
+def test_wrong_abi_major(tmp_path):
+    source = guide_example().replace(".abi_major = FLAGOS_ADAPTER_ABI_MAJOR,",
+                                     ".abi_major = FLAGOS_ADAPTER_ABI_MAJOR + 1,")
+    lib = build(tmp_path, "future", source)
+    with pytest.raises(flagos.errors.AdapterError,
+                       match=rf"{re.escape(str(lib))}: it was built for adapter ABI 2\.0, and this "
+                             r"flagos speaks 1\.0; rebuild it"):
+        load(str(lib))
+
+
+def test_missing_entry_point(tmp_path):
+    lib = build(tmp_path, "empty", "int flagos_not_an_adapter = 1;\n")
+    with pytest.raises(flagos.errors.AdapterError, match=r"it exports no flagos_adapter_get\(\)"):
+        load(str(lib))
+
+
+def test_missing_required_function(tmp_path):
+    source = guide_example().replace("    .alloc = toy_alloc,\n", "")
+    lib = build(tmp_path, "noalloc", source, strict=False)
+    with pytest.raises(flagos.errors.AdapterError, match=r"has no 'alloc' entry point \(required\)"):
+        load(str(lib))
+
+
+def test_library_that_does_not_load(tmp_path):
+    lib = tmp_path / "libflagos_junk_adapter.so"
+    lib.write_text("not an ELF file")
+    with pytest.raises(flagos.errors.AdapterError, match=r"libflagos_junk_adapter\.so: the library does not load"):
+        load(str(lib))
+
+
+def test_auto_moves_past_a_broken_adapter(tmp_path):
+    source = guide_example().replace(".abi_major = FLAGOS_ADAPTER_ABI_MAJOR,",
+                                     ".abi_major = FLAGOS_ADAPTER_ABI_MAJOR + 1,")
+    build(tmp_path, "future", source)
+    proc = run_python("""
+        import flagos
+        print("CHIP", flagos.activate("auto")["chip"])
+    """, env={"FLAGOS_ADAPTER_PATH": str(tmp_path)})
+    assert "CHIP cpu" in proc.stdout
+    assert "chip future skipped" in proc.stderr and "adapter ABI 2.0" in proc.stderr
+    named = run_python("""
+        import flagos
+        try:
+            flagos.activate("future")
+        except flagos.errors.AdapterError as e:
+            print("ERR", e)
+    """, env={"FLAGOS_ADAPTER_PATH": str(tmp_path)})
+    assert "ERR cannot use chip adapter" in named.stdout and "ABI 2.0" in named.stdout
+
+
+def test_missing_adapter_names_the_search_path():
+    proc = run_python("""
+        import flagos
+        try:
+            flagos.activate("nosuchchip")
+        except flagos.ConfigError as e:
+            print("ERR", e)
+    """, env={"FLAGOS_ADAPTER_PATH": "/nonexistent"})
+    assert "unknown chip 'nosuchchip'" in proc.stdout and "sim" in proc.stdout
+
+
+def test_abi_constants_match_the_header():
+    header = (INCLUDE / "flagos" / "adapter.h").read_text()
+    major = int(re.search(r"#define FLAGOS_ADAPTER_ABI_MAJOR (\d+)", header).group(1))
+    assert _C.ADAPTER_ABI_MAJOR == major
+    assert os.path.isfile(ROOT / "flagos" / "adapters" / "libflagos_sim_adapter.so")

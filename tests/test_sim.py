@@ -1,0 +1,139 @@
+"""The emulated accelerator: its memory pool, out-of-memory, failures, devices and dtypes.
+
+Each test runs in a fresh process on sim, so these run whatever chip the suite itself uses.
+"""
+from conftest import run_python
+
+
+def run_sim(code: str, **env):
+    return run_python(code, env={"FLAGOS_DEVICE": "sim", "FLAGOS_FALLBACK": "allow", **env})
+
+
+def test_memory_stats_follow_live_tensors_exactly():
+    proc = run_sim("""
+        import gc, torch, flagos
+        m = torch.flagos
+        base = m.memory_allocated()
+        a = torch.empty(1000, device="flagos")                       # 4000 bytes
+        b = torch.zeros(10, 10, dtype=torch.float16, device="flagos")  # 200 bytes
+        assert m.memory_allocated() == base + 4200, m.memory_allocated()
+        v = a[10:20]                                                 # a view: no new memory
+        assert m.memory_allocated() == base + 4200
+        c = a * 2                                                    # sim kernel: one new buffer
+        assert m.memory_allocated() == base + 8200
+        assert m.max_memory_allocated() >= base + 8200
+        del a, v, c, b
+        gc.collect()
+        assert m.memory_allocated() == base
+        m.reset_peak_memory_stats()
+        assert m.max_memory_allocated() == base
+        assert m.memory_reserved() == m.memory_allocated()
+        free, total = m.mem_get_info()
+        assert total == 64 * 2**20 and free == total - base
+        m.empty_cache()
+        m.synchronize()
+        print("OK")
+    """, FLAGOS_SIM_MEMORY="64M")
+    assert "OK" in proc.stdout
+
+
+def test_out_of_memory_names_the_chip_and_the_process_keeps_working():
+    proc = run_sim("""
+        import gc, torch, flagos
+        m = torch.flagos
+        keep = torch.ones(1024, device="flagos")
+        before = m.memory_allocated()
+        try:
+            big = torch.empty(2**20, device="flagos")                # 4 MiB > 1 MiB pool
+        except torch.OutOfMemoryError as e:
+            print("OOM", e)
+        assert m.memory_allocated() == before
+        # the process keeps working, and memory comes back when tensors go
+        xs = [torch.ones(1024, device="flagos") for _ in range(10)]
+        assert m.memory_allocated() == before + 10 * 4096
+        del xs
+        gc.collect()
+        assert m.memory_allocated() == before
+        print("SUM", (keep * 2).sum().item())
+    """, FLAGOS_SIM_MEMORY="1M")
+    out = proc.stdout
+    assert "OOM sim device 0 is out of memory: requested 4194304 bytes" in out
+    assert "bytes free of 1048576" in out and "(SIM_ERROR_OUT_OF_MEMORY, code 2)" in out
+    assert "SUM 2048.0" in out
+
+
+def test_injected_allocation_failure():
+    proc = run_sim("""
+        import torch, flagos
+        ok = [torch.empty(4, device="flagos") for _ in range(2)]
+        try:
+            torch.empty(4, device="flagos")
+        except torch.OutOfMemoryError as e:
+            print("OOM", e)
+        print("AFTER", torch.ones(3, device="flagos").sum().item())
+    """, FLAGOS_SIM_FAIL_ALLOC_AT="3")
+    assert "injected failure of allocation #3" in proc.stdout and "AFTER 3.0" in proc.stdout
+
+
+def test_sticky_device_failure_spares_other_devices():
+    proc = run_sim("""
+        import torch, flagos
+        for attempt in range(2):
+            try:
+                torch.ones(2, device="flagos:1")
+            except flagos.DeviceError as e:
+                assert isinstance(e, RuntimeError)
+                print("ERR", e.chip, e.code, e.code_name, "|", e.hint, "|", e)
+        print("DEV0", (torch.ones(2, device="flagos:0") + 1).cpu().tolist())
+    """, FLAGOS_SIM_FAIL_DEVICE="1")
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("ERR")]
+    assert len(lines) == 2  # every later call fails too
+    assert lines[0].startswith("ERR sim 6 SIM_ERROR_DEVICE_LOST | the device is in a failed state")
+    assert "sim device 1: alloc failed" in lines[0]
+    assert "DEV0 [2.0, 2.0]" in proc.stdout
+
+
+def test_copies_between_devices():
+    proc = run_sim("""
+        import torch, flagos
+        x = torch.randn(4, 5)
+        a = x.to("flagos:0")
+        b = a.to("flagos:1")
+        assert b.device == torch.device("flagos", 1)
+        c = (b * 2).to("flagos:0")
+        torch.testing.assert_close(c.cpu(), x * 2)
+        t = a.t().to("flagos:1")                 # a strided view crosses devices too
+        torch.testing.assert_close(t.cpu(), x.t())
+        assert torch.flagos.memory_allocated(1) > 0
+        try:
+            a + b
+        except flagos.DeviceMismatchError as e:
+            print("MIX", e)
+        print("OK")
+    """)
+    assert "OK" in proc.stdout
+    assert "MIX aten::add.Tensor: its tensors are on flagos:0, flagos:1" in proc.stdout
+
+
+def test_bfloat16_is_not_native_unless_declared():
+    code = """
+        import torch, flagos
+        a = torch.randn(8, dtype=torch.bfloat16)
+        with flagos.track() as r:
+            out = (a.to("flagos") * 3).cpu()
+        torch.testing.assert_close(out, a * 3)
+        print("ROUTE", "native" if r.op("aten::mul.Tensor")["calls"]["native"] else "fallback")
+    """
+    assert "ROUTE fallback" in run_sim(code).stdout
+    assert "ROUTE native" in run_sim(code, FLAGOS_SIM_DTYPES="float32,bfloat16").stdout
+
+
+def test_bad_sim_configuration_is_a_clear_error():
+    proc = run_python("""
+        import flagos
+        try:
+            flagos.activate("sim")
+        except flagos.errors.AdapterError as e:
+            print("ERR", e)
+    """, env={"FLAGOS_SIM_MEMORY": "lots"})
+    assert "FLAGOS_SIM_MEMORY=lots is not a size" in proc.stdout and "512M" in proc.stdout
