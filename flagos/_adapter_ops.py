@@ -89,6 +89,10 @@ class Runner:
             return special(self, func, args, kwargs), NATIVE, 0, 0, 0, ()
         index = self._device_index(name, flags, args, kwargs)
         if flags & _C.OP_VIEW:
+            if name in ("aten::detach", "aten::alias"):  # same view, new tensor: no meta needed
+                t = args[0]
+                out = self._wrap(t._payload, t.shape, t.stride(), t.storage_offset(), t.dtype, index)
+                return out, NATIVE, 0, 0, 0, ()
             return self._view(func, args, kwargs), NATIVE, 0, 0, 0, ()
         if route == OVERRIDE:
             from . import _routes
@@ -180,7 +184,7 @@ class Runner:
         plan = builder(self, name, args, kwargs)
         if plan is None:
             return NotImplemented
-        kname, inputs, scalars, ints, out_shapes, broadcast = plan
+        kname, inputs, scalars, ints, out_shapes, broadcast, finals = plan
         entry = self.kernels.get(kname)
         tensors = [t for t in inputs if t is not None]
         if entry is None or not tensors:
@@ -188,35 +192,32 @@ class Runner:
         dtype = tensors[0].dtype
         code = DTYPE_CODES.get(dtype)
         if code is None or any(t.dtype != dtype for t in tensors):
-            return NotImplemented
+            return NotImplemented  # mixed dtypes: type promotion happens on the host
         if not (entry[1] >> code & 1) or not (self.native[index] >> code & 1):
             return NotImplemented
-        metas = func(*_walk(args, self._meta), **self._meta_kwargs(kwargs))
-        metas = metas if isinstance(metas, tuple) else (metas,)
-        if any(m.dtype != dtype for m in metas):
-            return NotImplemented  # type promotion: let the host do it
-        shapes = out_shapes if out_shapes is not None else [tuple(m.shape) for m in metas]
-        outs = [self._alloc(s, dtype, index) for s in shapes]
+        outs = [self._alloc(shape, dtype, index) for shape in out_shapes]
         descs = [self._desc(t, broadcast[i] if broadcast else None) for i, t in enumerate(inputs)]
         try:
             self.adapter.run_kernel(entry[0], index, descs, [self._desc(o) for o in outs],
                                     tuple(float(s) for s in scalars), tuple(int(i) for i in ints))
         except NotImplementedError:  # FLAGOS_STATUS_UNSUPPORTED: the kernel declined these arguments
             return NotImplemented
-        results = []
-        for o, m in zip(outs, metas):
-            if tuple(o.shape) != tuple(m.shape):  # keepdim=False reductions: same bytes, final shape
-                o = self._wrap(o._payload, m.shape, _contiguous_strides(m.shape), 0, dtype, index)
-            results.append(o)
-        return results[0] if len(results) == 1 else tuple(results)
+        if finals is not None:  # keepdim=False reductions: same bytes, the final shape
+            outs = [self._wrap(o._payload, f, _contiguous_strides(f), 0, dtype, index)
+                    for o, f in zip(outs, finals)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _desc(self, t, shape=None):
+        """(buffer, offset, dtype code, sizes, strides) of a tensor, broadcast to `shape`."""
         if t is None:
             return None
-        m = self._meta(t)
-        if shape is not None and tuple(m.shape) != tuple(shape):
-            m = m.expand(shape)
-        return (t._payload, m.storage_offset(), DTYPE_CODES[t.dtype], tuple(m.shape), tuple(m.stride()))
+        size, stride = tuple(t.shape), tuple(t.stride())
+        if shape is not None and tuple(shape) != size:
+            pad = len(shape) - len(size)
+            stride = tuple(0 if i < pad or size[i - pad] == 1 and shape[i] != 1 else stride[i - pad]
+                           for i in range(len(shape)))
+            size = tuple(shape)
+        return (t._payload, t.storage_offset(), DTYPE_CODES[t.dtype], size, stride)
 
     # ---- the host round trip ------------------------------------------------------
     def _fallback(self, func, index, args, kwargs):
@@ -443,58 +444,85 @@ SPECIAL = {
 
 
 # ---- kernel argument builders: aten arguments -> adapter calling convention -------------
-# Each returns (kernel name, inputs, scalars, ints, output shapes or None, broadcast shape
-# per input or None), or None when the call does not fit the convention.
+# Each returns (kernel name, inputs, scalars, ints, output shapes, broadcast shape per input or
+# None, final output shapes or None), or None when the call does not fit the convention or its
+# shapes are invalid (the host then runs it and raises PyTorch's own error).
 
-def _out_shape(*tensors):
-    return tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
+def _broadcast(a, b):
+    a, b = tuple(a), tuple(b)
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    if any(x != y and x != 1 and y != 1 for x, y in zip(a, b)):
+        return None
+    return tuple(y if x == 1 else x for x, y in zip(a, b))
+
+
+def _number(value):
+    return None if isinstance(value, torch.Tensor) else value
 
 
 def _binary(runner, name, args, kwargs, with_alpha):
     self, other = args[0], args[1]
-    alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
-    if not isinstance(self, FlagosTensor) or isinstance(alpha, torch.Tensor):
+    alpha = _number(kwargs.get("alpha", args[2] if len(args) > 2 else 1))
+    if not isinstance(self, FlagosTensor) or alpha is None:
         return None
     if isinstance(other, FlagosTensor):
-        shape = _out_shape(self, other)
-        return name, [self, other], ([alpha] if with_alpha else []), [], None, [shape, shape]
+        shape = _broadcast(self.shape, other.shape)
+        if shape is None:
+            return None
+        return name, [self, other], ([alpha] if with_alpha else []), [], [shape], [shape, shape], None
     value = _host_scalar(other)
     if value is None:
         return None
     scalar_name = name.replace(".Tensor", ".Scalar")
-    return scalar_name, [self], ([value, alpha] if with_alpha else [value]), [], None, None
+    return (scalar_name, [self], ([value, alpha] if with_alpha else [value]), [], [tuple(self.shape)],
+            None, None)
 
 
 def _binary_scalar(runner, name, args, kwargs, with_alpha):
     self, other = args[0], args[1]
-    alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+    alpha = _number(kwargs.get("alpha", args[2] if len(args) > 2 else 1))
     value = _host_scalar(other)
-    if value is None or isinstance(alpha, torch.Tensor):
+    if value is None or alpha is None:
         return None
-    return name, [self], ([value, alpha] if with_alpha else [value]), [], None, None
+    return name, [self], ([value, alpha] if with_alpha else [value]), [], [tuple(self.shape)], None, None
 
 
 def _unary(runner, name, args, kwargs):
-    return name, [args[0]], [], [], None, None
+    return name, [args[0]], [], [], [tuple(args[0].shape)], None, None
 
 
 def _gelu(runner, name, args, kwargs):
     approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
-    return name, [args[0]], [], [1 if approximate == "tanh" else 0], None, None
+    return name, [args[0]], [], [1 if approximate == "tanh" else 0], [tuple(args[0].shape)], None, None
 
 
-def _matmul(runner, name, args, kwargs):
-    return name, [args[0], args[1]], [], [], None, None
+def _mm(runner, name, args, kwargs):
+    a, b = args[0], args[1]
+    if not isinstance(b, FlagosTensor) or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        return None
+    return name, [a, b], [], [], [(a.shape[0], b.shape[1])], None, None
+
+
+def _bmm(runner, name, args, kwargs):
+    a, b = args[0], args[1]
+    if (not isinstance(b, FlagosTensor) or a.dim() != 3 or b.dim() != 3
+            or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]):
+        return None
+    return name, [a, b], [], [], [(a.shape[0], a.shape[1], b.shape[2])], None, None
 
 
 def _addmm(runner, name, args, kwargs):
     self, mat1, mat2 = args[0], args[1], args[2]
-    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
-    alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
-    if not all(isinstance(t, FlagosTensor) for t in (self, mat1, mat2)):
+    beta = _number(kwargs.get("beta", args[3] if len(args) > 3 else 1))
+    alpha = _number(kwargs.get("alpha", args[4] if len(args) > 4 else 1))
+    if (not all(isinstance(t, FlagosTensor) for t in (self, mat1, mat2)) or beta is None
+            or alpha is None or mat1.dim() != 2 or mat2.dim() != 2 or mat1.shape[1] != mat2.shape[0]):
         return None
     shape = (mat1.shape[0], mat2.shape[1])
-    return name, [self, mat1, mat2], [beta, alpha], [], None, [shape, None, None]
+    if _broadcast(self.shape, shape) != shape:
+        return None
+    return name, [self, mat1, mat2], [beta, alpha], [], [shape], [shape, None, None], None
 
 
 def _reduce(runner, name, args, kwargs):
@@ -504,22 +532,32 @@ def _reduce(runner, name, args, kwargs):
     if kwargs.get("dtype", args[3] if len(args) > 3 else None) is not None:
         return None
     ndim = self.dim()
+    if dim and any(not -max(ndim, 1) <= d < max(ndim, 1) for d in dim):
+        return None
     dims = sorted({d % ndim for d in dim} if dim else range(ndim)) if ndim else []
-    keep_shape = tuple(1 if i in dims else s for i, s in enumerate(self.shape))
-    del keepdim  # the kernel writes the keepdim shape; the wrapper takes the final one
-    return name, [self], [], dims, [keep_shape], None
+    keep = tuple(1 if i in dims else s for i, s in enumerate(self.shape))
+    final = keep if keepdim else tuple(s for i, s in enumerate(self.shape) if i not in dims)
+    return name, [self], [], dims, [keep], None, [final]
 
 
 def _softmax(runner, name, args, kwargs):
     self, dim, half_to_float = args[0], args[1], args[2]
-    if half_to_float or self.dim() == 0:
+    if half_to_float or self.dim() == 0 or not -self.dim() <= dim < self.dim():
         return None
-    return name, [self], [], [dim % self.dim()], None, None
+    return name, [self], [], [dim % self.dim()], [tuple(self.shape)], None, None
 
 
 def _layer_norm(runner, name, args, kwargs):
     inp, normalized_shape, weight, bias, eps = args
-    return name, [inp, weight, bias], [eps], [len(normalized_shape)], None, None
+    k = len(normalized_shape)
+    shape = tuple(inp.shape)
+    if not 1 <= k <= len(shape) or shape[len(shape) - k:] != tuple(normalized_shape):
+        return None
+    for t in (weight, bias):
+        if t is not None and (not isinstance(t, FlagosTensor) or tuple(t.shape) != tuple(normalized_shape)):
+            return None
+    stats = shape[:len(shape) - k] + (1,) * k
+    return name, [inp, weight, bias], [eps], [k], [shape, stats, stats], None, None
 
 
 KERNEL_BUILDERS = {
@@ -534,8 +572,8 @@ KERNEL_BUILDERS = {
     **{op: _unary for op in ("aten::neg", "aten::relu", "aten::silu", "aten::sigmoid",
                              "aten::tanh", "aten::exp")},
     "aten::gelu": _gelu,
-    "aten::mm": _matmul,
-    "aten::bmm": _matmul,
+    "aten::mm": _mm,
+    "aten::bmm": _bmm,
     "aten::addmm": _addmm,
     "aten::sum.dim_IntList": _reduce,
     "aten::mean.dim": _reduce,

@@ -137,3 +137,47 @@ def test_bad_sim_configuration_is_a_clear_error():
             print("ERR", e)
     """, env={"FLAGOS_SIM_MEMORY": "lots"})
     assert "FLAGOS_SIM_MEMORY=lots is not a size" in proc.stdout and "512M" in proc.stdout
+
+
+def test_sim_kernels_match_cpu_and_run_natively():
+    proc = run_sim("""
+        import torch, flagos
+        import torch.nn.functional as F
+        torch.manual_seed(0)
+        TOL = {torch.float32: dict(atol=1e-5, rtol=1.3e-6), torch.float16: dict(atol=1e-3, rtol=1e-3)}
+        cases = {
+            "aten::add.Tensor": lambda a, b, c: a + b * 1,
+            "aten::sub.Tensor": lambda a, b, c: torch.sub(a, c, alpha=2),      # c broadcasts
+            "aten::mul.Tensor": lambda a, b, c: a * c,
+            "aten::div.Tensor": lambda a, b, c: a / (b.abs() + 1),
+            "aten::add.Scalar": lambda a, b, c: torch.ops.aten.add.Scalar(a, 2.5, alpha=2),
+            "aten::mul.Scalar": lambda a, b, c: torch.ops.aten.mul.Scalar(a, -3.0),
+            "aten::neg": lambda a, b, c: -a,
+            "aten::relu": lambda a, b, c: F.relu(a.t()),                      # strided input
+            "aten::silu": lambda a, b, c: F.silu(a),
+            "aten::sigmoid": lambda a, b, c: torch.sigmoid(a),
+            "aten::tanh": lambda a, b, c: torch.tanh(a),
+            "aten::exp": lambda a, b, c: torch.exp(a),
+            "aten::gelu": lambda a, b, c: F.gelu(a, approximate="tanh"),
+            "aten::mm": lambda a, b, c: a @ b.t(),
+            "aten::bmm": lambda a, b, c: torch.bmm(a.view(2, 3, 8), b.view(2, 8, 3)),
+            "aten::addmm": lambda a, b, c: torch.addmm(c[0, :6], a, b.t(), beta=0.5, alpha=2),
+            "aten::sum.dim_IntList": lambda a, b, c: a.sum(dim=1, keepdim=False),
+            "aten::mean.dim": lambda a, b, c: a.mean(dim=(0, 1), keepdim=True),
+            "aten::_softmax": lambda a, b, c: torch.softmax(a, dim=0),
+            "aten::native_layer_norm": lambda a, b, c: F.layer_norm(a, (8,), b[0], c[0]),
+        }
+        for dtype in (torch.float32, torch.float16):
+            a, b, c = torch.randn(6, 8), torch.randn(6, 8), torch.randn(1, 8)
+            a, b, c = (t.to(dtype) for t in (a, b, c))
+            d = flagos.device()
+            for op, fn in cases.items():
+                ref = fn(a.float(), b.float(), c.float())
+                with flagos.track() as r:
+                    out = fn(a.to(d), b.to(d), c.to(d)).cpu()
+                row = r.op(op)
+                assert row and row["calls"]["native"] >= 1 and row["calls"]["fallback"] == 0, (op, dtype, row)
+                torch.testing.assert_close(out.float(), ref, **TOL[dtype]), (op, dtype)
+        print("OK")
+    """)
+    assert "OK" in proc.stdout
