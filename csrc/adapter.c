@@ -137,7 +137,9 @@ static void buffer_dealloc(BufferObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *buffer_read(BufferObject *self, PyObject *args)
+/* read(capsule, offset) / write(capsule, offset): one contiguous copy between the buffer
+ * (at a byte offset) and a host tensor; returns the bytes copied. */
+static PyObject *buffer_transfer(BufferObject *self, PyObject *args, int to_host)
 {
     PyObject *capsule;
     unsigned long long offset;
@@ -147,38 +149,29 @@ static PyObject *buffer_read(BufferObject *self, PyObject *args)
     uint64_t nbytes;
     if (host_region(capsule, &data, &nbytes) < 0)
         return NULL;
+    const flagos_adapter *api = self->adapter->api;
     flagos_status st = {0};
     int32_t rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = self->adapter->api->copy_d2h(self->device, data, self->buffer, offset, nbytes, &st);
+    rc = to_host ? api->copy_d2h(self->device, data, self->buffer, offset, nbytes, &st)
+                 : api->copy_h2d(self->device, self->buffer, offset, data, nbytes, &st);
     Py_END_ALLOW_THREADS
     if (rc != 0) {
-        raise_status(self->adapter, "copy to host", self->device, &st, NULL);
+        raise_status(self->adapter, to_host ? "copy to host" : "copy from host", self->device, &st,
+                     NULL);
         return NULL;
     }
     return PyLong_FromUnsignedLongLong(nbytes);
 }
 
+static PyObject *buffer_read(BufferObject *self, PyObject *args)
+{
+    return buffer_transfer(self, args, 1);
+}
+
 static PyObject *buffer_write(BufferObject *self, PyObject *args)
 {
-    PyObject *capsule;
-    unsigned long long offset;
-    if (!PyArg_ParseTuple(args, "OK", &capsule, &offset))
-        return NULL;
-    void *data;
-    uint64_t nbytes;
-    if (host_region(capsule, &data, &nbytes) < 0)
-        return NULL;
-    flagos_status st = {0};
-    int32_t rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = self->adapter->api->copy_h2d(self->device, self->buffer, offset, data, nbytes, &st);
-    Py_END_ALLOW_THREADS
-    if (rc != 0) {
-        raise_status(self->adapter, "copy from host", self->device, &st, NULL);
-        return NULL;
-    }
-    return PyLong_FromUnsignedLongLong(nbytes);
+    return buffer_transfer(self, args, 0);
 }
 
 static PyTypeObject Buffer_Type;

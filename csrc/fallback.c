@@ -24,6 +24,7 @@ typedef struct copy_ctx {
     op_entry *e;
     PyObject *to_host_kw;  /* {"device": host} */
     int device_index;      /* chip device of the first chip tensor seen */
+    int target;            /* flagos index results go to, for to_chip over containers */
 } copy_ctx;
 
 static int add_bytes(PyObject *t, uint64_t *counter)
@@ -74,6 +75,13 @@ static int note_device(copy_ctx *c, PyObject *payload)
     return 0;
 }
 
+static PyObject *to_host(copy_ctx *c, PyObject *v);
+
+static PyObject *to_host_item(void *ctx, PyObject *item)
+{
+    return to_host(ctx, item);
+}
+
 /* New reference: v with chip tensors replaced by host copies. */
 static PyObject *to_host(copy_ctx *c, PyObject *v)
 {
@@ -91,21 +99,8 @@ static PyObject *to_host(copy_ctx *c, PyObject *v)
         return h;
     }
     PyTypeObject *tp = Py_TYPE(v);
-    if (tp == &PyList_Type || tp == &PyTuple_Type) {
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
-        PyObject *out = tp == &PyList_Type ? PyList_New(n) : PyTuple_New(n);
-        if (out == NULL)
-            return NULL;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *h = to_host(c, PySequence_Fast_ITEMS(v)[i]);
-            if (h == NULL) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            PySequence_Fast_ITEMS(out)[i] = h;
-        }
-        return out;
-    }
+    if (tp == &PyList_Type || tp == &PyTuple_Type)
+        return flagos_map_sequence(v, to_host_item, c);
     if (st->device_mode && PyObject_TypeCheck(v, (PyTypeObject *)st->device_type)) {
         PyObject *type = PyObject_GetAttr(v, fl_names.type);
         if (type == NULL)
@@ -157,25 +152,22 @@ static int write_back(copy_ctx *c, PyObject *orig, PyObject *host)
     return 0;
 }
 
+static PyObject *to_chip(copy_ctx *c, PyObject *v, int target);
+
+static PyObject *to_chip_item(void *ctx, PyObject *item)
+{
+    copy_ctx *c = ctx;
+    return to_chip(c, item, c->target);
+}
+
 /* New reference: v with host tensors copied to the chip (and wrapped in device mode). */
 static PyObject *to_chip(copy_ctx *c, PyObject *v, int target)
 {
     flagos_state *st = c->st;
     PyTypeObject *tp = Py_TYPE(v);
     if (tp == &PyList_Type || tp == &PyTuple_Type) {
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
-        PyObject *out = tp == &PyList_Type ? PyList_New(n) : PyTuple_New(n);
-        if (out == NULL)
-            return NULL;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *d = to_chip(c, PySequence_Fast_ITEMS(v)[i], target);
-            if (d == NULL) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            PySequence_Fast_ITEMS(out)[i] = d;
-        }
-        return out;
+        c->target = target;
+        return flagos_map_sequence(v, to_chip_item, c);
     }
     if (!PyObject_TypeCheck(v, (PyTypeObject *)st->tensor_type) ||
         (st->device_mode && PyObject_TypeCheck(v, (PyTypeObject *)st->wrapper_type)))
@@ -242,7 +234,7 @@ PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyO
 {
     uint64_t t0 = now_ns();
     int target = (int)PyLong_AsLong(target_obj);
-    copy_ctx c = {st, e, NULL, -1};
+    copy_ctx c = {st, e, NULL, -1, target};
     PyObject *hargs = NULL, *hkwargs = NULL, *out = NULL, *res = NULL;
 
     c.to_host_kw = Py_BuildValue("{s:O}", "device", st->host_device);

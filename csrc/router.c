@@ -117,6 +117,25 @@ static int entry_resolve(flagos_state *st, op_entry *e)
     return 0;
 }
 
+/* ---- containers --------------------------------------------------------- */
+
+PyObject *flagos_map_sequence(PyObject *seq, flagos_item_fn fn, void *ctx)
+{
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_Check(seq) ? PyList_New(n) : PyTuple_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = fn(ctx, PySequence_Fast_ITEMS(seq)[i]);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PySequence_Fast_ITEMS(out)[i] = item; /* steals item */
+    }
+    return out;
+}
+
 /* ---- devices and tensors ---------------------------------------------- */
 
 int flagos_is_chip_tensor(flagos_state *st, PyObject *obj)
@@ -274,6 +293,23 @@ static int check_foreign_tensor(flagos_state *st, op_entry *e, PyObject *t, Py_s
     return -1;
 }
 
+typedef struct unwrap_ctx {
+    flagos_state *st;
+    op_entry *e;
+    Py_ssize_t pos;
+    PyObject *kwname;
+    int check;
+} unwrap_ctx;
+
+static PyObject *unwrap_value(flagos_state *st, op_entry *e, PyObject *v, Py_ssize_t pos,
+                              PyObject *kwname, int check);
+
+static PyObject *unwrap_item(void *ctx, PyObject *item)
+{
+    unwrap_ctx *c = ctx;
+    return unwrap_value(c->st, c->e, item, c->pos, c->kwname, c->check);
+}
+
 /* New reference: v with flagos tensors replaced by payloads and flagos devices by chip devices. */
 static PyObject *unwrap_value(flagos_state *st, op_entry *e, PyObject *v, Py_ssize_t pos,
                               PyObject *kwname, int check)
@@ -289,20 +325,8 @@ static PyObject *unwrap_value(flagos_state *st, op_entry *e, PyObject *v, Py_ssi
         return Py_NewRef(v);
     }
     if (tp == &PyList_Type || tp == &PyTuple_Type) {
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
-        PyObject *out = tp == &PyList_Type ? PyList_New(n) : PyTuple_New(n);
-        if (out == NULL)
-            return NULL;
-        PyObject **items = PySequence_Fast_ITEMS(v);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *u = unwrap_value(st, e, items[i], pos, kwname, check);
-            if (u == NULL) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            PySequence_Fast_ITEMS(out)[i] = u; /* steals u */
-        }
-        return out;
+        unwrap_ctx c = {st, e, pos, kwname, check};
+        return flagos_map_sequence(v, unwrap_item, &c);
     }
     if ((e->flags & OP_DEVICE_ARG) && PyObject_TypeCheck(v, (PyTypeObject *)st->device_type)) {
         int i = flagos_device_index(st, v);
@@ -414,23 +438,25 @@ done:
     return w;
 }
 
+typedef struct wrap_ctx {
+    flagos_state *st;
+    int target;
+} wrap_ctx;
+
+static PyObject *wrap_value(flagos_state *st, PyObject *v, int target);
+
+static PyObject *wrap_item(void *ctx, PyObject *item)
+{
+    wrap_ctx *c = ctx;
+    return wrap_value(c->st, item, c->target);
+}
+
 static PyObject *wrap_value(flagos_state *st, PyObject *v, int target)
 {
     PyTypeObject *tp = Py_TYPE(v);
     if (tp == &PyTuple_Type || tp == &PyList_Type) {
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
-        PyObject *out = tp == &PyList_Type ? PyList_New(n) : PyTuple_New(n);
-        if (out == NULL)
-            return NULL;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *w = wrap_value(st, PySequence_Fast_ITEMS(v)[i], target);
-            if (w == NULL) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            PySequence_Fast_ITEMS(out)[i] = w;
-        }
-        return out;
+        wrap_ctx c = {st, target};
+        return flagos_map_sequence(v, wrap_item, &c);
     }
     if (PyObject_TypeCheck(v, (PyTypeObject *)st->tensor_type) &&
         !PyObject_TypeCheck(v, (PyTypeObject *)st->wrapper_type))

@@ -101,6 +101,11 @@ void flagos_table_clear(flagos_state *st);
 void flagos_table_invalidate(flagos_state *st);
 PyObject *flagos_table_export(flagos_state *st, int include_routes_only);
 
+/* A new list or tuple (the type of seq) holding fn(ctx, item) for each item; NULL on error.
+ * fn returns a new reference. */
+typedef PyObject *(*flagos_item_fn)(void *ctx, PyObject *item);
+PyObject *flagos_map_sequence(PyObject *seq, flagos_item_fn fn, void *ctx);
+
 /* Unwrapping helpers shared by the native and fallback routes (router.c). */
 int flagos_is_chip_tensor(flagos_state *st, PyObject *obj);
 PyObject *flagos_payload(flagos_state *st, PyObject *obj);

@@ -16,7 +16,7 @@ import torch
 
 from .. import _C, _env
 from ..errors import AdapterError, DeviceError
-from .base import host_memory  # noqa: F401  (kept for chips that report host memory)
+from .base import HostGenerator
 
 log = logging.getLogger("flagos")
 
@@ -64,7 +64,7 @@ def load(path: str):
     return adapter
 
 
-class AdapterChip:
+class AdapterChip(HostGenerator):
     """A chip reached through a C-ABI adapter; its tensors' payloads are adapter buffers."""
 
     plugin = None
@@ -150,15 +150,3 @@ class AdapterChip:
     def mem_get_info(self, index: int) -> tuple[int, int]:
         info = self.adapter.memory_info(index)
         return info["free"], info["total"]
-
-    # -- RNG: random ops run in the host fallback, on PyTorch's CPU generator --
-    def manual_seed(self, seed: int) -> None:
-        torch.default_generator.manual_seed(seed)
-
-    manual_seed_all = manual_seed
-
-    def get_rng_state(self, index: int) -> torch.Tensor:
-        return torch.default_generator.get_state()
-
-    def set_rng_state(self, state: torch.Tensor, index: int) -> None:
-        torch.default_generator.set_state(state)

@@ -143,6 +143,23 @@ class TorchChip:
         return self.torch_type == "cpu"
 
 
+class HostGenerator:
+    """RNG of chips whose random ops run on the host: PyTorch's default CPU generator, used
+    directly (torch.manual_seed would call back into torch.flagos)."""
+
+    def manual_seed(self, seed: int) -> None:
+        torch.default_generator.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.default_generator.manual_seed(seed)
+
+    def get_rng_state(self, index: int) -> torch.Tensor:
+        return torch.default_generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor, index: int) -> None:
+        torch.default_generator.set_state(state)
+
+
 def host_memory() -> tuple[int, int]:
     """(free, total) bytes of host memory, from the OS."""
     try:

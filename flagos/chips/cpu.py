@@ -5,10 +5,10 @@ import platform
 
 import torch
 
-from .base import TorchChip, host_memory
+from .base import HostGenerator, TorchChip, host_memory
 
 
-class CpuChip(TorchChip):
+class CpuChip(HostGenerator, TorchChip):
     """PyTorch's CPU device. It has no allocator statistics (PyTorch keeps none for the
     CPU), so the memory counters read 0 and mem_get_info reports host memory."""
 
@@ -51,18 +51,6 @@ class CpuChip(TorchChip):
 
     def mem_get_info(self, index: int) -> tuple[int, int]:
         return host_memory()
-
-    def manual_seed(self, seed: int) -> None:
-        # The generator itself: torch.manual_seed would call back into torch.flagos.
-        torch.default_generator.manual_seed(seed)
-
-    manual_seed_all = manual_seed
-
-    def get_rng_state(self, index: int) -> torch.Tensor:
-        return torch.default_generator.get_state()
-
-    def set_rng_state(self, state: torch.Tensor, index: int) -> None:
-        torch.default_generator.set_state(state)
 
 
 CHIP = CpuChip()
