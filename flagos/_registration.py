@@ -65,6 +65,8 @@ def claim(device_module) -> None:
     # flagos tensors own no storage: torch.load(..., map_location="flagos") must keep
     # storages on the host and let each tensor's rebuild move it (see FlagosTensor.__reduce_ex__).
     torch.serialization.register_package(5, _tag_storage, _restore_storage)
+    from . import _attention
+    _attention.register()
 
 
 def _tag_storage(storage):

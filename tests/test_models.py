@@ -48,6 +48,26 @@ def test_ddpm_pipeline_with_fallback_ops_matches_cpu(dev):
         assert row["bytes_to_host"] > 0 and row["bytes_to_device"] > 0
 
 
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_attention_matches_cpu_forward_and_backward(dev, mask):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3))
+    m = None if mask is None else torch.rand(8, 8) > 0.3 if mask == "bool" else torch.randn(8, 8)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    ref.sum().backward()
+    fq, fk, fv = (t.detach().to(dev).requires_grad_() for t in (q, k, v))
+    fm = None if m is None else m.to(dev)
+    with flagos.track() as report:
+        out = torch.nn.functional.scaled_dot_product_attention(fq, fk, fv, attn_mask=fm)
+        out.sum().backward()
+    assert_close(out, ref, atol=1e-6)
+    for mine, theirs in ((fq, q), (fk, k), (fv, v)):
+        assert_close(mine.grad, theirs.grad, atol=1e-5)
+    if CHIP == "cpu":  # the chip's fused kernel, not the math decomposition
+        assert report.op("aten::_scaled_dot_product_flash_attention_for_cpu") is not None
+        assert report.op("aten::bmm") is None
+
+
 def test_bert_forward_and_training_step_match_cpu(dev):
     ids, mask, labels = models.bert_batch()
     ref_model, model = models.bert(), models.bert().to(dev)
@@ -70,9 +90,9 @@ def test_bert_forward_and_training_step_match_cpu(dev):
 
 
 @pytest.mark.skipif(CHIP != "cpu", reason="torch.compile traces through a flagos tensor to its "
-                    "payload, which is a torch tensor on torch-native chips only; on a C-ABI "
-                    "chip (sim) the payload is an adapter buffer, so compiled code runs eagerly "
-                    "through torch.compile(backend='eager') at best")
+                    "payload, and only torch-native chips have torch tensors as payloads; on a "
+                    "C-ABI chip (sim) the payload is an adapter buffer, which Dynamo rejects "
+                    "('expected Tensor or OpaqueBase'): such models run eagerly")
 def test_torch_compile_matches_eager(dev):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(dev)
