@@ -39,10 +39,10 @@ def main() -> None:
         number = max(3, 2_000_000 // n)
         src, dst = torch.randn(n), torch.empty(n)
         on_chip = src.to(dev)
-        copy_us = median_us(lambda: dst.copy_(src), number, args.repeat)
-        neg_us = median_us(lambda: torch.neg(src), number, args.repeat)
+        copy_us = median_us(lambda d=dst, s=src: d.copy_(s), number, args.repeat)
+        neg_us = median_us(lambda s=src: torch.neg(s), number, args.repeat)
         flagos.reset_report()
-        fb_us = median_us(lambda: torch.neg(on_chip), number, args.repeat)
+        fb_us = median_us(lambda t=on_chip: torch.neg(t), number, args.repeat)
         row = flagos.fallback_report().op("aten::neg")
         calls = row["calls"]["fallback"]
         moved = (row["bytes_to_host"] + row["bytes_to_device"]) / calls  # bytes per call

@@ -30,6 +30,7 @@ _EXPORTS = {
     "FlagosTensor": "_tensor", "DeviceInfo": "chips.base",
     "ConfigError": "errors", "ChipNotFoundError": "errors", "DeviceError": "errors",
     "DeviceMismatchError": "errors", "FallbackError": "errors", "FallbackWarning": "errors",
+    "AdapterError": "errors",
 }
 
 __all__ = sorted([*_EXPORTS, "errors", "__version__"])
@@ -51,11 +52,12 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
+    # ruff: noqa: F401
     from . import errors
     from ._report import Report, fallback_report, reset_report, track
     from ._routes import register_kernel, route_of, routes, set_route, unregister_kernel
     from ._runtime import TESTED_TORCH, activate, deactivate, device, info, list_devices
     from ._tensor import FlagosTensor
     from .chips.base import DeviceInfo
-    from .errors import (ChipNotFoundError, ConfigError, DeviceError, DeviceMismatchError,
-                         FallbackError, FallbackWarning)
+    from .errors import (AdapterError, ChipNotFoundError, ConfigError, DeviceError,
+                         DeviceMismatchError, FallbackError, FallbackWarning)

@@ -179,7 +179,7 @@ def _write_at_exit() -> None:
     except OSError as e:
         # Never lose the run: say why, and put the report where it can still be read.
         warnings.warn(f"FLAGOS_REPORT={path!r} could not be written ({e}); the report follows "
-                      f"on stderr. Point FLAGOS_REPORT at a writable file.", RuntimeWarning)
+                      f"on stderr. Point FLAGOS_REPORT at a writable file.", RuntimeWarning, stacklevel=1)
         print(report.to_json(), file=sys.stderr)
 
 

@@ -6,6 +6,7 @@ runs per call.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from . import _C, _env
@@ -21,6 +22,7 @@ _forced: dict[str, str] = {}
 # (op name, chip) -> kernel; chip None means every chip
 _overrides: dict[tuple[str, str | None], Callable] = {}
 _active_chip: str | None = None
+log = logging.getLogger("flagos")
 
 
 def _normalize_op(op) -> str:
@@ -85,12 +87,15 @@ def resolve(name: str):
     """(route code, override kernel or None) for the active chip; called by the C router."""
     forced = _forced_route(name)
     override = _override_for(name)
-    if forced == "auto":
-        return (_C.ROUTE_OVERRIDE, override) if override else (_C.ROUTE_NATIVE, None)
     if forced == "override" and override is None:
         raise ConfigError(f"{name} is routed to 'override' but no kernel is registered for it "
                           f"on chip {_active_chip!r}; use flagos.register_kernel()")
-    return _CODES[forced], override if forced == "override" else None
+    if forced == "auto":
+        route = "override" if override else "native"
+    else:
+        route = forced
+    log.debug("%s on %s: %s%s", name, _active_chip, route, "" if forced == "auto" else " (forced)")
+    return _CODES[route], override if route == "override" else None
 
 
 def set_route(op, route: str) -> None:

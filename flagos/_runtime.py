@@ -171,6 +171,14 @@ def _adapter_runner(state: Active):
 def _apply_log_level() -> None:
     level = _env.get("FLAGOS_LOG_LEVEL") or "warning"
     log.setLevel(getattr(logging, level.upper()))
+    # Asked for explicitly: make the messages visible even where the application set up no
+    # logging (once; an application's own handlers keep working).
+    if os.environ.get("FLAGOS_LOG_LEVEL") and not any(getattr(h, "_flagos", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("flagos %(levelname)s: %(message)s"))
+        handler._flagos = True
+        log.addHandler(handler)
+        log.propagate = False
 
 
 def activate(device: str | None = "auto", mode: str | None = None) -> dict:

@@ -25,7 +25,8 @@ def test_ddpm_pipeline_matches_cpu(dev):
     if CHIP == "cpu":
         assert report.calls("fallback") == 0
     else:  # sim: ops with a sim kernel run natively, the rest fall back to the CPU
-        assert report.op("aten::silu")["calls"] == {"override": 0, "native": report.op("aten::silu")["calls"]["native"], "fallback": 0}
+        silu = report.op("aten::silu")["calls"]
+        assert silu["native"] > 0 and silu["fallback"] == 0
         assert report.op("aten::convolution")["calls"]["native"] == 0
         assert report.op("aten::convolution")["calls"]["fallback"] > 0
 

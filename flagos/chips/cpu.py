@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import platform
 
-import torch
-
 from .base import HostGenerator, TorchChip, host_memory
 
 
