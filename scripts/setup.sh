@@ -21,5 +21,7 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
     "$PYTHON" -m pip install -q "torch==2.13.0"
 fi
 
-"$PYTHON" -m pip install -q --no-build-isolation -e ".[test,examples]" 2>/dev/null \
-    || "$PYTHON" -m pip install -q -e ".[test,examples]"
+# The build uses the environment's setuptools (no isolated download of the build tools);
+# pyproject.toml's SPDX license string needs setuptools >= 77.
+"$PYTHON" -m pip install -q "setuptools>=77" wheel
+"$PYTHON" -m pip install -q --no-build-isolation -e ".[test,examples]"
