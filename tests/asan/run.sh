@@ -4,6 +4,7 @@
 # the adapter loader (broken adapters included) and sim against them.
 # Leak checking is off: CPython and torch keep allocations alive until exit by design.
 set -euo pipefail
+PYTHON=${PYTHON:-python3}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -12,7 +13,7 @@ for item in setup.py pyproject.toml README.md csrc flagos backends tests docs; d
 done
 find "$work" -name '*.so' -delete
 cd "$work"
-FLAGOS_SANITIZE=address python setup.py -q build_ext --inplace 2>&1 | grep -v -i deprecat || true
+FLAGOS_SANITIZE=address "$PYTHON" setup.py -q build_ext --inplace 2>&1 | grep -v -i deprecat || true
 for lib in flagos/_C*.so flagos/adapters/libflagos_sim_adapter.so; do
     ldd "$lib" | grep -q libasan || { echo "$lib was not built with ASan" >&2; exit 1; }
 done
@@ -20,8 +21,8 @@ done
 # real one (torch raises Python errors through C++ exceptions).
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1"
 export PYTHONPATH="$work"
-python -c "import flagos._C as c, sys; assert c.__file__.startswith('$work'), c.__file__"
-python -m pytest -q -p no:cacheprovider tests/test_device.py tests/test_routes.py \
+"$PYTHON" -c "import flagos._C as c, sys; assert c.__file__.startswith('$work'), c.__file__"
+"$PYTHON" -m pytest -q -p no:cacheprovider tests/test_device.py tests/test_routes.py \
     tests/test_errors.py tests/test_native_mode.py tests/test_adapters.py tests/test_sim.py "$@"
-FLAGOS_TEST_CHIP=sim python -m pytest -q -p no:cacheprovider tests/test_device.py \
+FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_device.py \
     tests/test_routes.py tests/test_errors.py "$@"
