@@ -89,9 +89,12 @@ static PyObject *error_type(PyObject *t)
 
 /* Raise the flagos form of a failed adapter call: torch.OutOfMemoryError for the chip's
  * out-of-memory code, flagos.DeviceError (chip, code, code_name, hint) for anything else. */
-static void raise_status(AdapterObject *a, const char *call, int32_t device, const flagos_status *st,
+static void raise_status(AdapterObject *a, const char *call, int32_t device, const flagos_status *st_in,
                          const char *detail)
 {
+    flagos_status copy = *st_in; /* an adapter may fill the whole message without a NUL */
+    copy.message[sizeof(copy.message) - 1] = '\0';
+    const flagos_status *st = &copy;
     const char *name = a->api->error_name(st->code);
     const char *chip = a->api->name;
     if (st->code == a->api->out_of_memory_code) {
@@ -111,10 +114,15 @@ static void raise_status(AdapterObject *a, const char *call, int32_t device, con
                                          call, name, st->code, st->message);
     if (msg == NULL)
         return;
+    if (device_error_type == NULL) { /* flagos's types not set up: keep the message at least */
+        PyErr_SetObject(PyExc_RuntimeError, msg);
+        Py_DECREF(msg);
+        return;
+    }
     PyObject *kw = Py_BuildValue("{s:s,s:i,s:s,s:s}", "chip", chip, "code", st->code, "code_name",
                                  name, "hint", hint);
     PyObject *args = kw ? PyTuple_Pack(1, msg) : NULL;
-    PyObject *exc = args ? PyObject_Call(error_type(device_error_type), args, kw) : NULL;
+    PyObject *exc = args ? PyObject_Call(device_error_type, args, kw) : NULL;
     if (exc != NULL) {
         PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
         Py_DECREF(exc);
@@ -238,8 +246,25 @@ static PyTypeObject Buffer_Type = {
 
 /* ---- Adapter ------------------------------------------------------------- */
 
+/* One Adapter object per loaded library: dlopen of the same file returns the same handle and
+ * the same static table, and init()/shutdown() must run once each. Borrowed pointers; an object
+ * leaves the list in its dealloc. */
+#define MAX_ADAPTERS 32
+static AdapterObject *open_adapters[MAX_ADAPTERS];
+
+static AdapterObject *find_open(void *library)
+{
+    for (int i = 0; i < MAX_ADAPTERS; i++)
+        if (open_adapters[i] != NULL && open_adapters[i]->library == library)
+            return open_adapters[i];
+    return NULL;
+}
+
 static void adapter_dealloc(AdapterObject *self)
 {
+    for (int i = 0; i < MAX_ADAPTERS; i++)
+        if (open_adapters[i] == self)
+            open_adapters[i] = NULL;
     if (self->api != NULL && self->api->shutdown != NULL)
         self->api->shutdown();
     if (self->library != NULL)
@@ -388,7 +413,7 @@ static PyObject *adapter_alloc(AdapterObject *self, PyObject *args)
 }
 
 /* One kernel tensor from (buffer | None, offset, dtype, sizes, strides). */
-static int parse_tensor(PyObject *item, flagos_tensor *t, int32_t *device)
+static int parse_tensor(AdapterObject *self, PyObject *item, flagos_tensor *t)
 {
     memset(t, 0, sizeof(*t));
     if (item == Py_None) {
@@ -407,8 +432,11 @@ static int parse_tensor(PyObject *item, flagos_tensor *t, int32_t *device)
                      "of equal length", FLAGOS_MAX_DIMS);
         return -1;
     }
+    if (((BufferObject *)buf)->adapter != self) {
+        PyErr_SetString(PyExc_ValueError, "a kernel takes buffers of its own adapter only");
+        return -1;
+    }
     t->buffer = ((BufferObject *)buf)->buffer;
-    *device = ((BufferObject *)buf)->device;
     t->offset = offset;
     t->dtype = dtype;
     t->ndim = (int32_t)nd;
@@ -422,7 +450,7 @@ static int parse_tensor(PyObject *item, flagos_tensor *t, int32_t *device)
 #define MAX_KERNEL_TENSORS 8
 #define MAX_KERNEL_VALUES 16
 
-static int parse_tensors(PyObject *seq, flagos_tensor *out, int32_t *n, int32_t *device)
+static int parse_tensors(AdapterObject *self, PyObject *seq, flagos_tensor *out, int32_t *n)
 {
     if (!PyList_Check(seq) || PyList_GET_SIZE(seq) > MAX_KERNEL_TENSORS) {
         PyErr_Format(PyExc_ValueError, "kernel tensors: a list of at most %d", MAX_KERNEL_TENSORS);
@@ -430,7 +458,7 @@ static int parse_tensors(PyObject *seq, flagos_tensor *out, int32_t *n, int32_t 
     }
     *n = (int32_t)PyList_GET_SIZE(seq);
     for (int32_t i = 0; i < *n; i++)
-        if (parse_tensor(PyList_GET_ITEM(seq, i), &out[i], device) < 0)
+        if (parse_tensor(self, PyList_GET_ITEM(seq, i), &out[i]) < 0)
             return -1;
     return 0;
 }
@@ -450,8 +478,8 @@ static PyObject *adapter_run_kernel(AdapterObject *self, PyObject *args)
     flagos_tensor inputs[MAX_KERNEL_TENSORS], outputs[MAX_KERNEL_TENSORS];
     double svals[MAX_KERNEL_VALUES];
     int64_t ivals[MAX_KERNEL_VALUES];
-    int32_t n_in = 0, n_out = 0, dev = device;
-    if (parse_tensors(ins, inputs, &n_in, &dev) < 0 || parse_tensors(outs, outputs, &n_out, &dev) < 0)
+    int32_t n_in = 0, n_out = 0;
+    if (parse_tensors(self, ins, inputs, &n_in) < 0 || parse_tensors(self, outs, outputs, &n_out) < 0)
         return NULL;
     Py_ssize_t ns = PyTuple_GET_SIZE(scalars), ni = PyTuple_GET_SIZE(ints);
     if (ns > MAX_KERNEL_VALUES || ni > MAX_KERNEL_VALUES) {
@@ -568,16 +596,21 @@ static PyObject *load_error(PyObject *path, const char *fmt, ...)
 /* load_adapter(path) -> Adapter */
 PyObject *flagos_load_adapter(PyObject *Py_UNUSED(module), PyObject *path_obj)
 {
-    PyObject *path = PyOS_FSPath(path_obj);
-    if (path == NULL)
+    PyObject *path = NULL, *bytes = NULL, *result = NULL;
+    if (!PyUnicode_FSDecoder(path_obj, &path))    /* str, bytes or os.PathLike */
         return NULL;
-    PyObject *bytes = NULL, *result = NULL;
-    if (!PyUnicode_Check(path) || (bytes = PyUnicode_EncodeFSDefault(path)) == NULL)
+    if ((bytes = PyUnicode_EncodeFSDefault(path)) == NULL)
         goto done;
     void *lib = dlopen(PyBytes_AS_STRING(bytes), RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL) {
         const char *why = dlerror();
         load_error(path, "the library does not load (%s)", why ? why : "unknown reason");
+        goto done;
+    }
+    AdapterObject *open = find_open(lib);
+    if (open != NULL) { /* loaded already (maybe under another spelling of its path) */
+        dlclose(lib);   /* drop the reference this dlopen added */
+        result = Py_NewRef((PyObject *)open);
         goto done;
     }
     flagos_adapter_get_fn get = (flagos_adapter_get_fn)(uintptr_t)dlsym(lib, FLAGOS_ADAPTER_ENTRY);
@@ -640,10 +673,16 @@ PyObject *flagos_load_adapter(PyObject *Py_UNUSED(module), PyObject *path_obj)
     a->library = lib;
     a->api = api;
     a->path = Py_NewRef(path);
+    for (int i = 0; i < MAX_ADAPTERS; i++) {
+        if (open_adapters[i] == NULL) {
+            open_adapters[i] = a;
+            break;
+        }
+    }
     result = (PyObject *)a;
 done:
     Py_XDECREF(bytes);
-    Py_DECREF(path);
+    Py_XDECREF(path);
     return result;
 }
 

@@ -99,7 +99,7 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
                              "copy_", "host_device", "chip_devices", "flagos_devices",
                              "describe", "resolve", "fallback_warning", "fallback_error",
                              "device_mismatch", "skip_prefixes", "set_metadata", "adapter_dispatch", NULL};
-    int device_mode, chip_is_host;
+    int device_mode = -1, chip_is_host = -1;
     PyObject *o[15] = {NULL}, *set_metadata = NULL, *adapter_dispatch = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$ppOOOOOOOO!O!OOOOOO!OO", kwlist,
                                      &device_mode, &chip_is_host, &o[0], &o[1], &o[2],
@@ -108,7 +108,7 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
                                      &o[13], &PyTuple_Type, &o[14], &set_metadata, &adapter_dispatch))
         return NULL;
     for (int i = 0; i < 15; i++) {
-        if (o[i] == NULL || set_metadata == NULL) {
+        if (o[i] == NULL || set_metadata == NULL || device_mode < 0 || chip_is_host < 0) {
             PyErr_Format(PyExc_TypeError, "configure() needs every keyword but adapter_dispatch");
             return NULL;
         }
@@ -217,8 +217,25 @@ static int fl_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->device_type);
     Py_VISIT(st->wrapper_type);
     Py_VISIT(st->make_wrapper);
+    Py_VISIT(st->to_copy);
+    Py_VISIT(st->copy_);
+    Py_VISIT(st->host_device);
+    Py_VISIT(st->chip_devices);
+    Py_VISIT(st->flagos_devices);
     Py_VISIT(st->describe);
     Py_VISIT(st->resolve);
+    Py_VISIT(st->fallback_warning);
+    Py_VISIT(st->fallback_error);
+    Py_VISIT(st->device_mismatch);
+    Py_VISIT(st->skip_prefixes);
+    Py_VISIT(st->set_metadata);
+    Py_VISIT(st->adapter_dispatch);
+    op_entry *e, *tmp;
+    HASH_ITER(hh, st->table, e, tmp) {
+        Py_VISIT(e->func);
+        Py_VISIT(e->call);
+        Py_VISIT(e->override);
+    }
     return 0;
 }
 

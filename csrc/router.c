@@ -40,8 +40,7 @@ void flagos_table_invalidate(flagos_state *st)
 {
     op_entry *e, *tmp;
     HASH_ITER(hh, st->table, e, tmp) {
-        e->route = ROUTE_UNRESOLVED;
-        e->flags &= ~(unsigned)OP_NOT_IMPLEMENTED;
+        e->route = ROUTE_UNRESOLVED; /* OP_NOT_IMPLEMENTED stays: the chip still lacks it */
         Py_CLEAR(e->override);
     }
 }
@@ -76,6 +75,10 @@ static op_entry *entry_create(flagos_state *st, PyObject *func)
     e->func = Py_NewRef(func);
     e->call = PyObject_GetAttr(func, fl_names.op);
     if (e->call == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            entry_free(e);
+            return NULL;
+        }
         PyErr_Clear(); /* not an OpOverload (a test double or a HOP): call it as is */
         e->call = Py_NewRef(func);
     }
@@ -189,6 +192,8 @@ static int flagos_device_index(flagos_state *st, PyObject *dev)
         return -2;
     long i = index == Py_None ? 0 : PyLong_AsLong(index);
     Py_DECREF(index);
+    if (i == -1 && PyErr_Occurred())
+        return -2;
     if (i < 0 || i >= PyTuple_GET_SIZE(st->chip_devices)) {
         PyErr_Format(PyExc_RuntimeError,
                      "flagos:%ld does not exist: the active chip has %zd device(s) "
@@ -233,14 +238,6 @@ static int find_target(flagos_state *st, op_entry *e, PyObject *args, PyObject *
             return t;
     }
     return TARGET_FOLLOW;
-}
-
-PyObject *flagos_find_target(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs)
-{
-    int t = find_target(st, e, args, kwargs);
-    if (t == TARGET_ERROR)
-        return NULL;
-    return PyLong_FromLong(t);
 }
 
 /* ---- unwrap ----------------------------------------------------------- */
@@ -391,8 +388,11 @@ static PyObject *wrap_tensor(flagos_state *st, PyObject *t, int target)
             PyObject *d = PyObject_CallMethodNoArgs(t, fl_names.get_device);
             if (d == NULL)
                 return NULL;
-            index = (int)PyLong_AsLong(d);
+            long v = PyLong_AsLong(d);
             Py_DECREF(d);
+            if (v == -1 && PyErr_Occurred())
+                return NULL;
+            index = (int)v;
             if (index < 0) /* the chip op gave a host tensor: hand it out as is */
                 return Py_NewRef(t);
         }
@@ -415,13 +415,18 @@ static PyObject *wrap_tensor(flagos_state *st, PyObject *t, int target)
     if (dtype == NULL)
         goto done;
     /* _make_wrapper_subclass(cls, size, *, strides, storage_offset, dtype, device, storage_size) */
-    static PyObject *kwnames = NULL, *storage_size = NULL;
+    static PyObject *kwnames = NULL, *storage_size = NULL; /* built once, kept for the process */
     if (kwnames == NULL) {
-        kwnames = Py_BuildValue("(sssss)", "strides", "storage_offset", "dtype", "device",
-                                "storage_size");
-        storage_size = PyLong_FromLongLong(WRAPPER_STORAGE_BYTES);
-        if (kwnames == NULL || storage_size == NULL)
+        PyObject *names = Py_BuildValue("(sssss)", "strides", "storage_offset", "dtype", "device",
+                                        "storage_size");
+        PyObject *size = PyLong_FromLongLong(WRAPPER_STORAGE_BYTES);
+        if (names == NULL || size == NULL) {
+            Py_XDECREF(names);
+            Py_XDECREF(size);
             goto done;
+        }
+        kwnames = names;
+        storage_size = size;
     }
     PyObject *argv[7] = {st->wrapper_type, shape, stride, offset, dtype,
                          PyTuple_GET_ITEM(st->flagos_devices, index), storage_size};
@@ -465,7 +470,7 @@ static PyObject *wrap_value(flagos_state *st, PyObject *v, int target)
 }
 
 /* New reference: the op's result as the caller must see it. out is stolen.
- * target: a PyLong as returned by flagos_find_target. */
+ * target: a PyLong holding a flagos index, TARGET_FOLLOW or TARGET_HOST. */
 PyObject *flagos_wrap_outputs(flagos_state *st, op_entry *e, PyObject *out, PyObject *target)
 {
     (void)e;
@@ -555,9 +560,14 @@ static PyObject *alias_outputs(op_entry *e, PyObject *args, PyObject *kwargs, Py
 
 /* ---- the entry point -------------------------------------------------- */
 
+/* The entry's callables are held for the call: a route change inside it (an override that
+ * calls set_route) must not free the function that is running. */
 static PyObject *call_with(PyObject *fn, PyObject *args, PyObject *kwargs)
 {
-    return PyObject_Call(fn, args, kwargs);
+    Py_INCREF(fn);
+    PyObject *r = PyObject_Call(fn, args, kwargs);
+    Py_DECREF(fn);
+    return r;
 }
 
 static int raise_route_error(flagos_state *st, op_entry *e)
@@ -591,8 +601,6 @@ static int check_policy(flagos_state *st, op_entry *e)
     return 0;
 }
 
-static int check_policy(flagos_state *st, op_entry *e);
-
 static int note_fallback(flagos_state *st, op_entry *e)
 {
     if (!(e->flags & OP_FALLBACK_SITE)) {
@@ -620,24 +628,36 @@ static PyObject *route_adapter(flagos_state *st, op_entry *e, PyObject *func, Py
         Py_DECREF(uargs);
         Py_XDECREF(ukwargs);
     }
-    PyObject *res = PyObject_CallFunction(st->adapter_dispatch, "OOiiIOO", func, e->name, route,
-                                          st->fallback_policy, e->flags, args,
-                                          kwargs ? kwargs : Py_None);
-    if (res == NULL)
-        return NULL;
+    /* The runner stops short of a fallback while a policy still has to act (warn not yet
+     * given, or error), so the warning or the error comes before anything ran. */
+    int policy = st->fallback_policy == 1 && (e->flags & OP_WARNED) ? 0 : st->fallback_policy;
+    PyObject *res;
+    for (;;) {
+        res = PyObject_CallFunction(st->adapter_dispatch, "OOiiIOO", func, e->name, route, policy,
+                                    e->flags, args, kwargs ? kwargs : Py_None);
+        if (res == NULL)
+            return NULL;
+        if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) != 6 ||
+            PyLong_AsLong(PyTuple_GET_ITEM(res, 1)) != ROUTE_ERROR)
+            break;
+        Py_DECREF(res);
+        if (policy == 0) {
+            PyErr_SetString(PyExc_RuntimeError, "adapter runner stopped before a fallback it was allowed");
+            return NULL;
+        }
+        if (check_policy(st, e) < 0)
+            return NULL; /* error: raised before running; warn: a warning that became an error */
+        policy = 0;      /* the warning is given: run it */
+        route = ROUTE_FALLBACK;
+    }
     PyObject *out, *dtypes;
     int taken;
     unsigned long long to_host, to_device, ns;
     if (!PyArg_ParseTuple(res, "OiKKKO", &out, &taken, &to_host, &to_device, &ns, &dtypes) ||
-        taken < 0 || taken >= N_ROUTES) {
+        taken < 0 || taken >= ROUTE_ERROR) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_RuntimeError, "adapter runner returned a bad route");
         Py_DECREF(res);
-        return NULL;
-    }
-    if (taken == ROUTE_ERROR) { /* it would fall back and FLAGOS_FALLBACK=error: nothing ran */
-        Py_DECREF(res);
-        check_policy(st, e);
         return NULL;
     }
     Py_INCREF(out);
@@ -649,7 +669,7 @@ static PyObject *route_adapter(flagos_state *st, op_entry *e, PyObject *func, Py
         Py_ssize_t n = PyTuple_Check(dtypes) ? PyTuple_GET_SIZE(dtypes) : 0;
         for (Py_ssize_t i = 0; i < n; i++)
             flagos_note_dtype(st, e, PyTuple_GET_ITEM(dtypes, i));
-        if (note_fallback(st, e) < 0 || (st->fallback_policy == 1 && check_policy(st, e) < 0))
+        if (note_fallback(st, e) < 0)
             Py_CLEAR(out);
     }
     Py_DECREF(res);
@@ -733,8 +753,10 @@ not_implemented:
         !PyErr_ExceptionMatches(PyExc_NotImplementedError))
         goto error;
     PyErr_Clear();
-    e->flags |= OP_NOT_IMPLEMENTED;
-    e->route = ROUTE_FALLBACK;
+    if (e->route == ROUTE_NATIVE) { /* an override that declined one call stays in place */
+        e->flags |= OP_NOT_IMPLEMENTED;
+        e->route = ROUTE_FALLBACK;
+    }
 fallback:
     Py_CLEAR(target);
     if (check_policy(st, e) < 0)

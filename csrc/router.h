@@ -110,7 +110,6 @@ PyObject *flagos_map_sequence(PyObject *seq, flagos_item_fn fn, void *ctx);
 int flagos_is_chip_tensor(flagos_state *st, PyObject *obj);
 PyObject *flagos_payload(flagos_state *st, PyObject *obj);
 PyObject *flagos_wrap_outputs(flagos_state *st, op_entry *e, PyObject *out, PyObject *target);
-PyObject *flagos_find_target(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs);
 
 int flagos_sync_written(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs);
 

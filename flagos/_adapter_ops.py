@@ -104,8 +104,8 @@ class Runner:
             out = self._try_kernel(func, name, index, args, kwargs)
             if out is not NotImplemented:
                 return out, NATIVE, 0, 0, 0, ()
-        if policy == 2:
-            return None, WOULD_FALL_BACK, 0, 0, 0, ()  # the router raises before anything ran
+        if policy:  # the router warns or raises first, then calls again with policy 0
+            return None, WOULD_FALL_BACK, 0, 0, 0, ()
         start = time.perf_counter_ns()
         out, to_host, to_device, dtypes = self._fallback(func, index, args, kwargs)
         return out, FALLBACK, to_host, to_device, time.perf_counter_ns() - start, dtypes

@@ -133,3 +133,14 @@ def test_abi_constants_match_the_header():
     major = int(re.search(r"#define FLAGOS_ADAPTER_ABI_MAJOR (\d+)", header).group(1))
     assert _C.ADAPTER_ABI_MAJOR == major
     assert os.path.isfile(ROOT / "flagos" / "adapters" / "libflagos_sim_adapter.so")
+
+
+def test_one_adapter_object_per_library(tmp_path):
+    lib = build(tmp_path, "twice", guide_example())
+    first = _C.load_adapter(str(lib))
+    again = _C.load_adapter(os.fsencode(str(tmp_path) + "/./" + lib.name))  # other spelling, bytes
+    assert again is first  # init() ran once; its buffers stay valid while either name is used
+    buf = again.alloc(0, 16)
+    assert first.memory_info(0)["allocated"] == 16
+    del buf
+    assert first.memory_info(0)["allocated"] == 0

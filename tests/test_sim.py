@@ -181,3 +181,22 @@ def test_sim_kernels_match_cpu_and_run_natively():
         print("OK")
     """)
     assert "OK" in proc.stdout
+
+
+def test_fallback_warning_comes_before_the_op_runs():
+    proc = run_python("""
+        import warnings, torch, flagos
+        flagos.activate("sim")
+        x = torch.ones(3, device="flagos")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", flagos.FallbackWarning)
+            try:
+                x.cumsum_(0)            # no sim kernel: it would fall back
+            except flagos.FallbackWarning as e:
+                print("WARNED", e)
+        print("UNCHANGED", x.cpu().tolist(), flagos.fallback_report().calls("fallback"))
+        x.cumsum_(0)                    # warned once already: now it runs
+        print("RAN", x.cpu().tolist())
+    """, env={"FLAGOS_FALLBACK": "warn"})
+    assert "WARNED aten::cumsum_ falls back to the CPU" in proc.stdout
+    assert "UNCHANGED [1.0, 1.0, 1.0] 0" in proc.stdout and "RAN [1.0, 2.0, 3.0]" in proc.stdout

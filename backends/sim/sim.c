@@ -40,6 +40,7 @@ typedef struct sim_device {
 static struct {
     pthread_mutex_t lock;
     int initialized;
+    int users;              /* init() calls not yet matched by shutdown() */
     int32_t n_devices;
     sim_device devices[SIM_MAX_DEVICES];
     sim_allocation *allocations;
@@ -212,11 +213,14 @@ static int32_t sim_init(flagos_status *status)
         rc = read_config(status);
         if (rc == SIM_SUCCESS) {
             sim.initialized = 1;
-            sim.next_handle = 1;
+            if (sim.next_handle == 0)
+                sim.next_handle = 1; /* handles are never reused, even across re-inits */
         }
     } else {
         rc = sim_ok(status);
     }
+    if (rc == SIM_SUCCESS)
+        sim.users++;
     pthread_mutex_unlock(&sim.lock);
     return rc;
 }
@@ -224,8 +228,10 @@ static int32_t sim_init(flagos_status *status)
 static void sim_shutdown(void)
 {
     pthread_mutex_lock(&sim.lock);
-    free_all();
-    sim.initialized = 0;
+    if (sim.users > 0 && --sim.users == 0) { /* the last user is gone */
+        free_all();
+        sim.initialized = 0;
+    }
     pthread_mutex_unlock(&sim.lock);
 }
 
@@ -339,6 +345,8 @@ static int32_t sim_free(int32_t device, flagos_buffer buffer, flagos_status *sta
     if (a == NULL && status->code == SIM_ERROR_DEVICE_LOST && device >= 0 && device < sim.n_devices) {
         /* Memory of a lost device is gone with it: release the host side quietly. */
         HASH_FIND(hh, sim.allocations, &buffer, sizeof(buffer), a);
+        if (a != NULL && a->device != device)
+            a = NULL;
     }
     if (a == NULL) {
         rc = status->code;
