@@ -135,8 +135,7 @@ class Runner:
         size = tuple(size)
         stride = _contiguous_strides(size) if stride is None else tuple(stride)
         numel = _span(size, stride, 0)[1]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self._wrap(self.adapter.alloc(index, numel * itemsize), size, stride, 0, dtype, index)
+        return self._wrap(self.adapter.alloc(index, numel * dtype.itemsize), size, stride, 0, dtype, index)
 
     def _upload(self, host: torch.Tensor, index: int) -> FlagosTensor:
         host = host.contiguous()
@@ -156,7 +155,7 @@ class Runner:
         item = t.element_size()
         host = torch.empty(hi - lo, dtype=t.dtype)
         if hi > lo:
-            t._payload.read(to_dlpack(host.view(torch.uint8) if host.dtype != torch.bool else host), lo * item)
+            t._payload.read(to_dlpack(host), lo * item)
         return host.as_strided(t.size(), t.stride(), t.storage_offset() - lo)
 
     # ---- views: metadata over the same buffer -----------------------------------
