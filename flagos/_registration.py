@@ -15,20 +15,28 @@ _factory_lib = None  # keeps the PrivateUse1 fallback registered
 _copy_lib = None
 
 
-class _Hooks(torch._C._acc.PrivateUse1Hooks):
-    def is_available(self) -> bool:
-        return True
-
-    def has_primary_context(self, device_index: int) -> bool:
-        return True
-
-    def is_built(self) -> bool:
-        return True
+def device_mode_supported() -> bool:
+    """PyTorch's Python PrivateUse1 hooks and device guard (`torch._C._acc`) arrived after 2.9;
+    without a device guard, autograd on a PrivateUse1 tensor aborts the process."""
+    return hasattr(torch._C, "_acc")
 
 
-class _DeviceGuard(torch._C._acc.DeviceGuard):
-    def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
+def _hook_classes():
+    class Hooks(torch._C._acc.PrivateUse1Hooks):
+        def is_available(self) -> bool:
+            return True
+
+        def has_primary_context(self, device_index: int) -> bool:
+            return True
+
+        def is_built(self) -> bool:
+            return True
+
+    class DeviceGuard(torch._C._acc.DeviceGuard):
+        def type_(self):
+            return torch._C._autograd.DeviceType.PrivateUse1
+
+    return Hooks, DeviceGuard
 
 
 def slot_owner() -> str | None:
@@ -49,10 +57,16 @@ def claim(device_module) -> None:
             f"plugin such as torch_{owner}); flagos cannot add the 'flagos' device next to it. "
             f"Run flagos in native mode on that chip instead: "
             f"flagos.activate('{owner}', mode='native') or FLAGOS_MODE=native.")
+    if not device_mode_supported():
+        raise ConfigError(
+            f"device mode needs PyTorch's Python device guard (torch._C._acc), which PyTorch "
+            f"{torch.__version__} does not have (it came after 2.9). Use mode='native' "
+            f"(FLAGOS_MODE=native), or upgrade PyTorch.")
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
+    hooks, guard = _hook_classes()
     _setup_privateuseone_for_python_backend(
-        rename=NAME, backend_module=device_module, hook=_Hooks(), device_guard=_DeviceGuard())
+        rename=NAME, backend_module=device_module, hook=hooks(), device_guard=guard())
     # Ops that reach the flagos key without a flagos tensor argument are factories
     # (empty, empty_strided, ...): route them through the same C router.
     _factory_lib = torch.library.Library("_", "IMPL")

@@ -98,9 +98,18 @@ def _pick_chip(device: str) -> TorchChip:
 
 
 def _pick_mode(chip: TorchChip, mode: str | None) -> str:
+    from ._registration import device_mode_supported
+
     mode = (mode or _env.get("FLAGOS_MODE") or "").lower()
     if not mode:
-        return "native" if chip.owns_privateuse1 else "device"
+        if chip.owns_privateuse1:
+            return "native"
+        if not device_mode_supported() and not isinstance(chip, AdapterChip):
+            log.warning("PyTorch %s has no Python device guard for PrivateUse1 (it came after "
+                        "2.9): flagos runs in native mode, and flagos.device() is the chip's own "
+                        "device", torch.__version__)
+            return "native"
+        return "device"
     if mode not in MODES:
         raise ConfigError(f"mode {mode!r} is not valid; use one of: {', '.join(MODES)}")
     if mode == "device" and chip.owns_privateuse1:

@@ -9,7 +9,9 @@ import pytest
 import flagos
 from flagos import _C
 from flagos.chips.adapter import load
-from conftest import run_python
+from conftest import device_mode_only, run_python
+
+pytestmark = device_mode_only
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 INCLUDE = ROOT / "csrc" / "include"

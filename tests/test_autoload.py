@@ -1,7 +1,8 @@
 """The torch.backends entry point: FLAGOS_DEVICE activates flagos at `import torch`."""
-from conftest import run_python
+from conftest import device_mode_only, run_python
 
 
+@device_mode_only
 def test_autoload_with_flagos_device():
     proc = run_python("""
         import torch
@@ -11,6 +12,7 @@ def test_autoload_with_flagos_device():
     assert "tensor([2., 2.], device='flagos:0')" in proc.stdout
 
 
+@device_mode_only
 def test_import_flagos_first_with_flagos_device_set():
     proc = run_python("""
         import flagos
@@ -21,6 +23,7 @@ def test_import_flagos_first_with_flagos_device_set():
     assert "cpu flagos:0" in proc.stdout
 
 
+@device_mode_only
 def test_autoload_alias_variable():
     proc = run_python("""
         import torch

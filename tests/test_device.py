@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import flagos
-from conftest import CHIP, assert_close
+from conftest import CHIP, assert_close, device_mode_only
+
+pytestmark = device_mode_only
 
 
 def test_to_and_back(dev):

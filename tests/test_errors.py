@@ -3,7 +3,9 @@ import pytest
 import torch
 
 import flagos
-from conftest import CHIP, run_python
+from conftest import CHIP, device_mode_only, run_python
+
+pytestmark = device_mode_only
 
 
 def test_mixed_devices_name_the_argument(dev):

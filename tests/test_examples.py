@@ -3,12 +3,12 @@ import pathlib
 
 import pytest
 
-from conftest import run_python
+from conftest import DEVICE_MODE, device_mode_only, run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("chip", ["cpu", "sim"])
+@pytest.mark.parametrize("chip", ["cpu", pytest.param("sim", marks=device_mode_only)])
 def test_diffusers_pipeline_example(tmp_path, chip):
     image = tmp_path / "ddpm.png"
     proc = run_python(f"""
@@ -17,7 +17,8 @@ def test_diffusers_pipeline_example(tmp_path, chip):
         runpy.run_path(r"{ROOT / 'examples' / 'diffusers_pipeline.py'}", run_name="__main__")
     """, env={"FLAGOS_FALLBACK": "allow"})
     assert image.stat().st_size > 0
-    assert f"on chip {chip}" in proc.stdout and "max |flagos - cpu|" in proc.stdout
+    mode = "device" if DEVICE_MODE else "native"
+    assert f"on chip {chip} ({mode} mode" in proc.stdout and "max |flagos - cpu|" in proc.stdout
     assert "flagos fallback report" in proc.stdout and "aten::convolution" in proc.stdout
 
 
@@ -31,6 +32,7 @@ def test_quickstart_example():
     assert "step 2: loss" in proc.stdout
 
 
+@device_mode_only
 def test_log_level_shows_activation_and_routes():
     proc = run_python("""
         import torch, flagos

@@ -5,7 +5,9 @@ import torch
 
 import flagos
 import models
-from conftest import CHIP, OpCounter, assert_close
+from conftest import CHIP, OpCounter, assert_close, device_mode_only
+
+pytestmark = device_mode_only
 
 
 def test_ddpm_pipeline_matches_cpu(dev):

@@ -1,5 +1,5 @@
 """Native mode: the same router as a dispatch mode over the chip's own tensors."""
-from conftest import run_python
+from conftest import DEVICE_MODE, run_python
 
 
 def test_native_mode_routes_reports_and_falls_back():
@@ -57,3 +57,14 @@ def test_native_mode_models_match_plain_cpu():
         print("OK")
     """, env={"FLAGOS_FALLBACK": "allow"})
     assert "OK" in proc.stdout
+
+
+def test_default_mode_follows_what_pytorch_supports():
+    proc = run_python("""
+        import flagos
+        print("MODE", flagos.activate("cpu")["mode"])
+    """)
+    expected = "device" if DEVICE_MODE else "native"
+    assert f"MODE {expected}" in proc.stdout
+    if not DEVICE_MODE:
+        assert "flagos runs in native mode" in proc.stderr

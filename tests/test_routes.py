@@ -1,4 +1,5 @@
 """Per-op routes, the CPU fallback and its report (device mode, cpu chip)."""
+import inspect
 import json
 import warnings
 
@@ -6,14 +7,16 @@ import pytest
 import torch
 
 import flagos
-from conftest import CHIP, assert_close, run_python
+from conftest import CHIP, assert_close, device_mode_only, run_python
+
+pytestmark = device_mode_only
 
 
 def test_forced_fallback_matches_native(dev):
     x, y = torch.randn(4, 5), torch.randn(5, 3)
     flagos.set_route("aten::mm", "fallback")
     assert flagos.route_of("aten::mm") == "fallback"
-    out = x.to(dev) @ y.to(dev)
+    out = x.to(dev) @ y.to(dev); line = inspect.currentframe().f_lineno  # noqa: E702
     assert out.device == dev
     assert_close(out, x @ y)
     row = flagos.fallback_report().op("aten::mm")
@@ -21,7 +24,7 @@ def test_forced_fallback_matches_native(dev):
     assert row["bytes_to_host"] == x.nbytes + y.nbytes
     assert row["bytes_to_device"] == 4 * 3 * 4
     assert row["dtypes"] == ["torch.float32"]
-    assert row["site"].endswith("test_routes.py:16")
+    assert row["site"].endswith(f"test_routes.py:{line}")
     assert row["fallback_ns"] > 0
 
 

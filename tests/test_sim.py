@@ -2,7 +2,9 @@
 
 Each test runs in a fresh process on sim, so these run whatever chip the suite itself uses.
 """
-from conftest import run_python
+from conftest import device_mode_only, run_python
+
+pytestmark = device_mode_only
 
 
 def run_sim(code: str, **env):
