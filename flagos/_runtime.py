@@ -238,9 +238,18 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
             state.native_mode.__enter__()
         from . import _report
         _report.on_activate()
+        _warn_untested_torch()
         log.info("flagos active on chip %s (%s mode, %d device(s), fallback=%s)",
                  chip.name, mode, count, policy)
         return info()
+
+
+def _warn_untested_torch() -> None:
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    low, high = (tuple(int(p) for p in v.split(".")) for v in TESTED_TORCH)
+    if not low <= version <= high:
+        log.warning("flagos is made for PyTorch %s to %s; this is %s", TESTED_TORCH[0],
+                    TESTED_TORCH[1], torch.__version__)
 
 
 def activate_from_env() -> dict:
