@@ -2,6 +2,9 @@
  * the two Python types that use it: Adapter (one loaded library) and Buffer (one device
  * allocation, freed when the last Python reference goes).
  *
+ * Adapter calls are made with the GIL held: that is what keeps the ABI's promise of one call
+ * at a time, so an adapter needs no locking of its own.
+ *
  * Host memory is exchanged through DLPack capsules (torch.utils.dlpack.to_dlpack), which
  * carry bfloat16, strides and the device, so the copy functions can check what they get.
  */
@@ -160,10 +163,8 @@ static PyObject *buffer_transfer(BufferObject *self, PyObject *args, int to_host
     const flagos_adapter *api = self->adapter->api;
     flagos_status st = {0};
     int32_t rc;
-    Py_BEGIN_ALLOW_THREADS
     rc = to_host ? api->copy_d2h(self->device, data, self->buffer, offset, nbytes, &st)
                  : api->copy_h2d(self->device, self->buffer, offset, data, nbytes, &st);
-    Py_END_ALLOW_THREADS
     if (rc != 0) {
         raise_status(self->adapter, to_host ? "copy to host" : "copy from host", self->device, &st,
                      NULL);
@@ -197,10 +198,8 @@ static PyObject *buffer_copy_from(BufferObject *self, PyObject *args)
     }
     flagos_status st = {0};
     int32_t rc;
-    Py_BEGIN_ALLOW_THREADS
     rc = self->adapter->api->copy_d2d(self->device, self->buffer, dst_offset, src->device,
                                       src->buffer, src_offset, nbytes, &st);
-    Py_END_ALLOW_THREADS
     if (rc != 0) {
         raise_status(self->adapter, "device copy", self->device, &st, NULL);
         return NULL;
@@ -332,9 +331,7 @@ static PyObject *call_on_device(AdapterObject *self, PyObject *arg, device_call 
         Py_RETURN_NONE;
     flagos_status st = {0};
     int32_t rc;
-    Py_BEGIN_ALLOW_THREADS
     rc = fn(device, &st);
-    Py_END_ALLOW_THREADS
     if (adapter_check(self, rc, name, device, &st) < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -500,9 +497,7 @@ static PyObject *adapter_run_kernel(AdapterObject *self, PyObject *args)
     flagos_status st = {0};
     const flagos_kernel *k = &self->api->kernels[index];
     int32_t rc;
-    Py_BEGIN_ALLOW_THREADS
     rc = k->fn(&ka, &st);
-    Py_END_ALLOW_THREADS
     if (rc == FLAGOS_STATUS_UNSUPPORTED) {
         PyErr_Format(PyExc_NotImplementedError, "%s: %s", k->op, st.message);
         return NULL;

@@ -16,7 +16,8 @@
  *  - Explicit sizes and ownership: device memory is named by opaque flagos_buffer handles
  *    that the adapter owns from alloc() to free(); no device pointer is ever handed to
  *    flagos, and no host pointer is kept by the adapter after a call returns.
- *  - Calls may come from any thread, one at a time per device.
+ *  - Calls may come from any thread, but never two at once: flagos serializes them, so an
+ *    adapter needs no locking for flagos's sake.
  *
  * docs/adapters.md is the guide to writing one; backends/sim is the reference adapter.
  */
