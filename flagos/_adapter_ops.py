@@ -72,6 +72,56 @@ def _host_scalar(value):
     return None
 
 
+class _HostRegions:
+    """Host copies of the device bytes one fallback call touches: one region per buffer,
+    covering every view of it in the call, so host views of one buffer alias each other as
+    they do on the device."""
+
+    def __init__(self, tensors):
+        self.regions = {}  # id(buffer) -> (buffer, first byte, end byte)
+        for t in tensors:
+            lo, hi = _span(t.size(), t.stride(), t.storage_offset())
+            b0, b1 = lo * t.element_size(), hi * t.element_size()
+            key = id(t._payload)
+            if key in self.regions:
+                buf, r0, r1 = self.regions[key]
+                b0, b1 = (min(r0, b0), max(r1, b1)) if r1 > r0 else (b0, b1)
+            self.regions[key] = (t._payload, b0, b1)
+        self.data = {}     # id(buffer) -> (host uint8 tensor, first byte)
+        self.views = {}    # id(flagos tensor) -> its host view
+        self.uploaded = set()
+
+    def download(self) -> int:
+        moved = 0
+        for key, (buf, b0, b1) in self.regions.items():
+            data = torch.empty(max(b1 - b0, 0), dtype=torch.uint8)
+            if b1 > b0:
+                buf.read(to_dlpack(data), b0)
+                moved += b1 - b0
+            self.data[key] = (data, b0)
+        return moved
+
+    def view(self, t: FlagosTensor) -> torch.Tensor:
+        data, b0 = self.data[id(t._payload)]
+        item = t.element_size()
+        usable = (data.numel() // item) * item
+        flat = data[:usable].view(t.dtype) if usable else torch.empty(0, dtype=t.dtype)
+        self.views[id(t)] = v = flat.as_strided(t.size(), t.stride(), t.storage_offset() - b0 // item)
+        return v
+
+    def upload(self, buf) -> int:
+        """Write a buffer's region back (once per call); returns the bytes moved."""
+        key = id(buf)
+        if key in self.uploaded:
+            return 0
+        self.uploaded.add(key)
+        _, b0, b1 = self.regions[key]
+        if b1 <= b0:
+            return 0
+        buf.write(to_dlpack(self.data[key][0]), b0)
+        return b1 - b0
+
+
 class Runner:
     def __init__(self, chip, flagos_devices):
         self.chip = chip
@@ -221,70 +271,23 @@ class Runner:
     # ---- the host round trip ------------------------------------------------------
     def _fallback(self, func, index, args, kwargs):
         fts = [t for t in _flatten((args, tuple(kwargs.values()))) if isinstance(t, FlagosTensor)]
-        # One host region per buffer, covering every view of it in this op, so host views of
-        # one buffer alias each other as they do on the device.
-        regions = {}
-        for t in fts:
-            lo, hi = _span(t.size(), t.stride(), t.storage_offset())
-            item = t.element_size()
-            key = id(t._payload)
-            b0, b1 = lo * item, hi * item
-            if key in regions:
-                buf, r0, r1 = regions[key]
-                regions[key] = (buf, min(r0, b0) if r1 > r0 else b0, max(r1, b1))
-            else:
-                regions[key] = (t._payload, b0, b1)
-        host_bytes = {}
-        to_host = 0
-        for key, (buf, b0, b1) in regions.items():
-            data = torch.empty(max(b1 - b0, 0), dtype=torch.uint8)
-            if b1 > b0:
-                buf.read(to_dlpack(data), b0)
-                to_host += b1 - b0
-            host_bytes[key] = (data, b0)
-
-        views = {}
-
-        def host_view(t):
-            data, b0 = host_bytes[id(t._payload)]
-            item = t.element_size()
-            usable = (data.numel() // item) * item
-            flat = data[:usable].view(t.dtype) if usable else torch.empty(0, dtype=t.dtype)
-            views[id(t)] = v = flat.as_strided(t.size(), t.stride(), t.storage_offset() - b0 // item)
-            return v
-
-        hargs = _walk(args, host_view)
-        hkwargs = {k: CPU if _is_flagos_device(v) else _walk(v, host_view) for k, v in kwargs.items()}
-        dtypes = tuple(sorted({t.dtype for t in fts}, key=str))
+        trip = _HostRegions(fts)
+        to_host = trip.download()
+        hargs = _walk(args, trip.view)
+        hkwargs = {k: CPU if _is_flagos_device(v) else _walk(v, trip.view) for k, v in kwargs.items()}
         out = func(*hargs, **hkwargs)
 
         facts = self.facts.get(func)
         if facts is None:
             facts = self.facts[func] = _schema.describe(func)
         _, arg_names, write_args, return_alias, _ = facts
-        to_device = 0
-        written = set()
-        for i in write_args:
-            value = args[i] if i < len(args) else kwargs.get(arg_names[i])
-            for t in _flatten((value,)):
-                if not isinstance(t, FlagosTensor):
-                    continue
-                view = views[id(t)]
-                data = host_bytes[id(t._payload)][0]
-                if (view.shape != t.shape or view.stride() != t.stride()
-                        or view.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()):
-                    # out= resized it (or an in-place op re-laid it): it gets a buffer of its own
-                    fresh = self._upload(view, t.device.index)
-                    to_device += fresh._payload.nbytes
-                    t._payload = fresh._payload
-                    set_metadata(t, fresh.shape, fresh.stride(), 0)
-                elif id(t._payload) not in written:
-                    written.add(id(t._payload))
-                    buf, b0, b1 = regions[id(t._payload)]
-                    if b1 > b0:
-                        buf.write(to_dlpack(data), b0)
-                        to_device += b1 - b0
 
+        def argument(i):
+            return args[i] if i < len(args) else kwargs.get(arg_names[i])
+
+        to_device = sum(self._write_back(trip, t) for i in write_args
+                        for t in _flatten((argument(i),)) if isinstance(t, FlagosTensor))
+        dtypes = tuple(sorted({t.dtype for t in fts}, key=str))
         target = kwargs.get("device")
         if isinstance(target, torch.device) and target.type != "flagos":
             return out, to_host, to_device, dtypes  # the op asked for host results
@@ -300,16 +303,27 @@ class Runner:
                 return type(v)(to_chip(x) for x in v)
             return v
 
-        def original(i):
-            return args[i] if i < len(args) else kwargs.get(arg_names[i])
-
+        # results that are written arguments are the caller's own objects; the rest are uploaded
         if len(return_alias) == 1:
-            result = original(return_alias[0]) if return_alias[0] >= 0 else to_chip(out)
+            result = argument(return_alias[0]) if return_alias[0] >= 0 else to_chip(out)
         elif len(return_alias) > 1:
-            result = tuple(original(a) if a >= 0 else to_chip(v) for a, v in zip(return_alias, out))
+            result = tuple(argument(a) if a >= 0 else to_chip(v) for a, v in zip(return_alias, out))
         else:
             result = out
         return result, to_host, to_device + uploaded[0], dtypes
+
+    def _write_back(self, trip, t: FlagosTensor) -> int:
+        """Bring a written argument's new contents back to the chip; returns the bytes moved."""
+        view = trip.views[id(t)]
+        data = trip.data[id(t._payload)][0]
+        if (view.shape != t.shape or view.stride() != t.stride()
+                or view.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()):
+            # out= resized it (or an in-place op re-laid it): it gets a buffer of its own
+            fresh = self._upload(view, t.device.index)
+            t._payload = fresh._payload
+            set_metadata(t, fresh.shape, fresh.stride(), 0)
+            return fresh._payload.nbytes
+        return trip.upload(t._payload)
 
     # ---- allocation and copies (never a fallback) ------------------------------------
     def empty(self, func, args, kwargs):
