@@ -273,7 +273,7 @@ PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyO
     } else {
         res = results_to_chip(&c, out, target);
     }
-    if (res != NULL && PyTuple_GET_SIZE(e->write_args) > 0 && st->device_mode &&
+    if (res != NULL && (e->flags & OP_RELAYOUT) && st->device_mode &&
         flagos_sync_written(st, e, args, kwargs) < 0)
         Py_CLEAR(res);
     if (res != NULL && PyTuple_GET_SIZE(e->write_args) > 0)

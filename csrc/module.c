@@ -297,7 +297,8 @@ static int fl_exec(PyObject *module)
         PyModule_AddIntConstant(module, "ROUTE_ERROR", ROUTE_ERROR) < 0 ||
         PyModule_AddIntConstant(module, "OP_VIEW", OP_VIEW) < 0 ||
         PyModule_AddIntConstant(module, "OP_CROSS_DEVICE", OP_CROSS_DEVICE) < 0 ||
-        PyModule_AddIntConstant(module, "OP_DEVICE_ARG", OP_DEVICE_ARG) < 0)
+        PyModule_AddIntConstant(module, "OP_DEVICE_ARG", OP_DEVICE_ARG) < 0 ||
+        PyModule_AddIntConstant(module, "OP_RELAYOUT", OP_RELAYOUT) < 0)
         return -1;
     if (flagos_adapter_types_ready(module) < 0)
         return -1;

@@ -737,7 +737,7 @@ PyObject *flagos_route_call(flagos_state *st, PyObject *func, PyObject *args, Py
     if (out == NULL)
         goto not_implemented;
     e->calls[route]++;
-    if (PyTuple_GET_SIZE(e->write_args) > 0 && flagos_sync_written(st, e, args, kwargs) < 0) {
+    if ((e->flags & OP_RELAYOUT) && flagos_sync_written(st, e, args, kwargs) < 0) {
         Py_DECREF(out);
         goto error;
     }

@@ -30,6 +30,7 @@ enum flagos_route {
 #define OP_WARNED (1u << 3)       /* the fallback warning was given */
 #define OP_NOT_IMPLEMENTED (1u << 4) /* the chip kernel raised NotImplementedError */
 #define OP_FALLBACK_SITE (1u << 5) /* site is where the op first fell back */
+#define OP_RELAYOUT (1u << 6)     /* may change a written tensor's shape/strides (out=, t_) */
 
 typedef struct op_entry {
     PyObject *func;          /* key: the OpOverload (strong ref keeps the pointer valid) */

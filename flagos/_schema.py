@@ -11,6 +11,12 @@ CROSS_DEVICE_OPS = frozenset({
     "aten::set_", "aten::_local_scalar_dense", "aten::_has_compatible_shallow_copy_type",
 })
 
+# In-place ops that change the metadata of the tensor they write.
+INPLACE_VIEW_OPS = frozenset({
+    "unsqueeze_", "squeeze_", "t_", "transpose_", "as_strided_", "swapdims_", "swapaxes_",
+    "resize_", "resize_as_", "set_", "detach_",
+})
+
 # Ops that mutate arguments their schema does not mark as written (legacy
 # schemas): argument indices the fallback must copy back anyway.
 UNANNOTATED_WRITES = {
@@ -53,6 +59,12 @@ def describe(func):
         sets = set(info.before_set)
         match = next((i for i in write_args if set(args[i].alias_info.before_set) & sets), -1)
         return_alias.append(match)
+    # Only out= arguments (resized to fit) and in-place view ops (unsqueeze_, t_, as_strided_,
+    # resize_, set_) change a written tensor's layout; plain in-place ops like add_ never do.
+    writes_out = any(args[i].kwarg_only for i in write_args)
+    inplace_view = packet_name(name).split("::")[1] in INPLACE_VIEW_OPS
+    if writes_out or inplace_view:
+        flags |= _C.OP_RELAYOUT
     if packet_name(name) in CROSS_DEVICE_OPS:
         flags |= _C.OP_CROSS_DEVICE
     if any("Device" in str(a.type) for a in args):
