@@ -19,6 +19,7 @@ from _timing import machine, median_us  # noqa: E402
 OPS = {
     "add": lambda a, b: a + b,
     "mul": lambda a, b: a * b,
+    "add_": lambda a, b: a.add_(b),  # in-place, as in optimizer steps
     "relu": lambda a, b: torch.relu(a),
     "view": lambda a, b: a.view(-1),
     "mm": lambda a, b: a @ b,
