@@ -1,0 +1,132 @@
+"""An exception raised while autograd runs a backward op reaches the caller of `backward()` as
+that exception, and the process stays usable: memory comes back and the next step is right.
+
+Each case runs in its own process, so a regression (an abort) is a failed test, not a lost run.
+"""
+import pytest
+
+from conftest import device_mode_only, run_python
+
+pytestmark = device_mode_only
+
+# Training steps on flagos that fail inside backward, each followed by a clean step whose
+# gradients are compared with the same step on plain CPU, all in one process.
+PRELUDE = """
+import gc, torch, flagos
+flagos.activate("{chip}")
+d = flagos.device()
+torch.manual_seed(0)
+ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+model.load_state_dict(ref.state_dict())
+model = model.to(d)
+x = torch.randn(8, 16)
+loss_of = lambda out: (out * out).sum(dim=(0, 1))   # ops every chip runs natively
+ref_loss = loss_of(ref(x))
+ref_loss.backward()
+"""
+
+CASE = """
+print("CASE {name}")
+{setup}
+loss = loss_of(model(x.to(d)))
+{arm}
+try:
+    loss.backward(torch.ones((), device=d))
+    print("NO ERROR")
+except Exception as e:
+    print("RAISED", type(e).__module__ + "." + type(e).__name__, "|", str(e).splitlines()[0])
+{disarm}
+del loss
+gc.collect()
+model.zero_grad(set_to_none=True)
+loss_of(model(x.to(d))).backward(torch.ones((), device=d))
+for p, q in zip(model.parameters(), ref.parameters()):
+    torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1.3e-6, atol=1e-5)
+print("NEXT STEP OK")
+"""
+
+CASES = {
+    # an op routed to 'error' that only the backward pass uses (ReLU's backward)
+    "error_route": dict(
+        arm='flagos.set_route("aten::threshold_backward", "error")',
+        disarm='flagos.set_route("aten::threshold_backward", "auto")',
+        expect="flagos.errors.FallbackError | aten::threshold_backward is routed to 'error'"),
+    # the strict mode meeting a fallback inside backward (the policy is read at activation
+    # from FLAGOS_FALLBACK; the clean step allows fallbacks again: sim has no ReLU backward)
+    "strict_fallback": dict(
+        arm=('flagos._C.set_fallback_policy(2)\n'
+             'flagos.set_route("aten::threshold_backward", "fallback")'),
+        disarm=('flagos._C.set_fallback_policy(0)\n'
+                'flagos.set_route("aten::threshold_backward", "auto")'),
+        # (on sim the first backward fallback may be another op, e.g. the engine's add_)
+        expect="flagos.errors.FallbackError | aten::", also="would fall back to the CPU"),
+    # an override kernel that raises its own exception type
+    "override_raises": dict(
+        setup=("def bad(*a, **k):\n    raise KeyError('override failed')\n"
+               "flagos.register_kernel('aten::threshold_backward', bad, chip='{chip}')"),
+        disarm="flagos.unregister_kernel('aten::threshold_backward', chip='{chip}')",
+        expect="builtins.KeyError | 'override failed'"),
+    # a chip failure in flagos's vocabulary, from mm (armed after the forward pass uses it)
+    "device_error": dict(
+        arm=("def bad(*a, **k):\n    raise flagos.DeviceError('kernel crashed', chip='{chip}', code=7)\n"
+             "flagos.register_kernel('aten::mm', bad, chip='{chip}')"),
+        disarm="flagos.unregister_kernel('aten::mm', chip='{chip}')",
+        expect="flagos.errors.DeviceError | kernel crashed"),
+}
+
+
+@pytest.mark.parametrize("chip", ["cpu", "sim"])
+def test_errors_inside_backward_reach_the_caller(chip):
+    code = PRELUDE.format(chip=chip) + "".join(
+        CASE.format(name=name, **{k: case.get(k, "").format(chip=chip)
+                                  for k in ("setup", "arm", "disarm")})
+        for name, case in CASES.items())
+    proc = run_python(code, env={"FLAGOS_FALLBACK": "allow"}, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out}\n{proc.stderr[-3000:]}"
+    for name, case in CASES.items():
+        block = out.split(f"CASE {name}\n", 1)[1].split("CASE ", 1)[0]
+        assert block.startswith(f"RAISED {case['expect']}"), (name, block)
+        assert case.get("also", "") in block.splitlines()[0], (name, block)
+        assert "NEXT STEP OK" in block, (name, block)
+
+
+def test_out_of_memory_inside_backward_on_sim():
+    """Forward fits in the pool; a filler leaves too little for the gradients. backward()
+    raises torch.OutOfMemoryError, every byte comes back, and the next step runs."""
+    proc = run_python("""
+        import gc, torch, flagos
+        flagos.activate("sim")
+        m = torch.flagos
+        x = torch.randn(256 * 1024)                         # 1 MiB
+        w = torch.randn(256 * 1024).to("flagos").requires_grad_()
+        base = m.memory_allocated()
+        loss = (w * x.to("flagos")).sum()
+        free, _ = m.mem_get_info()
+        filler = torch.empty(free // 4 - 1024, device="flagos")   # leaves 4 KiB free
+        try:
+            loss.backward()
+            print("NO ERROR")
+        except torch.OutOfMemoryError as e:
+            print("RAISED OOM |", str(e).splitlines()[0])
+        del filler, loss
+        w.grad = None
+        gc.collect()
+        print("LEAK", m.memory_allocated() - base)
+        (w * x.to("flagos")).sum().backward()
+        torch.testing.assert_close(w.grad.cpu(), x)
+        print("NEXT STEP OK")
+    """, env={"FLAGOS_FALLBACK": "allow", "FLAGOS_SIM_MEMORY": "4M"}, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "RAISED OOM | sim device 0 is out of memory" in proc.stdout, proc.stdout
+    assert "LEAK 0" in proc.stdout and "NEXT STEP OK" in proc.stdout
+
+
+def test_outside_backward_errors_raise_at_the_op(dev):
+    """The deferral is for autograd's engine only: a failing forward op raises right there."""
+    import torch
+    import flagos
+    flagos.set_route("aten::mul.Tensor", "error")
+    with pytest.raises(flagos.FallbackError, match="routed to 'error'"):
+        torch.ones(2, device=dev) * 2
