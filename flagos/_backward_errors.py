@@ -13,6 +13,7 @@ or zeros where a leaf had none): zero them before the next step.
 from __future__ import annotations
 
 import threading
+import traceback
 
 import torch
 
@@ -38,6 +39,8 @@ def on_error(func, args, kwargs, exc):
     with _lock:
         first = task not in _failed
         if first:
+            # The failed frames' locals hold the op's tensors: let them go now, keep the lines.
+            traceback.clear_frames(exc.__traceback__)
             _failed[task] = exc
             _C.set_failed_tasks(len(_failed))
     if first:
