@@ -331,7 +331,8 @@ static int fl_exec(PyObject *module)
         PyModule_AddIntConstant(module, "OP_VIEW", OP_VIEW) < 0 ||
         PyModule_AddIntConstant(module, "OP_CROSS_DEVICE", OP_CROSS_DEVICE) < 0 ||
         PyModule_AddIntConstant(module, "OP_DEVICE_ARG", OP_DEVICE_ARG) < 0 ||
-        PyModule_AddIntConstant(module, "OP_RELAYOUT", OP_RELAYOUT) < 0)
+        PyModule_AddIntConstant(module, "OP_RELAYOUT", OP_RELAYOUT) < 0 ||
+        PyModule_AddIntConstant(module, "OP_SPARSE", OP_SPARSE) < 0)
         return -1;
     if (flagos_adapter_types_ready(module) < 0)
         return -1;
@@ -342,6 +343,10 @@ static int fl_exec(PyObject *module)
 
 static PyModuleDef_Slot fl_slots[] = {
     {Py_mod_exec, fl_exec},
+#ifdef Py_mod_gil
+    /* The router's table and the adapter calls rely on the GIL: not free-threading safe. */
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
     {0, NULL},
 };
 

@@ -87,6 +87,14 @@ static op_entry *entry_create(flagos_state *st, PyObject *func)
         entry_free(e);
         return NULL;
     }
+    /* The Python calls above can switch threads: another thread may have added this op
+     * meanwhile, and one op must have one row (one set of counters, one warning). */
+    op_entry *existing;
+    HASH_FIND_PTR(st->table, &func, existing);
+    if (existing != NULL) {
+        entry_free(e);
+        return existing;
+    }
     HASH_ADD_PTR(st->table, func, e);
     return e;
 }
@@ -378,6 +386,43 @@ error:
 
 /* ---- rewrap ----------------------------------------------------------- */
 
+/* The conjugate and negative bits say how to read a tensor's memory. PyTorch's fallbacks for
+ * them sit above the Python key, so they act only if the wrapper carries the payload's bits:
+ * a wrapper without them would hand a conjugate view to ops that ignore the bit. */
+static int copy_math_bits(PyObject *w, PyObject *t)
+{
+    static PyObject *is_conj, *is_neg, *set_conj, *set_neg; /* kept for the process */
+    if (set_neg == NULL) {
+        PyObject *torch_c = PyImport_ImportModule("torch._C");
+        if (torch_c == NULL)
+            return -1;
+        is_conj = PyUnicode_InternFromString("is_conj");
+        is_neg = PyUnicode_InternFromString("is_neg");
+        set_conj = PyObject_GetAttrString(torch_c, "_set_conj");
+        set_neg = set_conj ? PyObject_GetAttrString(torch_c, "_set_neg") : NULL;
+        Py_DECREF(torch_c);
+        if (is_conj == NULL || is_neg == NULL || set_neg == NULL) {
+            Py_CLEAR(set_conj);
+            return -1;
+        }
+    }
+    PyObject *names[2] = {is_conj, is_neg}, *setters[2] = {set_conj, set_neg};
+    for (int i = 0; i < 2; i++) {
+        PyObject *bit = PyObject_CallMethodNoArgs(t, names[i]);
+        if (bit == NULL)
+            return -1;
+        int on = bit == Py_True;
+        Py_DECREF(bit);
+        if (on) {
+            PyObject *r = PyObject_CallFunctionObjArgs(setters[i], w, Py_True, NULL);
+            if (r == NULL)
+                return -1;
+            Py_DECREF(r);
+        }
+    }
+    return 0;
+}
+
 static PyObject *wrap_tensor(flagos_state *st, PyObject *t, int target)
 {
     int index = target;
@@ -433,7 +478,7 @@ static PyObject *wrap_tensor(flagos_state *st, PyObject *t, int target)
     w = PyObject_Vectorcall(st->make_wrapper, argv, 2, kwnames);
     if (w == NULL)
         goto done;
-    if (PyObject_SetAttr(w, fl_names.payload, t) < 0)
+    if (PyObject_SetAttr(w, fl_names.payload, t) < 0 || copy_math_bits(w, t) < 0)
         Py_CLEAR(w);
 done:
     Py_XDECREF(shape);
@@ -482,6 +527,92 @@ PyObject *flagos_wrap_outputs(flagos_state *st, op_entry *e, PyObject *out, PyOb
     PyObject *w = wrap_value(st, out, t);
     Py_DECREF(out);
     return w;
+}
+
+/* Under torch.inference_mode(), a view of a normal tensor is a normal tensor: autograd gives
+ * it the base's version counter, which an inference tensor cannot take. The wrapper of such
+ * a view is therefore made with inference mode off.
+ * Returns a new reference to an entered torch._C._InferenceMode(False) when that is needed,
+ * Py_None (new reference) when not, NULL on error. */
+static PyObject *normal_view_guard(flagos_state *st, PyObject *args)
+{
+    static PyObject *enabled_fn, *mode_type, *is_inference; /* kept for the process */
+    if (mode_type == NULL) {
+        PyObject *torch_c = PyImport_ImportModule("torch._C");
+        if (torch_c == NULL)
+            return NULL;
+        enabled_fn = PyObject_GetAttrString(torch_c, "is_inference_mode_enabled");
+        mode_type = enabled_fn ? PyObject_GetAttrString(torch_c, "_InferenceMode") : NULL;
+        Py_DECREF(torch_c);
+        is_inference = PyUnicode_InternFromString("is_inference");
+        if (mode_type == NULL || is_inference == NULL) {
+            Py_CLEAR(enabled_fn);
+            Py_CLEAR(mode_type);
+            return NULL;
+        }
+    }
+    PyObject *on = PyObject_CallNoArgs(enabled_fn);
+    if (on == NULL)
+        return NULL;
+    int inference = on == Py_True;
+    Py_DECREF(on);
+    PyObject *base = PyTuple_GET_SIZE(args) > 0 ? PyTuple_GET_ITEM(args, 0) : NULL;
+    if (!inference || base == NULL || !PyObject_TypeCheck(base, (PyTypeObject *)st->tensor_type))
+        Py_RETURN_NONE;
+    PyObject *base_inf = PyObject_CallMethodNoArgs(base, is_inference);
+    if (base_inf == NULL)
+        return NULL;
+    inference = base_inf == Py_True;
+    Py_DECREF(base_inf);
+    if (inference)
+        Py_RETURN_NONE;
+    PyObject *guard = PyObject_CallOneArg(mode_type, Py_False);
+    if (guard == NULL)
+        return NULL;
+    PyObject *r = PyObject_CallMethod(guard, "__enter__", NULL);
+    if (r == NULL) {
+        Py_DECREF(guard);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return guard;
+}
+
+/* Leave the guard (stolen); result is returned, or NULL if it or the exit failed. */
+static PyObject *leave_guard(PyObject *guard, PyObject *result)
+{
+    if (guard == Py_None) {
+        Py_DECREF(guard);
+        return result;
+    }
+    PyObject *exc_type, *exc_value, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+    PyObject *r = PyObject_CallMethod(guard, "__exit__", "OOO", Py_None, Py_None, Py_None);
+    Py_DECREF(guard);
+    if (exc_type != NULL) { /* the first error wins */
+        Py_XDECREF(r);
+        PyErr_Restore(exc_type, exc_value, exc_tb);
+        return result;
+    }
+    if (r == NULL) {
+        Py_XDECREF(result);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return result;
+}
+
+static PyObject *wrap_view_outputs(flagos_state *st, op_entry *e, PyObject *out, PyObject *target,
+                                   PyObject *args)
+{
+    if (out == NULL)
+        return NULL;
+    PyObject *guard = normal_view_guard(st, args);
+    if (guard == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return leave_guard(guard, flagos_wrap_outputs(st, e, out, target));
 }
 
 /* An op that wrote a flagos tensor may have changed its payload's view (out= resizes,
@@ -696,12 +827,23 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
 
     int route = e->route;
     PyObject *target = NULL, *uargs = NULL, *ukwargs = NULL, *out = NULL;
+    if ((e->flags & OP_SPARSE) && st->device_mode) {
+        PyErr_Format(PyExc_RuntimeError, "%U: sparse tensors are not supported on flagos; "
+                     "keep them on the CPU, or use a dense tensor (.to_dense()).", e->name);
+        return NULL;
+    }
     if (route == ROUTE_ERROR) {
         raise_route_error(st, e);
         return NULL;
     }
-    if (st->adapter_dispatch != NULL)
-        return route_adapter(st, e, func, args, kwargs, route, from_factory);
+    if (st->adapter_dispatch != NULL) {
+        if (!(e->flags & OP_VIEW))
+            return route_adapter(st, e, func, args, kwargs, route, from_factory);
+        PyObject *guard = normal_view_guard(st, args);
+        if (guard == NULL)
+            return NULL;
+        return leave_guard(guard, route_adapter(st, e, func, args, kwargs, route, from_factory));
+    }
     if (route == ROUTE_FALLBACK)
         goto fallback;
 
@@ -743,7 +885,10 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
     }
     if (PyTuple_GET_SIZE(e->write_args) > 0 && PyTuple_GET_SIZE(e->return_alias) > 0)
         out = alias_outputs(e, args, kwargs, out);
-    out = flagos_wrap_outputs(st, e, out, target);
+    if (e->flags & OP_VIEW)
+        out = wrap_view_outputs(st, e, out, target, args);
+    else
+        out = flagos_wrap_outputs(st, e, out, target);
     Py_DECREF(target);
     return out;
 

@@ -31,6 +31,7 @@ enum flagos_route {
 #define OP_NOT_IMPLEMENTED (1u << 4) /* the chip kernel raised NotImplementedError */
 #define OP_FALLBACK_SITE (1u << 5) /* site is where the op first fell back */
 #define OP_RELAYOUT (1u << 6)     /* may change a written tensor's shape/strides (out=, t_) */
+#define OP_SPARSE (1u << 7)       /* makes a sparse tensor: flagos tensors are strided only */
 
 typedef struct op_entry {
     PyObject *func;          /* key: the OpOverload (strong ref keeps the pointer valid) */

@@ -79,8 +79,17 @@ def claim(device_module) -> None:
     # flagos tensors own no storage: torch.load(..., map_location="flagos") must keep
     # storages on the host and let each tensor's rebuild move it (see FlagosTensor.__reduce_ex__).
     torch.serialization.register_package(5, _tag_storage, _restore_storage)
+    # A sparse tensor moved to flagos lands on the sparse flagos keys: say so instead of
+    # failing deep inside the sparse kernels.
+    for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
+        _factory_lib.fallback(_sparse_unsupported, dispatch_key=key, with_keyset=False)
     from . import _attention
     _attention.register()
+
+
+def _sparse_unsupported(op, *args, **kwargs):
+    raise RuntimeError(f"{op}: sparse tensors are not supported on flagos; keep them on the "
+                       f"CPU, or move a dense copy (.to_dense().to(flagos.device())).")
 
 
 def _tag_storage(storage):

@@ -1,7 +1,12 @@
 """Schema facts the C router needs about an op, computed once per overload."""
 from __future__ import annotations
 
+import re
+
 from . import _C
+
+# Ops that make sparse tensors from strided ones (to_sparse, _to_sparse_csr, sparse_coo_tensor).
+_SPARSE_OP = re.compile(r"::_?(to_sparse|sparse_(coo|csr|csc|bsr|bsc|compressed))")
 
 # Ops whose tensor arguments may legitimately sit on different devices (copies,
 # and indexing with host index tensors, which PyTorch accepts on every device).
@@ -69,4 +74,6 @@ def describe(func):
         flags |= _C.OP_CROSS_DEVICE
     if any("Device" in str(a.type) for a in args):
         flags |= _C.OP_DEVICE_ARG
+    if _SPARSE_OP.search(name):
+        flags |= _C.OP_SPARSE
     return name, arg_names, write_args, tuple(return_alias), flags

@@ -9,6 +9,8 @@ sees through the wrapper with `__tensor_flatten__`.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from . import _C
@@ -17,6 +19,49 @@ from . import _C
 class FlagosTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
     __torch_dispatch__ = classmethod(_C.dispatch)
+
+    # -- `.data = other`: PyTorch swaps the TensorImpl's metadata but not the Python object's
+    # payload, which would keep the old values under the new shape.
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new):
+        torch._C.TensorBase.data.__set__(self, new)
+        if isinstance(new, FlagosTensor):
+            self._payload = new._payload
+
+    # -- host views of the values, as on every PyTorch device -------------
+    def tolist(self):
+        return torch.Tensor.cpu(self).tolist()
+
+    def numpy(self, *, force: bool = False):
+        if not force:
+            raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use "
+                            f"Tensor.cpu() to copy the tensor to host memory first.")
+        return torch.Tensor.cpu(self.detach()).numpy()
+
+    def __format__(self, spec):
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return object.__format__(self, spec)
+
+    def __deepcopy__(self, memo):
+        # torch.Tensor.__deepcopy__ would deep-copy the payload object too (an adapter buffer
+        # cannot be pickled, a chip tensor would be copied twice): clone once instead.
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone(memory_format=torch.preserve_format)
+        new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        for key, value in self.__dict__.items():
+            if key != "_payload":
+                setattr(new, key, copy.deepcopy(value, memo))
+        return new
 
     # -- torch.compile: one inner tensor, no extra metadata ---------------
     def __tensor_flatten__(self):
@@ -61,6 +106,11 @@ def wrap(payload: torch.Tensor, index: int | None = None) -> FlagosTensor:
         device=_runtime.flagos_device(index), requires_grad=payload.requires_grad,
         storage_size=_C.WRAPPER_STORAGE_BYTES)
     out._payload = payload
+    # PyTorch's conjugate/negative fallbacks act on the wrapper's bits (see router.c).
+    if payload.is_conj():
+        torch._C._set_conj(out, True)
+    if payload.is_neg():
+        torch._C._set_neg(out, True)
     return out
 
 
