@@ -1,0 +1,212 @@
+"""Tensor fidelity: the same numbers, the same errors and the same tensor behaviours as plain
+PyTorch on CPU. Runs on the suite's chip (cpu, and sim with FLAGOS_TEST_CHIP=sim)."""
+import copy
+
+import pytest
+import torch
+
+import flagos
+from conftest import device_mode_only, run_python
+
+pytestmark = device_mode_only
+
+
+def close(actual, expected, **kw):
+    torch.testing.assert_close(actual.cpu() if isinstance(actual, torch.Tensor) else actual,
+                               expected, **kw)
+
+
+# ---- conjugate and negative views ---------------------------------------------------------
+
+def test_conjugate_view_times_itself(dev):
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    zd = z.to(dev)
+    close(zd.conj() * zd, torch.tensor([5 + 0j, 25 + 0j]))
+    assert zd.conj().is_conj() and not zd.is_conj()
+
+
+def test_conjugate_view_reads(dev):
+    z = torch.randn(3, 4, dtype=torch.complex64)
+    zd = z.to(dev)
+    close(zd.conj(), z.conj())
+    close(zd.conj().resolve_conj(), z.conj().resolve_conj())
+    assert not zd.conj().resolve_conj().is_conj()
+    close(zd.conj().imag, z.conj().imag)
+    close(zd.conj().real, z.conj().real)
+    close(zd.mH @ zd, z.mH @ z, rtol=1e-5, atol=1e-5)
+    close(torch._neg_view(zd.real), -z.real)
+    close(zd.conj().clone(), z.conj())
+
+
+def test_conjugate_through_fft_and_gradients(dev):
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, dtype=torch.complex64)
+    close(torch.fft.hfftn(x.to(dev)), torch.fft.hfftn(x), rtol=1e-4, atol=1e-4)
+
+    abs_, ang = torch.rand(5) + 0.5, torch.randn(5)
+    grads = []
+    for device in ("cpu", dev):
+        a = abs_.to(device).detach().requires_grad_()
+        t = ang.to(device).detach().requires_grad_()
+        torch.polar(a, t).abs().pow(2).sum().backward()
+        grads.append((a.grad.cpu(), t.grad.cpu()))
+    close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)
+    close(grads[1][1], grads[0][1], rtol=1e-5, atol=1e-5)
+
+
+def test_eigen_decomposition_gradient(dev):
+    torch.manual_seed(0)
+    m = torch.randn(4, 4, dtype=torch.float64)
+    grads = []
+    for device in ("cpu", dev):
+        a = m.to(device).detach().requires_grad_()
+        vals, vecs = torch.linalg.eig(a)
+        (vals.abs().sum() + vecs.abs().sum()).backward()
+        grads.append(a.grad.cpu())
+    close(grads[1], grads[0], rtol=1e-6, atol=1e-6)
+
+
+# ---- .data assignment --------------------------------------------------------------------
+
+def test_data_assignment_takes_the_new_values(dev):
+    w = torch.zeros(2, 3, device=dev)
+    w.data = torch.ones(4, 3, device=dev)
+    assert w.shape == (4, 3)
+    assert w.sum().item() == 12.0
+    w.data = torch.arange(6.0, device=dev).reshape(2, 3)
+    close(w * 2, torch.arange(6.0).reshape(2, 3) * 2)
+
+
+def test_resize_token_embeddings_then_train_like_cpu(dev):
+    transformers = pytest.importorskip("transformers")
+    losses, grads = [], []
+    for device in ("cpu", dev):
+        config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1,
+                                         n_head=2, bos_token_id=0, eos_token_id=0)
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).to(device)   # resizing updates config
+        torch.manual_seed(1)
+        model.resize_token_embeddings(60)
+        ids = torch.arange(12).reshape(2, 6).add(48).to(device)   # uses the new rows
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss.detach().cpu())
+        grads.append(model.transformer.wte.weight.grad.cpu())
+    close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
+
+
+# ---- host views: tolist, numpy, format, deepcopy -----------------------------------------
+
+def test_tolist_item_and_format(dev):
+    t = torch.arange(6).reshape(2, 3)
+    assert t.to(dev).tolist() == t.tolist()
+    assert torch.tensor(2.5).to(dev).tolist() == 2.5
+    s = torch.tensor(12345.678).to(dev)
+    assert f"{s:.3e}" == f"{torch.tensor(12345.678):.3e}" == "1.235e+04"
+    assert f"{torch.tensor(3).to(dev):>4}" == "   3"
+
+
+def test_numpy_says_to_copy_to_the_host_first(dev):
+    t = torch.arange(3.0).to(dev)
+    with pytest.raises(TypeError, match=r"can't convert flagos:0 device type tensor to numpy\. "
+                                        r"Use Tensor\.cpu\(\)"):
+        t.numpy()
+    assert t.cpu().numpy().tolist() == [0.0, 1.0, 2.0]
+    assert t.numpy(force=True).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_deepcopy_of_tensors_and_modules(dev):
+    t = torch.randn(3, 4).to(dev).requires_grad_()
+    t.grad = torch.ones(3, 4, device=dev)
+    c = copy.deepcopy(t)
+    assert c is not t and c.device == t.device and c.requires_grad
+    close(c, t.detach().cpu())
+    close(c.grad, torch.ones(3, 4))
+    c.detach().add_(1)                         # the copy owns its memory
+    close(t.detach(), c.detach().cpu() - 1)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2).to(dev)
+    m2 = copy.deepcopy(m)
+    x = torch.randn(3, 4)
+    close(m2(x.to(dev)), m(x.to(dev)).detach().cpu())
+    inputs = {"ids": torch.arange(4).to(dev), "mask": torch.ones(4, device=dev)}
+    copied = copy.deepcopy(inputs)
+    assert copied["ids"].tolist() == [0, 1, 2, 3]
+
+
+# ---- inference mode ----------------------------------------------------------------------
+
+def test_views_under_inference_mode(dev):
+    x = torch.arange(12.0).reshape(3, 4).to(dev)
+    with torch.inference_mode():
+        v = x[1]
+        assert not v.is_inference()                 # as on CPU: a view of a normal tensor
+        close(v * 2, torch.arange(4.0, 8.0) * 2)
+        y = torch.ones(2, 3, device=dev)
+        assert y.is_inference() and y[0].is_inference()
+        z = (x @ torch.ones(4, 2, device=dev)).t()
+    close(y, torch.ones(2, 3))
+    close(z, (torch.arange(12.0).reshape(3, 4) @ torch.ones(4, 2)).t())
+
+
+def test_sentence_transformers_style_encode_in_inference_mode(dev):
+    """sentence-transformers' encode(): a model made outside inference_mode, run inside it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.inference_mode():
+        ref = model(input_ids=ids).last_hidden_state.mean(1)
+    model = model.to(dev)
+    with torch.inference_mode():
+        out = model(input_ids=ids.to(dev)).last_hidden_state.mean(1)
+        emb = torch.nn.functional.normalize(out, dim=1)
+    close(out, ref, rtol=1e-4, atol=1e-5)
+    close(emb, torch.nn.functional.normalize(ref, dim=1), rtol=1e-4, atol=1e-5)
+
+
+# ---- sparse layouts ----------------------------------------------------------------------
+
+def test_sparse_tensors_get_a_clear_error(dev):
+    with pytest.raises(RuntimeError, match=r"sparse tensors are not supported on flagos"):
+        torch.ones(3).to_sparse().to(dev)
+    with pytest.raises(RuntimeError, match=r"sparse tensors are not supported on flagos"):
+        torch.ones(3, device=dev).to_sparse()
+    with pytest.raises(RuntimeError, match=r"sparse tensors are not supported on flagos"):
+        torch.eye(3).to_sparse_csr().to(dev)
+    assert (torch.ones(3, device=dev) + 1).sum().item() == 6.0  # nothing else is affected
+
+
+# ---- one table row per op across threads -------------------------------------------------
+
+def test_first_calls_from_many_threads_make_one_row_per_op():
+    proc = run_python("""
+        import sys, threading, warnings, torch, flagos
+        flagos.activate("cpu")
+        sys.setswitchinterval(1e-6)              # switch threads as often as possible
+        ops = [torch.sin, torch.cos, torch.tan, torch.atan, torch.sinh, torch.cosh, torch.erf,
+               torch.expm1, torch.log1p, torch.sigmoid, torch.frac, torch.trunc, torch.floor,
+               torch.ceil, torch.round, torch.sign, torch.abs, torch.rsqrt, torch.reciprocal]
+        x = torch.rand(4, device="flagos")
+        flagos.reset_report()
+        for op in ops:
+            flagos.set_route(f"aten::{op.__name__}", "fallback")
+        barrier = threading.Barrier(8)
+        def work():
+            barrier.wait()
+            for op in ops:
+                op(x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            threads = [threading.Thread(target=work) for _ in range(8)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+        rows = [r for r in flagos._C.table() if r["op"] in {f"aten::{op.__name__}" for op in ops}]
+        print("ROWS", len(rows), "CALLS", sorted({r["calls"]["fallback"] for r in rows}))
+        print("WARNINGS", len([w for w in caught if issubclass(w.category, flagos.FallbackWarning)]))
+    """, env={"FLAGOS_FALLBACK": "warn"})
+    assert "ROWS 19 CALLS [8]" in proc.stdout, proc.stdout
+    assert "WARNINGS 19" in proc.stdout, proc.stdout
