@@ -47,6 +47,16 @@ class FlagosTensor(torch.Tensor):
             return self.item().__format__(spec)
         return object.__format__(self, spec)
 
+    def untyped_storage(self):
+        # The wrapper owns no memory; its payload's storage is the memory it views (a chip
+        # storage with a valid data_ptr(), which safetensors and huggingface_hub read to find
+        # tensors that share memory).
+        # While torch.compile traces, the wrapper's own storage is what its fake tensors describe.
+        payload = self._payload
+        if isinstance(payload, torch.Tensor) and not torch.compiler.is_compiling():
+            return payload.untyped_storage()
+        return torch.Tensor.untyped_storage(self)
+
     def __deepcopy__(self, memo):
         # torch.Tensor.__deepcopy__ would deep-copy the payload object too (an adapter buffer
         # cannot be pickled, a chip tensor would be copied twice): clone once instead.
