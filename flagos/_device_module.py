@@ -113,8 +113,9 @@ def set_rng_state(new_state: torch.Tensor, device=None) -> None:
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
-    dtypes = _runtime.active().chip.native_dtypes
-    return [getattr(torch, d) for d in ("float16", "bfloat16") if d in dtypes]
+    # Both run on every chip: natively where the chip declares them, else through the
+    # fallback (and the report says so). Refusing one would silently turn autocast off.
+    return [torch.float16, torch.bfloat16]
 
 
 def info() -> dict:

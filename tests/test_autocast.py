@@ -1,0 +1,69 @@
+"""torch.autocast("flagos") follows the payload device's casting policy (CPU's on the cpu chip
+and on sim), so a mixed-precision step on flagos matches the same step under CPU autocast."""
+import copy
+
+import pytest
+import torch
+
+from conftest import device_mode_only
+
+pytestmark = device_mode_only
+
+
+def small_cnn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(2, 8), torch.nn.ReLU(), torch.nn.Flatten(),
+        torch.nn.Linear(8 * 6 * 6, 10), torch.nn.LogSoftmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_forward_backward_matches_cpu_autocast(dev, dtype):
+    assert torch.amp.is_autocast_available("flagos")
+    x = torch.randn(2, 3, 8, 8)
+    results = []
+    for device in ("cpu", dev):
+        model = copy.deepcopy(small_cnn()).to(device)
+        with torch.autocast(torch.device(device).type, dtype=dtype):
+            out = model(x.to(device))
+            square = torch.ones(3, 3, device=device) @ torch.ones(3, 3, device=device)
+            joined = torch.cat([torch.ones(2, device=device, dtype=dtype), torch.ones(2, device=device)])
+        out.float().sum().backward()
+        results.append(dict(out=out.detach().cpu(), square=square.dtype, joined=joined.dtype,
+                            conv_grad=model[0].weight.grad.cpu(), lin_grad=model[4].weight.grad.cpu()))
+    ref, got = results
+    assert got["out"].dtype == ref["out"].dtype
+    assert got["square"] == ref["square"] == dtype          # matmul runs in the autocast dtype
+    assert got["joined"] == ref["joined"] == torch.float32  # cat takes the widest type
+    torch.testing.assert_close(got["out"], ref["out"], rtol=0, atol=0)
+    assert got["conv_grad"].dtype == got["lin_grad"].dtype == torch.float32  # params stay fp32
+    torch.testing.assert_close(got["conv_grad"], ref["conv_grad"], rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(got["lin_grad"], ref["lin_grad"], rtol=1.3e-6, atol=1e-5)
+
+
+def test_autocast_off_outside_the_region(dev):
+    a = torch.ones(2, 2, device=dev)
+    with torch.autocast("flagos", dtype=torch.bfloat16):
+        assert (a @ a).dtype == torch.bfloat16
+        with torch.autocast("flagos", enabled=False):
+            assert (a @ a).dtype == torch.float32
+    assert (a @ a).dtype == torch.float32
+
+
+def test_grad_scaler_fp16_training_steps_match_cpu(dev):
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    params = []
+    for device in ("cpu", dev):
+        model = copy.deepcopy(small_cnn()).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** 8)
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast(torch.device(device).type, dtype=torch.float16):
+                loss = torch.nn.functional.nll_loss(model(x.to(device)), y.to(device))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        params.append([p.detach().cpu() for p in model.parameters()] + [torch.tensor(scaler.get_scale())])
+    for got, ref in zip(params[1], params[0]):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
