@@ -227,8 +227,9 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
         if mode == "device":
             from . import _device_module, _registration
             _registration.claim(_device_module)
-            from . import _autocast
+            from . import _autocast, _pinned
             _autocast.register(chip)
+            _pinned.register(chip)
             devices = tuple(torch.device("flagos", i) for i in range(count))
         else:
             devices = tuple(chip.torch_device(i) for i in range(count))

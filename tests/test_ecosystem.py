@@ -59,3 +59,18 @@ def test_diffusers_save_pretrained_round_trip(dev, tmp_path):
     unet.to(dev).save_pretrained(tmp_path)
     back = diffusers.UNet2DModel.from_pretrained(tmp_path).to(dev).eval()
     torch.testing.assert_close(back(x.to(dev), 10).sample.cpu(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_pinned_dataloader_batches_move_with_non_blocking(dev):
+    data = torch.utils.data.TensorDataset(torch.arange(24.0).reshape(12, 2), torch.arange(12))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, pin_memory=True)
+    seen = []
+    for x, y in loader:
+        xd = x.to(dev, non_blocking=True)
+        seen.append((xd * 2).sum().item() + y.to(dev, non_blocking=True).sum().item())
+    assert seen == [(x * 2).sum().item() + y.sum().item()
+                    for x, y in torch.utils.data.DataLoader(data, batch_size=4)]
+    t = torch.ones(3)
+    pinned = t.pin_memory()
+    assert pinned.device.type == "cpu" and pinned.data_ptr() != t.data_ptr()  # a copy, as pinning
+    assert pinned.tolist() == [1.0, 1.0, 1.0]
