@@ -30,6 +30,7 @@ class Active:
     device_count: int
     current: int = 0
     native_mode: object = None  # the dispatch mode object in native mode
+    backward_ok: bool = True    # autograd's engine has a queue for flagos (see _probe_backward)
     flagos_devices: tuple = field(default_factory=tuple)
 
     def chip_index(self, index: int) -> int:
@@ -238,6 +239,9 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
         _routes.set_active_chip(chip.name)
         _routes.load_env()
         _active = state
+        if mode == "device":
+            state.backward_ok = _probe_backward(state)
+            _configure_router(state)  # a fresh table: the probe leaves no rows or warnings
         if mode == "native":
             from ._native_mode import NativeMode
             state.native_mode = NativeMode()
@@ -248,6 +252,30 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
         log.info("flagos active on chip %s (%s mode, %d device(s), fallback=%s)",
                  chip.name, mode, count, policy)
         return info()
+
+
+_ENGINE_QUEUE = "device_ready_queues_"
+
+
+def _probe_backward(state: Active) -> bool:
+    """Whether autograd's engine can run backward on flagos:0. The engine sizes its device
+    queues once, at the first backward() of the process: one that ran before activation (on
+    CPU tensors) leaves flagos without a queue, and every flagos backward then stops at a
+    PyTorch internal assert. Say so now, with the way out, rather than at the first step."""
+    _C.set_fallback_policy(0)
+    try:
+        x = torch.zeros((), device=state.flagos_devices[0], requires_grad=True)
+        (x * 2).backward()
+    except RuntimeError as e:
+        if _ENGINE_QUEUE not in str(e):
+            return True  # another failure (a forced route, say): not the engine's
+        log.warning("autograd's engine started before flagos was activated (a backward pass ran "
+                    "earlier in this process), so backward() on flagos tensors cannot run: "
+                    "PyTorch sizes its device queues once. Activate flagos before the first "
+                    "backward(): call flagos.activate() at the start of the program, or set "
+                    "FLAGOS_DEVICE so it activates at `import torch`. Forward passes work.")
+        return False
+    return True
 
 
 def _warn_untested_torch() -> None:
@@ -325,5 +353,6 @@ def info() -> dict:
             devices=[state.chip.device_name(i) for i in range(state.device_count)],
             native_dtypes=list(state.chip.native_dtypes),
             collective_backend=state.chip.collective_backend,
+            backward=state.backward_ok,
         )
     return out

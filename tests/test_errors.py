@@ -96,3 +96,27 @@ def test_wrapped_tensor_without_payload():
                                             device=flagos.device())
     with pytest.raises(RuntimeError, match="has no payload"):
         t + 1
+
+
+def test_backward_before_activation_is_explained():
+    """PyTorch's autograd engine sizes its device queues at the first backward() of a process;
+    one that ran before activation leaves flagos without a queue. Activation says so."""
+    proc = run_python("""
+        import logging, torch
+        torch.ones(2, requires_grad=True).sum().backward()     # plain CPU, before flagos
+        import flagos
+        flagos.activate("cpu")
+        print("BACKWARD", flagos.info()["backward"])
+        print("FORWARD", (torch.ones(2, device="flagos") * 3).sum().item())
+    """)
+    assert "BACKWARD False" in proc.stdout and "FORWARD 6.0" in proc.stdout
+    assert "Activate flagos before the first backward()" in proc.stderr
+    proc = run_python("""
+        import torch, flagos
+        flagos.activate("cpu")
+        torch.ones(2, requires_grad=True).sum().backward()     # CPU backward after: fine
+        x = torch.ones(2, device="flagos", requires_grad=True)
+        (x * 3).sum().backward()
+        print("BACKWARD", flagos.info()["backward"], x.grad.tolist())
+    """)
+    assert "BACKWARD True [3.0, 3.0]" in proc.stdout
