@@ -43,3 +43,20 @@ def test_log_level_shows_activation_and_routes():
     assert "flagos INFO: flagos active on chip cpu (device mode" in proc.stderr
     assert "flagos DEBUG: aten::add.Tensor on cpu: fallback (forced)" in proc.stderr
     assert "flagos DEBUG: aten::fill_.Scalar on cpu: native" in proc.stderr
+
+
+@device_mode_only
+@pytest.mark.parametrize("chip,dtype", [("cpu", "float16"), ("sim", "bfloat16")])
+def test_diffusers_pipeline_example_under_autocast(tmp_path, chip, dtype):
+    """The main job under autocast matches the same run under CPU autocast (the example exits
+    non-zero past the dtype's tolerance)."""
+    image = tmp_path / "ddpm.png"
+    proc = run_python(f"""
+        import runpy, sys
+        sys.argv = ["diffusers_pipeline.py", "--device", "{chip}", "--steps", "1", "--dtype",
+                    "{dtype}", "--out", r"{image}"]
+        runpy.run_path(r"{ROOT / 'examples' / 'diffusers_pipeline.py'}", run_name="__main__")
+    """, env={"FLAGOS_FALLBACK": "allow"})
+    line = next(l for l in proc.stdout.splitlines() if "max |flagos - cpu|" in l)
+    assert f"({dtype})" in line
+    assert float(line.split("max |flagos - cpu| = ")[1].split(";")[0]) <= 0.16
