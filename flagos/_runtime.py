@@ -239,7 +239,9 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
         _routes.set_active_chip(chip.name)
         _routes.load_env()
         _active = state
-        if mode == "device":
+        # At `import torch` (autoload) no backward can have run yet, and a probe would deadlock:
+        # the engine's thread would import torch modules while `import torch` holds the lock.
+        if mode == "device" and not _autoloading:
             state.backward_ok = _probe_backward(state)
             _configure_router(state)  # a fresh table: the probe leaves no rows or warnings
         if mode == "native":
@@ -286,9 +288,17 @@ def _warn_untested_torch() -> None:
                     TESTED_TORCH[1], torch.__version__)
 
 
+_autoloading = False
+
+
 def activate_from_env() -> dict:
     """What autoload runs: FLAGOS_DEVICE / FLAGOS_DEVICE_BACKEND and FLAGOS_MODE."""
-    return activate(_env.requested_device() or "auto")
+    global _autoloading
+    _autoloading = True
+    try:
+        return activate(_env.requested_device() or "auto")
+    finally:
+        _autoloading = False
 
 
 def deactivate() -> None:
