@@ -31,6 +31,8 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.floa
                torch.int64: 4, torch.int32: 5, torch.int16: 6, torch.int8: 7, torch.uint8: 8,
                torch.bool: 9}
 CPU = torch.device("cpu")
+TO_OPS = frozenset(f"aten::to.{o}" for o in ("dtype", "device", "dtype_layout", "other"))
+ALIGN = 16  # the largest item size (complex128): every item size divides it
 META = torch.device("meta")
 
 
@@ -47,6 +49,25 @@ def _span(size, stride, offset) -> tuple[int, int]:
     if any(s == 0 for s in size):
         return offset, offset
     return offset, offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
+
+
+def _tag(fresh: torch.Tensor, t) -> torch.Tensor:
+    """fresh (a new tensor over t's bytes, host, meta or flagos) given t's conjugate and
+    negative bits, which say how to read those bytes (x.conj(), torch._neg_view(x))."""
+    if t.is_conj():
+        torch._C._set_conj(fresh, True)
+    if t.is_neg():
+        torch._C._set_neg(fresh, True)
+    return fresh
+
+
+def _physical(host: torch.Tensor) -> torch.Tensor:
+    """A host tensor whose memory holds its values: bits resolved, efficient zeros made real."""
+    if host._is_zerotensor():
+        return torch.zeros(host.shape, dtype=host.dtype)
+    if host.is_conj() or host.is_neg():
+        return host.resolve_conj().resolve_neg()
+    return host
 
 
 def _walk(value, fn):
@@ -82,6 +103,7 @@ class _HostRegions:
         for t in tensors:
             lo, hi = _span(t.size(), t.stride(), t.storage_offset())
             b0, b1 = lo * t.element_size(), hi * t.element_size()
+            b0 -= b0 % ALIGN  # views of one buffer in other dtypes: a start every item size divides
             key = id(t._payload)
             if key in self.regions:
                 buf, r0, r1 = self.regions[key]
@@ -106,8 +128,11 @@ class _HostRegions:
         item = t.element_size()
         usable = (data.numel() // item) * item
         flat = data[:usable].view(t.dtype) if usable else torch.empty(0, dtype=t.dtype)
-        self.views[id(t)] = v = flat.as_strided(t.size(), t.stride(), t.storage_offset() - b0 // item)
-        return v
+        # offsets in bytes first: b0 is a multiple of ALIGN, so of this view's item size
+        offset = (t.storage_offset() * item - b0) // item if t.numel() else 0
+        v = flat.as_strided(t.size(), t.stride(), offset)
+        self.views[id(t)] = v
+        return _tag(v, t)
 
     def upload(self, buf) -> int:
         """Write a buffer's region back (once per call); returns the bytes moved."""
@@ -139,10 +164,14 @@ class Runner:
             return special(self, func, args, kwargs), NATIVE, 0, 0, 0, ()
         index = self._device_index(name, flags, args, kwargs)
         if flags & _C.OP_VIEW:
+            if name in TO_OPS:
+                # aten::to (an alias only when nothing changes) reaches the router itself for
+                # inference tensors; its own decomposition copies when it must
+                return func.decompose(*args, **kwargs), NATIVE, 0, 0, 0, ()
             if name in ("aten::detach", "aten::alias"):  # same view, new tensor: no meta needed
                 t = args[0]
                 out = self._wrap(t._payload, t.shape, t.stride(), t.storage_offset(), t.dtype, index)
-                return out, NATIVE, 0, 0, 0, ()
+                return _tag(out, t), NATIVE, 0, 0, 0, ()
             return self._view(func, args, kwargs), NATIVE, 0, 0, 0, ()
         if route == OVERRIDE:
             from . import _routes
@@ -182,13 +211,14 @@ class Runner:
         return out
 
     def _alloc(self, size, dtype, index, stride=None) -> FlagosTensor:
+        # the layout is checked in C (negative sizes or strides, byte counts past 2**63)
+        buf = self.adapter.alloc_tensor(index, size, stride, dtype.itemsize)
         size = tuple(size)
         stride = _contiguous_strides(size) if stride is None else tuple(stride)
-        numel = _span(size, stride, 0)[1]
-        return self._wrap(self.adapter.alloc(index, numel * dtype.itemsize), size, stride, 0, dtype, index)
+        return self._wrap(buf, size, stride, 0, dtype, index)
 
     def _upload(self, host: torch.Tensor, index: int) -> FlagosTensor:
-        host = host.contiguous()
+        host = _physical(host).contiguous()
         out = self._alloc(host.shape, host.dtype, index)
         if host.numel():
             out._payload.write(to_dlpack(host.view(-1)), 0)
@@ -196,10 +226,15 @@ class Runner:
 
     def _meta(self, t: FlagosTensor) -> torch.Tensor:
         numel = t._payload.nbytes // t.element_size()
-        return torch.empty(numel, dtype=t.dtype, device=META).as_strided(
+        m = torch.empty(numel, dtype=t.dtype, device=META).as_strided(
             t.size(), t.stride(), t.storage_offset())
+        return _tag(m, t)
 
     def _download(self, t: FlagosTensor) -> torch.Tensor:
+        """A host copy of the elements the view touches, with the view's layout and bits."""
+        return _tag(self._download_bytes(t), t)
+
+    def _download_bytes(self, t: FlagosTensor) -> torch.Tensor:
         """A host copy of just the elements the view touches, with the view's layout."""
         lo, hi = _span(t.size(), t.stride(), t.storage_offset())
         item = t.element_size()
@@ -216,7 +251,10 @@ class Runner:
 
         def rewrap(m):
             if isinstance(m, torch.Tensor):
-                return self._wrap(base._payload, m.shape, m.stride(), m.storage_offset(), m.dtype, index)
+                # meta views are not bounds-checked against their storage: check the buffer's
+                base._payload.check_view(m.shape, m.stride(), m.storage_offset(), m.element_size())
+                out = self._wrap(base._payload, m.shape, m.stride(), m.storage_offset(), m.dtype, index)
+                return _tag(out, m)
             if isinstance(m, (list, tuple)):
                 return type(m)(rewrap(x) for x in m)
             return m
@@ -240,7 +278,7 @@ class Runner:
             return NotImplemented
         dtype = tensors[0].dtype
         code = DTYPE_CODES.get(dtype)
-        if code is None or any(t.dtype != dtype for t in tensors):
+        if code is None or any(t.dtype != dtype or t.is_neg() for t in tensors):
             return NotImplemented  # mixed dtypes: type promotion happens on the host
         if not (entry[1] >> code & 1) or not (self.native[index] >> code & 1):
             return NotImplemented
@@ -357,21 +395,23 @@ class Runner:
         if not isinstance(dst, FlagosTensor):  # host destination: bring the source here
             dst.copy_(self._download(src) if isinstance(src, FlagosTensor) else src)
             return dst
+        tagged = dst.is_conj() or dst.is_neg()
         if (isinstance(src, FlagosTensor) and src.dtype == dst.dtype and src.shape == dst.shape
-                and src.is_contiguous() and dst.is_contiguous()):
+                and src.is_contiguous() and dst.is_contiguous() and not tagged
+                and not src.is_conj() and not src.is_neg()):
             item = dst.element_size()
             if dst.numel():
                 dst._payload.copy_from(src._payload, dst.storage_offset() * item,
                                        src.storage_offset() * item, dst.numel() * item)
             return dst
         host = self._download(src) if isinstance(src, FlagosTensor) else src
-        if dst.is_contiguous():
-            data = host.to(dst.dtype).expand(dst.shape).contiguous()
+        if dst.is_contiguous() and not tagged:
+            data = _physical(host.to(dst.dtype)).expand(dst.shape).contiguous()
             if data.numel():
                 dst._payload.write(to_dlpack(data.view(-1)), dst.storage_offset() * dst.element_size())
             return dst
-        region = self._download(dst)
-        region.copy_(host)
+        region = self._download_bytes(dst)
+        _tag(region.view(region.shape), dst).copy_(host)  # writes the bytes dst's bits call for
         self._write_region(dst, region)
         return dst
 
@@ -389,7 +429,7 @@ class Runner:
         if isinstance(device, torch.device) and device.type != "flagos":
             return self._download(t).to(dtype=dtype, device=device).clone()
         index = self._index_of(device, t.device.index)
-        if dtype == t.dtype and t.is_contiguous():
+        if dtype == t.dtype and t.is_contiguous() and not t.is_conj() and not t.is_neg():
             out = self._alloc(t.shape, dtype, index)
             if t.numel():
                 item = t.element_size()
