@@ -44,6 +44,24 @@ def _contiguous_strides(size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _dense_order(size, stride):
+    """The dims from outermost to innermost when (size, stride) is dense and non-overlapping
+    (contiguous in some order of its dims, as channels_last is); None otherwise."""
+    order = sorted(range(len(size)), key=lambda i: stride[i], reverse=True)
+    expected = 1
+    for i in reversed(order):
+        if size[i] != 1:
+            if stride[i] != expected:
+                return None
+            expected *= size[i]
+    return order
+
+
+def _permute(desc, order):
+    buf, offset, code, size, stride = desc
+    return buf, offset, code, tuple(size[i] for i in order), tuple(stride[i] for i in order)
+
+
 def _span(size, stride, offset) -> tuple[int, int]:
     """[first, last + 1) element of the storage a strided view touches (empty: (offset, offset))."""
     if any(s == 0 for s in size):
@@ -217,12 +235,29 @@ class Runner:
         stride = _contiguous_strides(size) if stride is None else tuple(stride)
         return self._wrap(buf, size, stride, 0, dtype, index)
 
-    def _upload(self, host: torch.Tensor, index: int) -> FlagosTensor:
-        host = _physical(host).contiguous()
-        out = self._alloc(host.shape, host.dtype, index)
-        if host.numel():
-            out._payload.write(to_dlpack(host.view(-1)), 0)
+    def _upload(self, host: torch.Tensor, index: int, stride=None) -> FlagosTensor:
+        """A new flagos tensor with host's values: laid out as `stride`, or as host is when
+        host is dense (a channels_last result stays channels_last), or contiguous."""
+        host = _physical(host)
+        if stride is None and not host.is_contiguous() and _dense_order(host.shape, host.stride()):
+            stride = host.stride()
+        if stride is None:
+            host = host.contiguous()
+        elif tuple(host.stride()) != tuple(stride):
+            host = torch.empty_strided(host.shape, stride, dtype=host.dtype).copy_(host)
+        out = self._alloc(host.shape, host.dtype, index, host.stride())
+        if host.numel():  # dense: its numel elements from its offset on are all it touches
+            flat = host.as_strided((host.numel(),), (1,), host.storage_offset())
+            out._payload.write(to_dlpack(flat), 0)
         return out
+
+    def _like_strides(self, t, memory_format):
+        """The strides PyTorch gives a tensor made like t (empty_like, clone, _to_copy)."""
+        if memory_format in (None, torch.preserve_format) and t.is_contiguous():
+            return t.stride()
+        if memory_format is torch.contiguous_format:
+            return _contiguous_strides(t.shape)
+        return torch.empty_like(self._meta(t), memory_format=memory_format).stride()
 
     def _meta(self, t: FlagosTensor) -> torch.Tensor:
         numel = t._payload.nbytes // t.element_size()
@@ -282,10 +317,20 @@ class Runner:
             return NotImplemented  # mixed dtypes: type promotion happens on the host
         if not (entry[1] >> code & 1) or not (self.native[index] >> code & 1):
             return NotImplemented
-        outs = [self._alloc(shape, dtype, index) for shape in out_shapes]
+        order = stride = None
+        if name in ELEMENTWISE and not all(t.is_contiguous() for t in tensors):
+            # the output takes the layout PyTorch gives it (channels_last in, channels_last
+            # out); the kernel sees every operand with dims permuted so the output is contiguous
+            stride = self._elementwise_strides(func, args, kwargs, out_shapes[0], tensors)
+            order = _dense_order(out_shapes[0], stride)
+        outs = [self._alloc(shape, dtype, index, stride if order else None) for shape in out_shapes]
         descs = [self._desc(t, broadcast[i] if broadcast else None) for i, t in enumerate(inputs)]
+        out_descs = [self._desc(o) for o in outs]
+        if order:
+            descs = [d if d is None else _permute(d, order) for d in descs]
+            out_descs = [_permute(d, order) for d in out_descs]
         try:
-            self.adapter.run_kernel(entry[0], index, descs, [self._desc(o) for o in outs],
+            self.adapter.run_kernel(entry[0], index, descs, out_descs,
                                     tuple(float(s) for s in scalars), tuple(int(i) for i in ints))
         except NotImplementedError:  # FLAGOS_STATUS_UNSUPPORTED: the kernel declined these arguments
             return NotImplemented
@@ -293,6 +338,13 @@ class Runner:
             outs = [self._wrap(o._payload, f, _contiguous_strides(f), 0, dtype, index)
                     for o, f in zip(outs, finals)]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _elementwise_strides(self, func, args, kwargs, shape, tensors):
+        first = tensors[0].stride()
+        if all(tuple(t.shape) == tuple(shape) and t.stride() == first for t in tensors):
+            if _dense_order(shape, first):
+                return first  # operands laid out alike: so is the result
+        return func(*_walk(args, self._meta), **self._meta_kwargs(kwargs)).stride()
 
     def _desc(self, t, shape=None):
         """(buffer, offset, dtype code, sizes, strides) of a tensor, broadcast to `shape`."""
@@ -367,7 +419,11 @@ class Runner:
     def empty(self, func, args, kwargs):
         size = args[0]
         dtype = kwargs.get("dtype") or torch.get_default_dtype()
-        return self._alloc(size, dtype, self._index_of(kwargs.get("device")))
+        memory_format = kwargs.get("memory_format")
+        stride = None
+        if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+            stride = torch.empty(size, device=META, memory_format=memory_format).stride()
+        return self._alloc(size, dtype, self._index_of(kwargs.get("device")), stride)
 
     def empty_strided(self, func, args, kwargs):
         size, stride = args[0], args[1]
@@ -378,9 +434,10 @@ class Runner:
         t = args[0]
         dtype = kwargs.get("dtype") or t.dtype
         device = kwargs.get("device")
+        stride = self._like_strides(t, kwargs.get("memory_format"))
         if isinstance(device, torch.device) and device.type != "flagos":
-            return torch.empty(t.shape, dtype=dtype, device=device)
-        return self._alloc(t.shape, dtype, self._index_of(device, t.device.index))
+            return torch.empty_strided(t.shape, stride, dtype=dtype, device=device)
+        return self._alloc(t.shape, dtype, self._index_of(device, t.device.index), stride)
 
     def _index_of(self, device, default=0) -> int:
         if _is_flagos_device(device) and device.index is not None:
@@ -426,19 +483,22 @@ class Runner:
         t = args[0]
         dtype = kwargs.get("dtype") or t.dtype
         device = kwargs.get("device")
+        stride = self._like_strides(t, kwargs.get("memory_format"))
         if isinstance(device, torch.device) and device.type != "flagos":
-            return self._download(t).to(dtype=dtype, device=device).clone()
+            return torch.empty_strided(t.shape, stride, dtype=dtype, device=device).copy_(self._download(t))
         index = self._index_of(device, t.device.index)
-        if dtype == t.dtype and t.is_contiguous() and not t.is_conj() and not t.is_neg():
-            out = self._alloc(t.shape, dtype, index)
+        if (dtype == t.dtype and tuple(stride) == t.stride() and not t.is_conj() and not t.is_neg()
+                and (t.is_contiguous() or _dense_order(t.shape, stride))):
+            # same bytes in the same layout: one device copy of the span
+            out = self._alloc(t.shape, dtype, index, stride)
             if t.numel():
                 item = t.element_size()
                 out._payload.copy_from(t._payload, 0, t.storage_offset() * item, t.numel() * item)
             return out
-        return self._upload(self._download(t).to(dtype), index)
+        return self._upload(self._download(t).to(dtype), index, stride)
 
     def clone(self, func, args, kwargs):
-        return self.to_copy(func, (args[0],), {})
+        return self.to_copy(func, (args[0],), {"memory_format": kwargs.get("memory_format")})
 
     def local_scalar(self, func, args, kwargs):
         return self._download(args[0]).item()
@@ -612,6 +672,11 @@ def _layer_norm(runner, name, args, kwargs):
     stats = shape[:len(shape) - k] + (1,) * k
     return name, [inp, weight, bias], [eps], [k], [shape, stats, stats], None, None
 
+
+ELEMENTWISE = frozenset(("aten::add.Tensor", "aten::sub.Tensor", "aten::mul.Tensor", "aten::div.Tensor",
+                         "aten::add.Scalar", "aten::sub.Scalar", "aten::mul.Scalar", "aten::div.Scalar",
+                         "aten::neg", "aten::relu", "aten::silu", "aten::sigmoid", "aten::tanh",
+                         "aten::exp", "aten::gelu"))
 
 KERNEL_BUILDERS = {
     "aten::add.Tensor": lambda r, n, a, k: _binary(r, n, a, k, True),

@@ -145,3 +145,45 @@ def test_cpu_of_a_tensor_made_in_inference_mode():
         torch.testing.assert_close(y.to(d).cpu(), want)
         print("OK")
     """)
+
+
+def test_layouts_and_result_strides_match_cpu():
+    run_sim("""
+        import torch.nn.functional as F
+        cl = torch.channels_last
+        torch.manual_seed(0)
+        x = torch.randn(2, 3, 4, 5)
+        bias = torch.randn(1, 3, 1, 1)
+        cases = {
+            "to channels_last": lambda x, b, dev: x.to(memory_format=cl),
+            "to float64 channels_last": lambda x, b, dev: x.to(torch.float64, memory_format=cl),
+            "contiguous channels_last": lambda x, b, dev: x.contiguous(memory_format=cl),
+            "empty channels_last": lambda x, b, dev: torch.empty(2, 3, 4, 5, memory_format=cl, device=dev),
+            "empty_like preserves": lambda x, b, dev: torch.empty_like(x.contiguous(memory_format=cl)),
+            "empty_like of a permuted view": lambda x, b, dev: torch.empty_like(x.transpose(1, 3)),
+            "empty_like channels_last": lambda x, b, dev: torch.empty_like(x, memory_format=cl),
+            "new_empty_strided": lambda x, b, dev: x.new_empty_strided((3, 4), (1, 3)),
+            "clone of a permuted view": lambda x, b, dev: x.transpose(1, 3).clone(),
+            "half of a permuted view": lambda x, b, dev: x.transpose(1, 2).half(),
+            "to cpu channels_last": lambda x, b, dev: x.to("cpu", memory_format=cl),
+            "relu (kernel)": lambda x, b, dev: F.relu(x.contiguous(memory_format=cl)),
+            "add (kernel)": lambda x, b, dev: x.contiguous(memory_format=cl) + x.contiguous(memory_format=cl),
+            "add bias (kernel)": lambda x, b, dev: x.contiguous(memory_format=cl) + b,
+            "mul permuted (kernel)": lambda x, b, dev: x.transpose(0, 1) * 2,
+            "mul mixed layouts (kernel)": lambda x, b, dev: x.contiguous(memory_format=cl) * x,
+            "gelu half (kernel)": lambda x, b, dev: F.gelu(x.half().contiguous(memory_format=cl)),
+            "abs (fallback)": lambda x, b, dev: x.contiguous(memory_format=cl).abs(),
+            "conv2d (fallback)": lambda x, b, dev: F.conv2d(x.contiguous(memory_format=cl),
+                                                            torch.ones(4, 3, 3, 3, device=dev)),
+        }
+        for name, fn in cases.items():
+            want = fn(x, bias, "cpu")
+            with flagos.track() as r:
+                got = fn(x.to(d), bias.to(d), d)
+            assert got.stride() == want.stride(), (name, got.stride(), want.stride())
+            if "empty" not in name:
+                torch.testing.assert_close(got.cpu(), want, msg=name)
+            if "(kernel)" in name:
+                assert r.calls("fallback") == 0, (name, r.to_dict())
+        print("OK")
+    """)
