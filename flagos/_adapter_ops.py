@@ -88,6 +88,14 @@ def _physical(host: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _strided_only(t: torch.Tensor, what: str) -> None:
+    """Refuse a sparse (or other non-strided) tensor with a message that says what to do."""
+    if t.layout is not torch.strided:
+        raise RuntimeError(
+            f"{what}: sparse tensors are not supported on flagos (this one is {t.layout}); "
+            f"convert it with .to_dense() first, or keep the sparse work on the CPU")
+
+
 def _walk(value, fn):
     """Apply fn to every flagos tensor in an argument (lists and tuples one level deep)."""
     if isinstance(value, FlagosTensor):
@@ -238,6 +246,7 @@ class Runner:
     def _upload(self, host: torch.Tensor, index: int, stride=None) -> FlagosTensor:
         """A new flagos tensor with host's values: laid out as `stride`, or as host is when
         host is dense (a channels_last result stays channels_last), or contiguous."""
+        _strided_only(host, "a result for the flagos device")
         host = _physical(host)
         if stride is None and not host.is_contiguous() and _dense_order(host.shape, host.stride()):
             stride = host.stride()
@@ -452,6 +461,7 @@ class Runner:
         if not isinstance(dst, FlagosTensor):  # host destination: bring the source here
             dst.copy_(self._download(src) if isinstance(src, FlagosTensor) else src)
             return dst
+        _strided_only(src, "copying to the flagos device")
         tagged = dst.is_conj() or dst.is_neg()
         if (isinstance(src, FlagosTensor) and src.dtype == dst.dtype and src.shape == dst.shape
                 and src.is_contiguous() and dst.is_contiguous() and not tagged
@@ -481,6 +491,10 @@ class Runner:
 
     def to_copy(self, func, args, kwargs):
         t = args[0]
+        _strided_only(t, "copying to the flagos device")
+        if kwargs.get("layout") not in (None, torch.strided):
+            raise RuntimeError(f"sparse tensors are not supported on flagos (layout "
+                               f"{kwargs['layout']} asked for); work with dense tensors")
         dtype = kwargs.get("dtype") or t.dtype
         device = kwargs.get("device")
         stride = self._like_strides(t, kwargs.get("memory_format"))

@@ -187,3 +187,23 @@ def test_layouts_and_result_strides_match_cpu():
                 assert r.calls("fallback") == 0, (name, r.to_dict())
         print("OK")
     """)
+
+
+def test_sparse_tensors_get_a_clear_error():
+    run_sim("""
+        s = torch.eye(3).to_sparse()
+        attempts = {
+            "to": lambda: s.to(d),
+            "to_sparse": lambda: torch.eye(3, device=d).to_sparse(),
+            "to_sparse_csr": lambda: torch.eye(3, device=d).to_sparse_csr(),
+            "copy_": lambda: torch.zeros(3, 3, device=d).copy_(s),
+            "sparse_coo_tensor": lambda: torch.sparse_coo_tensor(
+                torch.tensor([[0], [1]], device=d), torch.tensor([1.0], device=d), (2, 2)),
+        }
+        for name, fn in attempts.items():
+            kind, message = error(fn)
+            assert kind == "RuntimeError", (name, kind, message)
+            assert "sparse tensors are not supported on flagos" in message and ".to_dense()" in message, (name, message)
+        torch.testing.assert_close(s.to_dense().to(d).cpu(), torch.eye(3))   # the way out works
+        print("OK")
+    """)
