@@ -146,6 +146,9 @@ typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_statu
  *   aten::mul.Scalar, aten::div.Scalar    in: self; scalars: other
  *       (flagos also uses the .Scalar kernels for a .Tensor op whose `other` is a 0-dim
  *        host tensor, which is how `x + 2` reaches the router)
+ *       (for these and the unary ops below, flagos may hand every operand with its dims in
+ *        another order, the same for all, so that a channels_last result is still a
+ *        contiguous output)
  *   aten::neg, aten::relu, aten::silu,    in: self; out: same shape
  *   aten::sigmoid, aten::tanh, aten::exp
  *   aten::gelu                            in: self; ints: approximate (0 "none", 1 "tanh")
