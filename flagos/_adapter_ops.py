@@ -520,10 +520,10 @@ class Runner:
     def unsafe_view(self, func, args, kwargs):
         t, size = args[0], args[1]
         if not t.is_contiguous():
-            return self.to_copy(func, (t,), {}).view(size)
+            return self.to_copy(func, (t,), {"memory_format": torch.contiguous_format}).view(size)
         meta = self._meta(t).view(size)
-        return self._wrap(t._payload, meta.shape, meta.stride(), meta.storage_offset(), t.dtype,
-                          t.device.index)
+        return _tag(self._wrap(t._payload, meta.shape, meta.stride(), meta.storage_offset(), t.dtype,
+                               t.device.index), t)
 
     def fill_(self, func, args, kwargs):
         t, value = args[0], args[1]

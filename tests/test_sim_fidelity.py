@@ -108,6 +108,7 @@ def test_conjugate_and_negative_views_are_honoured():
             "conj view item": lambda z, x: torch.tensor(z.conj().t()[0, 1].item()),
             "conj clone": lambda z, x: z.conj().clone(),
             "conj detach": lambda z, x: z.conj().detach(),
+            "conj _unsafe_view": lambda z, x: torch.ops.aten._unsafe_view(z.conj(), (4,)),
             "neg view": lambda z, x: torch._neg_view(x),
             "neg view + 1": lambda z, x: torch._neg_view(x) + 1,
             "neg view mm": lambda z, x: torch._neg_view(x) @ x.t(),
