@@ -130,6 +130,17 @@ def test_conjugate_and_negative_views_are_honoured():
 
         for got, want in zip(copy_into_conj(d), copy_into_conj("cpu")):
             torch.testing.assert_close(got, want)
+        in_place = {
+            "fill_": lambda t: t.conj().fill_(1 + 1j),
+            "zero_": lambda t: t.conj().zero_(),
+            "mul_": lambda t: t.conj().mul_(2j),
+            "neg view fill_": lambda t: torch._neg_view(t.real).fill_(3.0),
+        }
+        for name, fn in in_place.items():
+            a, b = z.clone(), z.to(d)
+            fn(a)
+            fn(b)
+            torch.testing.assert_close(b.cpu(), a, msg=name)
         print("OK")
     """)
 
