@@ -181,6 +181,7 @@ class Runner:
         self.kernels = {op: (i, mask) for i, (op, mask) in enumerate(self.adapter.kernels())}
         self.native = [self.adapter.props(i)["native_dtypes"] for i in range(len(flagos_devices))]
         self.facts = {}
+        self.layouts = {}  # (op, operand layouts) -> result strides of elementwise kernels
 
     # ---- entry ------------------------------------------------------------
     def __call__(self, func, name, route, policy, flags, args, kwargs):
@@ -353,7 +354,16 @@ class Runner:
         if all(tuple(t.shape) == tuple(shape) and t.stride() == first for t in tensors):
             if _dense_order(shape, first):
                 return first  # operands laid out alike: so is the result
-        return func(*_walk(args, self._meta), **self._meta_kwargs(kwargs)).stride()
+        # PyTorch's rule (TensorIterator's) depends on the operands' layouts only: ask the meta
+        # kernel once per op and layouts, as a training loop repeats them
+        key = (func, tuple((t.shape, t.stride()) for t in tensors))
+        stride = self.layouts.get(key)
+        if stride is None:
+            if len(self.layouts) > 4096:
+                self.layouts.clear()
+            stride = self.layouts[key] = func(*_walk(args, self._meta),
+                                              **self._meta_kwargs(kwargs)).stride()
+        return stride
 
     def _desc(self, t, shape=None):
         """(buffer, offset, dtype code, sizes, strides) of a tensor, broadcast to `shape`."""
