@@ -26,14 +26,21 @@ def find_uthash():
 
 
 def sanitizer_flags():
-    """FLAGOS_SANITIZE=address builds the extension for the AddressSanitizer job."""
+    """FLAGOS_SANITIZE=address or undefined builds the extension for the AddressSanitizer or
+    UndefinedBehaviorSanitizer job (tests/asan, tests/ubsan)."""
     which = os.environ.get("FLAGOS_SANITIZE", "")
     if not which:
         return [], []
-    if which != "address":
-        sys.exit(f"flagos build: FLAGOS_SANITIZE={which!r} is not supported; use 'address'.")
-    flags = ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1", "-g"]
-    return flags, ["-fsanitize=address"]
+    common = ["-fno-omit-frame-pointer", "-O1", "-g"]
+    if which == "address":
+        return ["-fsanitize=address", *common], ["-fsanitize=address"]
+    if which == "undefined":
+        # Python's own CFLAGS carry -fwrapv, which defines signed overflow and so hides it from
+        # the sanitizer; -fno-wrapv comes later on the command line and wins for our sources.
+        return (["-fsanitize=undefined", "-fno-sanitize-recover=undefined", "-fno-wrapv", *common],
+                ["-fsanitize=undefined"])
+    sys.exit(f"flagos build: FLAGOS_SANITIZE={which!r} is not supported; use 'address' or "
+             "'undefined'.")
 
 
 san_compile, san_link = sanitizer_flags()

@@ -9,6 +9,7 @@
  * carry bfloat16, strides and the device, so the copy functions can check what they get.
  */
 #include "adapter.h"
+#include "router.h"
 
 #include <dlfcn.h>
 #include <stdarg.h>
@@ -57,7 +58,11 @@ static int host_region(PyObject *capsule, void **data, uint64_t *nbytes)
         expected *= t->shape[i];
     }
     *nbytes = n * (uint64_t)expected;
-    *data = (char *)t->data + t->byte_offset;
+    if (t->data == NULL && *nbytes > 0) { /* a storage-less tensor (e.g. an efficient zero) */
+        PyErr_SetString(PyExc_ValueError, "adapter copies take host tensors with storage");
+        return -1;
+    }
+    *data = *nbytes ? (char *)t->data + t->byte_offset : NULL;
     return 0;
 }
 
@@ -90,15 +95,26 @@ static PyObject *error_type(PyObject *t)
     return t ? t : PyExc_RuntimeError;
 }
 
+/* The adapter's name for a code; an adapter that names none still gets a readable message. */
+static const char *code_name(const flagos_adapter *api, int32_t code)
+{
+    const char *name = api->error_name(code);
+    return name != NULL ? name : "unnamed error";
+}
+
 /* Raise the flagos form of a failed adapter call: torch.OutOfMemoryError for the chip's
- * out-of-memory code, flagos.DeviceError (chip, code, code_name, hint) for anything else. */
-static void raise_status(AdapterObject *a, const char *call, int32_t device, const flagos_status *st_in,
-                         const char *detail)
+ * out-of-memory code, flagos.DeviceError (chip, code, code_name, hint) for anything else.
+ * rc, what the call returned, is the code: an adapter may forget to fill the status. */
+static void raise_status(AdapterObject *a, const char *call, int32_t device, int32_t rc,
+                         const flagos_status *st_in, const char *detail)
 {
     flagos_status copy = *st_in; /* an adapter may fill the whole message without a NUL */
     copy.message[sizeof(copy.message) - 1] = '\0';
+    copy.code = rc;
+    if (copy.message[0] == '\0')
+        snprintf(copy.message, sizeof(copy.message), "the adapter gave no message");
     const flagos_status *st = &copy;
-    const char *name = a->api->error_name(st->code);
+    const char *name = code_name(a->api, st->code);
     const char *chip = a->api->name;
     if (st->code == a->api->out_of_memory_code) {
         PyErr_Format(error_type(oom_error_type),
@@ -135,6 +151,152 @@ static void raise_status(AdapterObject *a, const char *call, int32_t device, con
     Py_DECREF(msg);
 }
 
+/* An adapter answer that breaks the ABI's rules: flagos.AdapterError naming the adapter. */
+static void broken_answer(AdapterObject *a, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    PyObject *what = PyUnicode_FromFormatV(fmt, ap);
+    va_end(ap);
+    if (what != NULL) {
+        PyErr_Format(error_type(adapter_error_type), "chip adapter %s (%U) broke the adapter ABI: "
+                     "%U; see csrc/include/flagos/adapter.h", a->api->name, a->path, what);
+        Py_DECREF(what);
+    }
+}
+
+/* ---- checked layout arithmetic ------------------------------------------------ */
+
+/* Sizes, strides and byte counts are checked here, with overflow-safe arithmetic, before any
+ * of them reaches an adapter; the messages are the ones PyTorch gives on the CPU. */
+
+#define MAX_LAYOUT_DIMS 64
+
+_Static_assert(FLAGOS_MAX_DEVICES == MAX_DEVICES, "the ABI's device limit is the router's");
+#define STORAGE_MAX ((uint64_t)INT64_MAX)
+
+typedef struct {
+    int ndim;
+    int64_t sizes[MAX_LAYOUT_DIMS];
+    int64_t strides[MAX_LAYOUT_DIMS];
+    int has_strides;              /* 0: contiguous */
+} layout;
+
+static int parse_dims(PyObject *seq, int64_t *out, int *n)
+{
+    PyObject *fast = PySequence_Fast(seq, "sizes and strides are sequences of ints");
+    if (fast == NULL)
+        return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+    if (len > MAX_LAYOUT_DIMS) {
+        PyErr_Format(PyExc_RuntimeError, "flagos tensors have at most %d dimensions, got %zd",
+                     MAX_LAYOUT_DIMS, len);
+        Py_DECREF(fast);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (out[i] == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+    }
+    *n = (int)len;
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* Fill l from (sizes, strides or None). */
+static int parse_layout(PyObject *sizes, PyObject *strides, layout *l)
+{
+    l->has_strides = strides != Py_None;
+    if (parse_dims(sizes, l->sizes, &l->ndim) < 0)
+        return -1;
+    if (!l->has_strides)
+        return 0;
+    int n;
+    if (parse_dims(strides, l->strides, &n) < 0)
+        return -1;
+    if (n != l->ndim) {
+        PyErr_Format(PyExc_RuntimeError, "mismatch in length of strides and shape");
+        return -1;
+    }
+    return 0;
+}
+
+/* Bytes of storage the layout needs from element `offset` on: PyTorch's computeStorageNbytes
+ * (0 when a size is 0). Returns -1 on overflow or a negative size or stride, with no error set. */
+static int storage_nbytes(const layout *l, int64_t offset, int64_t itemsize, uint64_t *out)
+{
+    uint64_t n;
+    if (offset < 0 || itemsize <= 0)
+        return -1;
+    if (!l->has_strides) {
+        n = 1;
+        for (int i = 0; i < l->ndim; i++)
+            if (l->sizes[i] < 0 || __builtin_mul_overflow(n, (uint64_t)l->sizes[i], &n))
+                return -1;
+        if (__builtin_add_overflow(n, (uint64_t)offset, &n))
+            return -1;
+    } else {
+        n = (uint64_t)offset + 1;
+        for (int i = 0; i < l->ndim; i++) {
+            if (l->sizes[i] < 0 || l->strides[i] < 0)
+                return -1;
+            if (l->sizes[i] == 0) {
+                *out = 0;
+                return 0;
+            }
+            uint64_t extent;
+            if (__builtin_mul_overflow((uint64_t)l->strides[i], (uint64_t)(l->sizes[i] - 1), &extent) ||
+                __builtin_add_overflow(n, extent, &n))
+                return -1;
+        }
+    }
+    if (__builtin_mul_overflow(n, (uint64_t)itemsize, &n) || n > STORAGE_MAX)
+        return -1;
+    *out = n;
+    return 0;
+}
+
+static void overflow_error(PyObject *sizes, PyObject *strides)
+{
+    PyObject *a = PySequence_List(sizes);
+    PyObject *b = a && strides != Py_None ? PySequence_List(strides) : NULL;
+    if (a != NULL && strides == Py_None)
+        PyErr_Format(PyExc_RuntimeError, "Storage size calculation overflowed with sizes=%R", a);
+    else if (b != NULL)
+        PyErr_Format(PyExc_RuntimeError,
+                     "Storage size calculation overflowed with sizes=%R and strides=%R", a, b);
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+}
+
+/* The bytes a new tensor of this layout needs, or -1 with PyTorch's error set. */
+static int new_tensor_nbytes(PyObject *sizes, PyObject *strides, PyObject *itemsize_obj,
+                             uint64_t *nbytes)
+{
+    layout l;
+    long long itemsize = PyLong_AsLongLong(itemsize_obj);
+    if ((itemsize == -1 && PyErr_Occurred()) || parse_layout(sizes, strides, &l) < 0)
+        return -1;
+    for (int i = 0; i < l.ndim; i++) {
+        if (l.sizes[i] < 0) {
+            PyObject *list = PySequence_List(sizes);
+            if (list != NULL)
+                PyErr_Format(PyExc_RuntimeError, "Trying to create tensor with negative dimension "
+                             "%lld: %R", (long long)l.sizes[i], list);
+            Py_XDECREF(list);
+            return -1;
+        }
+    }
+    if (storage_nbytes(&l, 0, itemsize, nbytes) < 0) {
+        overflow_error(sizes, strides);
+        return -1;
+    }
+    return 0;
+}
+
 /* ---- Buffer -------------------------------------------------------------- */
 
 static void buffer_dealloc(BufferObject *self)
@@ -148,26 +310,57 @@ static void buffer_dealloc(BufferObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* A byte offset or count from Python: a non-negative int that fits in 63 bits. */
+static int parse_bytes(PyObject *obj, uint64_t *out)
+{
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (v < 0) {
+        PyErr_Format(PyExc_ValueError, "byte offsets and counts are non-negative, got %lld", v);
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* Whether [offset, offset + nbytes) lies inside the buffer; raises when it does not, so an
+ * adapter never sees a copy outside an allocation. */
+static int check_range(BufferObject *b, uint64_t offset, uint64_t nbytes, const char *what)
+{
+    if (offset > b->nbytes || nbytes > b->nbytes - offset) {
+        PyErr_Format(PyExc_RuntimeError, "%s of %llu bytes at offset %llu is outside the %llu-byte "
+                     "buffer", what, (unsigned long long)nbytes, (unsigned long long)offset,
+                     (unsigned long long)b->nbytes);
+        return -1;
+    }
+    return 0;
+}
+
 /* read(capsule, offset) / write(capsule, offset): one contiguous copy between the buffer
  * (at a byte offset) and a host tensor; returns the bytes copied. */
 static PyObject *buffer_transfer(BufferObject *self, PyObject *args, int to_host)
 {
-    PyObject *capsule;
-    unsigned long long offset;
-    if (!PyArg_ParseTuple(args, "OK", &capsule, &offset))
+    PyObject *capsule, *offset_obj;
+    uint64_t offset;
+    if (!PyArg_ParseTuple(args, "OO", &capsule, &offset_obj) || parse_bytes(offset_obj, &offset) < 0)
         return NULL;
     void *data;
     uint64_t nbytes;
     if (host_region(capsule, &data, &nbytes) < 0)
         return NULL;
+    if (check_range(self, offset, nbytes, to_host ? "a copy to host" : "a copy from host") < 0)
+        return NULL;
+    if (nbytes == 0)
+        return PyLong_FromLong(0);
     const flagos_adapter *api = self->adapter->api;
     flagos_status st = {0};
     int32_t rc;
     rc = to_host ? api->copy_d2h(self->device, data, self->buffer, offset, nbytes, &st)
                  : api->copy_h2d(self->device, self->buffer, offset, data, nbytes, &st);
     if (rc != 0) {
-        raise_status(self->adapter, to_host ? "copy to host" : "copy from host", self->device, &st,
-                     NULL);
+        raise_status(self->adapter, to_host ? "copy to host" : "copy from host", self->device, rc,
+                     &st, NULL);
         return NULL;
     }
     return PyLong_FromUnsignedLongLong(nbytes);
@@ -189,19 +382,60 @@ static PyTypeObject Buffer_Type;
 static PyObject *buffer_copy_from(BufferObject *self, PyObject *args)
 {
     BufferObject *src;
-    unsigned long long dst_offset, src_offset, nbytes;
-    if (!PyArg_ParseTuple(args, "O!KKK", &Buffer_Type, &src, &dst_offset, &src_offset, &nbytes))
+    PyObject *o[3];
+    uint64_t dst_offset, src_offset, nbytes;
+    if (!PyArg_ParseTuple(args, "O!OOO", &Buffer_Type, &src, &o[0], &o[1], &o[2]) ||
+        parse_bytes(o[0], &dst_offset) < 0 || parse_bytes(o[1], &src_offset) < 0 ||
+        parse_bytes(o[2], &nbytes) < 0)
         return NULL;
     if (src->adapter != self->adapter) {
         PyErr_SetString(PyExc_ValueError, "device copies stay within one adapter");
         return NULL;
     }
+    if (check_range(self, dst_offset, nbytes, "a device copy") < 0 ||
+        check_range(src, src_offset, nbytes, "a device copy") < 0)
+        return NULL;
+    if (nbytes == 0)
+        Py_RETURN_NONE;
     flagos_status st = {0};
     int32_t rc;
     rc = self->adapter->api->copy_d2d(self->device, self->buffer, dst_offset, src->device,
                                       src->buffer, src_offset, nbytes, &st);
     if (rc != 0) {
-        raise_status(self->adapter, "device copy", self->device, &st, NULL);
+        raise_status(self->adapter, "device copy", self->device, rc, &st, NULL);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* check_view(sizes, strides, offset, itemsize): raise PyTorch's out-of-bounds error unless a
+ * view with this layout lies inside the buffer. */
+static PyObject *buffer_check_view(BufferObject *self, PyObject *args)
+{
+    PyObject *sizes, *strides;
+    long long offset, itemsize;
+    layout l;
+    uint64_t need;
+    if (!PyArg_ParseTuple(args, "OOLL", &sizes, &strides, &offset, &itemsize) ||
+        parse_layout(sizes, strides, &l) < 0)
+        return NULL;
+    if (offset < 0) {
+        PyErr_Format(PyExc_RuntimeError, "Tensor: invalid storage offset %lld", offset);
+        return NULL;
+    }
+    if (storage_nbytes(&l, offset, itemsize, &need) < 0) {
+        overflow_error(sizes, strides);
+        return NULL;
+    }
+    if (need > self->nbytes) {
+        PyObject *a = PySequence_List(sizes), *b = a ? PySequence_List(strides) : NULL;
+        if (b != NULL)
+            PyErr_Format(PyExc_RuntimeError, "setStorage: sizes %R, strides %R, storage offset %lld, "
+                         "and itemsize %lld requiring a storage size of %llu are out of bounds for "
+                         "storage of size %llu", a, b, offset, itemsize, (unsigned long long)need,
+                         (unsigned long long)self->nbytes);
+        Py_XDECREF(a);
+        Py_XDECREF(b);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -221,6 +455,8 @@ static PyMethodDef buffer_methods[] = {
      "write(dlpack_capsule, offset): copy a contiguous host tensor to bytes at offset."},
     {"copy_from", (PyCFunction)buffer_copy_from, METH_VARARGS,
      "copy_from(src, dst_offset, src_offset, nbytes): device-to-device copy."},
+    {"check_view", (PyCFunction)buffer_check_view, METH_VARARGS,
+     "check_view(sizes, strides, offset, itemsize): raise unless the view fits in the buffer."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -277,7 +513,7 @@ static int adapter_check(AdapterObject *self, int32_t rc, const char *call, int3
 {
     if (rc == 0)
         return 0;
-    raise_status(self, call, device, st, NULL);
+    raise_status(self, call, device, rc, st, NULL);
     return -1;
 }
 
@@ -287,6 +523,11 @@ static PyObject *adapter_device_count(AdapterObject *self, PyObject *Py_UNUSED(a
     flagos_status st = {0};
     if (adapter_check(self, self->api->device_count(&n, &st), "device_count", -1, &st) < 0)
         return NULL;
+    if (n < 0 || n > FLAGOS_MAX_DEVICES) {
+        broken_answer(self, "device_count() reported %d devices; flagos drives 0 to %d",
+                      (int)n, FLAGOS_MAX_DEVICES);
+        return NULL;
+    }
     return PyLong_FromLong(n);
 }
 
@@ -357,7 +598,7 @@ static PyObject *adapter_error_name(AdapterObject *self, PyObject *arg)
     int code = _PyLong_AsInt(arg);
     if (code == -1 && PyErr_Occurred())
         return NULL;
-    return PyUnicode_FromString(self->api->error_name(code));
+    return PyUnicode_FromString(code_name(self->api, code));
 }
 
 static PyObject *adapter_kernels(AdapterObject *self, PyObject *Py_UNUSED(arg))
@@ -378,12 +619,8 @@ static PyObject *adapter_kernels(AdapterObject *self, PyObject *Py_UNUSED(arg))
     return out;
 }
 
-static PyObject *adapter_alloc(AdapterObject *self, PyObject *args)
+static PyObject *new_buffer(AdapterObject *self, int device, uint64_t nbytes)
 {
-    int device;
-    unsigned long long nbytes;
-    if (!PyArg_ParseTuple(args, "iK", &device, &nbytes))
-        return NULL;
     flagos_buffer handle = 0;
     flagos_status st = {0};
     int32_t rc = self->api->alloc(device, nbytes, &handle, &st);
@@ -393,8 +630,14 @@ static PyObject *adapter_alloc(AdapterObject *self, PyObject *args)
         flagos_status st2 = {0};
         if (rc == self->api->out_of_memory_code && self->api->memory_info(device, &m, &st2) == 0)
             snprintf(detail, sizeof(detail), ": requested %llu bytes, %llu bytes free of %llu",
-                     nbytes, (unsigned long long)m.free, (unsigned long long)m.total);
-        raise_status(self, "alloc", device, &st, detail);
+                     (unsigned long long)nbytes, (unsigned long long)m.free,
+                     (unsigned long long)m.total);
+        raise_status(self, "alloc", device, rc, &st, detail);
+        return NULL;
+    }
+    if (handle == 0) { /* "success" without a buffer: nothing to free, nothing to keep */
+        broken_answer(self, "alloc() of %llu bytes on device %d returned success and buffer 0",
+                      (unsigned long long)nbytes, device);
         return NULL;
     }
     BufferObject *b = PyObject_New(BufferObject, &Buffer_Type);
@@ -409,7 +652,33 @@ static PyObject *adapter_alloc(AdapterObject *self, PyObject *args)
     return (PyObject *)b;
 }
 
+/* alloc(device, nbytes) -> Buffer */
+static PyObject *adapter_alloc(AdapterObject *self, PyObject *args)
+{
+    int device;
+    PyObject *n;
+    uint64_t nbytes;
+    if (!PyArg_ParseTuple(args, "iO", &device, &n) || parse_bytes(n, &nbytes) < 0)
+        return NULL;
+    return new_buffer(self, device, nbytes);
+}
+
+/* alloc_tensor(device, sizes, strides | None, itemsize) -> Buffer: the storage of a new tensor,
+ * its layout checked first (None: contiguous). */
+static PyObject *adapter_alloc_tensor(AdapterObject *self, PyObject *args)
+{
+    int device;
+    PyObject *sizes, *strides, *itemsize;
+    uint64_t nbytes;
+    if (!PyArg_ParseTuple(args, "iOOO", &device, &sizes, &strides, &itemsize) ||
+        new_tensor_nbytes(sizes, strides, itemsize, &nbytes) < 0)
+        return NULL;
+    return new_buffer(self, device, nbytes);
+}
+
 /* One kernel tensor from (buffer | None, offset, dtype, sizes, strides). */
+static const int64_t dtype_sizes[FLAGOS_N_DTYPES] = {4, 2, 2, 8, 8, 4, 2, 1, 1, 1};
+
 static int parse_tensor(AdapterObject *self, PyObject *item, flagos_tensor *t)
 {
     memset(t, 0, sizeof(*t));
@@ -437,11 +706,22 @@ static int parse_tensor(AdapterObject *self, PyObject *item, flagos_tensor *t)
     t->offset = offset;
     t->dtype = dtype;
     t->ndim = (int32_t)nd;
+    layout l = {.ndim = (int)nd, .has_strides = 1};
     for (Py_ssize_t i = 0; i < nd; i++) {
-        t->sizes[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, i));
-        t->strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, i));
+        l.sizes[i] = t->sizes[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, i));
+        l.strides[i] = t->strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, i));
     }
-    return PyErr_Occurred() ? -1 : 0;
+    if (PyErr_Occurred())
+        return -1;
+    /* The ABI promises a kernel views inside its buffers: non-negative sizes and strides. */
+    uint64_t need;
+    if (dtype < 0 || dtype >= FLAGOS_N_DTYPES ||
+        storage_nbytes(&l, offset, dtype_sizes[dtype], &need) < 0 ||
+        need > ((BufferObject *)buf)->nbytes) {
+        PyErr_SetString(PyExc_ValueError, "a kernel tensor lies outside its buffer");
+        return -1;
+    }
+    return 0;
 }
 
 #define MAX_KERNEL_TENSORS 8
@@ -499,13 +779,14 @@ static PyObject *adapter_run_kernel(AdapterObject *self, PyObject *args)
     int32_t rc;
     rc = k->fn(&ka, &st);
     if (rc == FLAGOS_STATUS_UNSUPPORTED) {
+        st.message[sizeof(st.message) - 1] = '\0';
         PyErr_Format(PyExc_NotImplementedError, "%s: %s", k->op, st.message);
         return NULL;
     }
     if (rc != 0) {
         char call[128];
         snprintf(call, sizeof(call), "kernel %s", k->op);
-        raise_status(self, call, device, &st, NULL);
+        raise_status(self, call, device, rc, &st, NULL);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -549,6 +830,8 @@ static PyMethodDef adapter_methods[] = {
     {"error_name", (PyCFunction)adapter_error_name, METH_O, "error_name(code) -> str"},
     {"kernels", (PyCFunction)adapter_kernels, METH_NOARGS, "[(op, dtype mask)] in table order"},
     {"alloc", (PyCFunction)adapter_alloc, METH_VARARGS, "alloc(device, nbytes) -> Buffer"},
+    {"alloc_tensor", (PyCFunction)adapter_alloc_tensor, METH_VARARGS,
+     "alloc_tensor(device, sizes, strides | None, itemsize) -> Buffer, the layout checked first"},
     {"run_kernel", (PyCFunction)adapter_run_kernel, METH_VARARGS,
      "run_kernel(index, device, inputs, outputs, scalars, ints)"},
     {NULL, NULL, 0, NULL},
@@ -650,11 +933,19 @@ PyObject *flagos_load_adapter(PyObject *Py_UNUSED(module), PyObject *path_obj)
         dlclose(lib);
         goto done;
     }
+    for (int32_t i = 0; i < api->n_kernels; i++) {
+        if (api->kernels[i].op == NULL || api->kernels[i].fn == NULL) {
+            load_error(path, "kernel %d of its kernel table has no op name or no function", (int)i);
+            dlclose(lib);
+            goto done;
+        }
+    }
     flagos_status st = {0};
-    if (api->init(&st) != 0) {
+    int32_t rc = api->init(&st);
+    if (rc != 0) {
         st.message[sizeof(st.message) - 1] = '\0';
-        load_error(path, "its init() failed (%s, code %d): %s", api->error_name(st.code), st.code,
-                   st.message);
+        load_error(path, "its init() failed (%s, code %d): %s", code_name(api, rc), (int)rc,
+                   st.message[0] ? st.message : "the adapter gave no message");
         dlclose(lib);
         goto done;
     }

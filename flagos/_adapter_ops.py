@@ -31,6 +31,8 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.floa
                torch.int64: 4, torch.int32: 5, torch.int16: 6, torch.int8: 7, torch.uint8: 8,
                torch.bool: 9}
 CPU = torch.device("cpu")
+TO_OPS = frozenset(f"aten::to.{o}" for o in ("dtype", "device", "dtype_layout", "other"))
+ALIGN = 16  # the largest item size (complex128): every item size divides it
 META = torch.device("meta")
 
 
@@ -42,11 +44,56 @@ def _contiguous_strides(size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _dense_order(size, stride):
+    """The dims from outermost to innermost when (size, stride) is dense and non-overlapping
+    (contiguous in some order of its dims, as channels_last is); None otherwise."""
+    order = sorted(range(len(size)), key=lambda i: stride[i], reverse=True)
+    expected = 1
+    for i in reversed(order):
+        if size[i] != 1:
+            if stride[i] != expected:
+                return None
+            expected *= size[i]
+    return order
+
+
+def _permute(desc, order):
+    buf, offset, code, size, stride = desc
+    return buf, offset, code, tuple(size[i] for i in order), tuple(stride[i] for i in order)
+
+
 def _span(size, stride, offset) -> tuple[int, int]:
     """[first, last + 1) element of the storage a strided view touches (empty: (offset, offset))."""
     if any(s == 0 for s in size):
         return offset, offset
     return offset, offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
+
+
+def _tag(fresh: torch.Tensor, t) -> torch.Tensor:
+    """fresh (a new tensor over t's bytes, host, meta or flagos) given t's conjugate and
+    negative bits, which say how to read those bytes (x.conj(), torch._neg_view(x))."""
+    if t.is_conj():
+        torch._C._set_conj(fresh, True)
+    if t.is_neg():
+        torch._C._set_neg(fresh, True)
+    return fresh
+
+
+def _physical(host: torch.Tensor) -> torch.Tensor:
+    """A host tensor whose memory holds its values: bits resolved, efficient zeros made real."""
+    if host._is_zerotensor():
+        return torch.zeros(host.shape, dtype=host.dtype)
+    if host.is_conj() or host.is_neg():
+        return host.resolve_conj().resolve_neg()
+    return host
+
+
+def _strided_only(t: torch.Tensor, what: str) -> None:
+    """Refuse a sparse (or other non-strided) tensor with a message that says what to do."""
+    if t.layout is not torch.strided:
+        raise RuntimeError(
+            f"{what}: sparse tensors are not supported on flagos (this one is {t.layout}); "
+            f"convert it with .to_dense() first, or keep the sparse work on the CPU")
 
 
 def _walk(value, fn):
@@ -82,6 +129,7 @@ class _HostRegions:
         for t in tensors:
             lo, hi = _span(t.size(), t.stride(), t.storage_offset())
             b0, b1 = lo * t.element_size(), hi * t.element_size()
+            b0 -= b0 % ALIGN  # views of one buffer in other dtypes: a start every item size divides
             key = id(t._payload)
             if key in self.regions:
                 buf, r0, r1 = self.regions[key]
@@ -106,8 +154,11 @@ class _HostRegions:
         item = t.element_size()
         usable = (data.numel() // item) * item
         flat = data[:usable].view(t.dtype) if usable else torch.empty(0, dtype=t.dtype)
-        self.views[id(t)] = v = flat.as_strided(t.size(), t.stride(), t.storage_offset() - b0 // item)
-        return v
+        # offsets in bytes first: b0 is a multiple of ALIGN, so of this view's item size
+        offset = (t.storage_offset() * item - b0) // item if t.numel() else 0
+        v = flat.as_strided(t.size(), t.stride(), offset)
+        self.views[id(t)] = v
+        return _tag(v, t)
 
     def upload(self, buf) -> int:
         """Write a buffer's region back (once per call); returns the bytes moved."""
@@ -130,6 +181,7 @@ class Runner:
         self.kernels = {op: (i, mask) for i, (op, mask) in enumerate(self.adapter.kernels())}
         self.native = [self.adapter.props(i)["native_dtypes"] for i in range(len(flagos_devices))]
         self.facts = {}
+        self.layouts = {}  # (op, operand layouts) -> result strides of elementwise kernels
 
     # ---- entry ------------------------------------------------------------
     def __call__(self, func, name, route, policy, flags, args, kwargs):
@@ -139,10 +191,14 @@ class Runner:
             return special(self, func, args, kwargs), NATIVE, 0, 0, 0, ()
         index = self._device_index(name, flags, args, kwargs)
         if flags & _C.OP_VIEW:
+            if name in TO_OPS:
+                # aten::to (an alias only when nothing changes) reaches the router itself for
+                # inference tensors; its own decomposition copies when it must
+                return func.decompose(*args, **kwargs), NATIVE, 0, 0, 0, ()
             if name in ("aten::detach", "aten::alias"):  # same view, new tensor: no meta needed
                 t = args[0]
                 out = self._wrap(t._payload, t.shape, t.stride(), t.storage_offset(), t.dtype, index)
-                return out, NATIVE, 0, 0, 0, ()
+                return _tag(out, t), NATIVE, 0, 0, 0, ()
             return self._view(func, args, kwargs), NATIVE, 0, 0, 0, ()
         if route == OVERRIDE:
             from . import _routes
@@ -182,24 +238,48 @@ class Runner:
         return out
 
     def _alloc(self, size, dtype, index, stride=None) -> FlagosTensor:
+        # the layout is checked in C (negative sizes or strides, byte counts past 2**63)
+        buf = self.adapter.alloc_tensor(index, size, stride, dtype.itemsize)
         size = tuple(size)
         stride = _contiguous_strides(size) if stride is None else tuple(stride)
-        numel = _span(size, stride, 0)[1]
-        return self._wrap(self.adapter.alloc(index, numel * dtype.itemsize), size, stride, 0, dtype, index)
+        return self._wrap(buf, size, stride, 0, dtype, index)
 
-    def _upload(self, host: torch.Tensor, index: int) -> FlagosTensor:
-        host = host.contiguous()
-        out = self._alloc(host.shape, host.dtype, index)
-        if host.numel():
-            out._payload.write(to_dlpack(host.view(-1)), 0)
+    def _upload(self, host: torch.Tensor, index: int, stride=None) -> FlagosTensor:
+        """A new flagos tensor with host's values: laid out as `stride`, or as host is when
+        host is dense (a channels_last result stays channels_last), or contiguous."""
+        _strided_only(host, "a result for the flagos device")
+        host = _physical(host)
+        if stride is None and not host.is_contiguous() and _dense_order(host.shape, host.stride()):
+            stride = host.stride()
+        if stride is None:
+            host = host.contiguous()
+        elif tuple(host.stride()) != tuple(stride):
+            host = torch.empty_strided(host.shape, stride, dtype=host.dtype).copy_(host)
+        out = self._alloc(host.shape, host.dtype, index, host.stride())
+        if host.numel():  # dense: its numel elements from its offset on are all it touches
+            flat = host.as_strided((host.numel(),), (1,), host.storage_offset())
+            out._payload.write(to_dlpack(flat), 0)
         return out
+
+    def _like_strides(self, t, memory_format):
+        """The strides PyTorch gives a tensor made like t (empty_like, clone, _to_copy)."""
+        if memory_format in (None, torch.preserve_format) and t.is_contiguous():
+            return t.stride()
+        if memory_format is torch.contiguous_format:
+            return _contiguous_strides(t.shape)
+        return torch.empty_like(self._meta(t), memory_format=memory_format).stride()
 
     def _meta(self, t: FlagosTensor) -> torch.Tensor:
         numel = t._payload.nbytes // t.element_size()
-        return torch.empty(numel, dtype=t.dtype, device=META).as_strided(
+        m = torch.empty(numel, dtype=t.dtype, device=META).as_strided(
             t.size(), t.stride(), t.storage_offset())
+        return _tag(m, t)
 
     def _download(self, t: FlagosTensor) -> torch.Tensor:
+        """A host copy of the elements the view touches, with the view's layout and bits."""
+        return _tag(self._download_bytes(t), t)
+
+    def _download_bytes(self, t: FlagosTensor) -> torch.Tensor:
         """A host copy of just the elements the view touches, with the view's layout."""
         lo, hi = _span(t.size(), t.stride(), t.storage_offset())
         item = t.element_size()
@@ -216,7 +296,10 @@ class Runner:
 
         def rewrap(m):
             if isinstance(m, torch.Tensor):
-                return self._wrap(base._payload, m.shape, m.stride(), m.storage_offset(), m.dtype, index)
+                # meta views are not bounds-checked against their storage: check the buffer's
+                base._payload.check_view(m.shape, m.stride(), m.storage_offset(), m.element_size())
+                out = self._wrap(base._payload, m.shape, m.stride(), m.storage_offset(), m.dtype, index)
+                return _tag(out, m)
             if isinstance(m, (list, tuple)):
                 return type(m)(rewrap(x) for x in m)
             return m
@@ -240,14 +323,24 @@ class Runner:
             return NotImplemented
         dtype = tensors[0].dtype
         code = DTYPE_CODES.get(dtype)
-        if code is None or any(t.dtype != dtype for t in tensors):
+        if code is None or any(t.dtype != dtype or t.is_neg() for t in tensors):
             return NotImplemented  # mixed dtypes: type promotion happens on the host
         if not (entry[1] >> code & 1) or not (self.native[index] >> code & 1):
             return NotImplemented
-        outs = [self._alloc(shape, dtype, index) for shape in out_shapes]
+        order = stride = None
+        if name in ELEMENTWISE and not all(t.is_contiguous() for t in tensors):
+            # the output takes the layout PyTorch gives it (channels_last in, channels_last
+            # out); the kernel sees every operand with dims permuted so the output is contiguous
+            stride = self._elementwise_strides(func, args, kwargs, out_shapes[0], tensors)
+            order = _dense_order(out_shapes[0], stride)
+        outs = [self._alloc(shape, dtype, index, stride if order else None) for shape in out_shapes]
         descs = [self._desc(t, broadcast[i] if broadcast else None) for i, t in enumerate(inputs)]
+        out_descs = [self._desc(o) for o in outs]
+        if order:
+            descs = [d if d is None else _permute(d, order) for d in descs]
+            out_descs = [_permute(d, order) for d in out_descs]
         try:
-            self.adapter.run_kernel(entry[0], index, descs, [self._desc(o) for o in outs],
+            self.adapter.run_kernel(entry[0], index, descs, out_descs,
                                     tuple(float(s) for s in scalars), tuple(int(i) for i in ints))
         except NotImplementedError:  # FLAGOS_STATUS_UNSUPPORTED: the kernel declined these arguments
             return NotImplemented
@@ -255,6 +348,22 @@ class Runner:
             outs = [self._wrap(o._payload, f, _contiguous_strides(f), 0, dtype, index)
                     for o, f in zip(outs, finals)]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _elementwise_strides(self, func, args, kwargs, shape, tensors):
+        first = tensors[0].stride()
+        if all(tuple(t.shape) == tuple(shape) and t.stride() == first for t in tensors):
+            if _dense_order(shape, first):
+                return first  # operands laid out alike: so is the result
+        # PyTorch's rule (TensorIterator's) depends on the operands' layouts only: ask the meta
+        # kernel once per op and layouts, as a training loop repeats them
+        key = (func, tuple((t.shape, t.stride()) for t in tensors))
+        stride = self.layouts.get(key)
+        if stride is None:
+            if len(self.layouts) > 4096:
+                self.layouts.clear()
+            stride = self.layouts[key] = func(*_walk(args, self._meta),
+                                              **self._meta_kwargs(kwargs)).stride()
+        return stride
 
     def _desc(self, t, shape=None):
         """(buffer, offset, dtype code, sizes, strides) of a tensor, broadcast to `shape`."""
@@ -329,7 +438,11 @@ class Runner:
     def empty(self, func, args, kwargs):
         size = args[0]
         dtype = kwargs.get("dtype") or torch.get_default_dtype()
-        return self._alloc(size, dtype, self._index_of(kwargs.get("device")))
+        memory_format = kwargs.get("memory_format")
+        stride = None
+        if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+            stride = torch.empty(size, device=META, memory_format=memory_format).stride()
+        return self._alloc(size, dtype, self._index_of(kwargs.get("device")), stride)
 
     def empty_strided(self, func, args, kwargs):
         size, stride = args[0], args[1]
@@ -340,9 +453,10 @@ class Runner:
         t = args[0]
         dtype = kwargs.get("dtype") or t.dtype
         device = kwargs.get("device")
+        stride = self._like_strides(t, kwargs.get("memory_format"))
         if isinstance(device, torch.device) and device.type != "flagos":
-            return torch.empty(t.shape, dtype=dtype, device=device)
-        return self._alloc(t.shape, dtype, self._index_of(device, t.device.index))
+            return torch.empty_strided(t.shape, stride, dtype=dtype, device=device)
+        return self._alloc(t.shape, dtype, self._index_of(device, t.device.index), stride)
 
     def _index_of(self, device, default=0) -> int:
         if _is_flagos_device(device) and device.index is not None:
@@ -357,21 +471,24 @@ class Runner:
         if not isinstance(dst, FlagosTensor):  # host destination: bring the source here
             dst.copy_(self._download(src) if isinstance(src, FlagosTensor) else src)
             return dst
+        _strided_only(src, "copying to the flagos device")
+        tagged = dst.is_conj() or dst.is_neg()
         if (isinstance(src, FlagosTensor) and src.dtype == dst.dtype and src.shape == dst.shape
-                and src.is_contiguous() and dst.is_contiguous()):
+                and src.is_contiguous() and dst.is_contiguous() and not tagged
+                and not src.is_conj() and not src.is_neg()):
             item = dst.element_size()
             if dst.numel():
                 dst._payload.copy_from(src._payload, dst.storage_offset() * item,
                                        src.storage_offset() * item, dst.numel() * item)
             return dst
         host = self._download(src) if isinstance(src, FlagosTensor) else src
-        if dst.is_contiguous():
-            data = host.to(dst.dtype).expand(dst.shape).contiguous()
+        if dst.is_contiguous() and not tagged:
+            data = _physical(host.to(dst.dtype)).expand(dst.shape).contiguous()
             if data.numel():
                 dst._payload.write(to_dlpack(data.view(-1)), dst.storage_offset() * dst.element_size())
             return dst
-        region = self._download(dst)
-        region.copy_(host)
+        region = self._download_bytes(dst)
+        _tag(region.view(region.shape), dst).copy_(host)  # writes the bytes dst's bits call for
         self._write_region(dst, region)
         return dst
 
@@ -384,21 +501,28 @@ class Runner:
 
     def to_copy(self, func, args, kwargs):
         t = args[0]
+        _strided_only(t, "copying to the flagos device")
+        if kwargs.get("layout") not in (None, torch.strided):
+            raise RuntimeError(f"sparse tensors are not supported on flagos (layout "
+                               f"{kwargs['layout']} asked for); work with dense tensors")
         dtype = kwargs.get("dtype") or t.dtype
         device = kwargs.get("device")
+        stride = self._like_strides(t, kwargs.get("memory_format"))
         if isinstance(device, torch.device) and device.type != "flagos":
-            return self._download(t).to(dtype=dtype, device=device).clone()
+            return torch.empty_strided(t.shape, stride, dtype=dtype, device=device).copy_(self._download(t))
         index = self._index_of(device, t.device.index)
-        if dtype == t.dtype and t.is_contiguous():
-            out = self._alloc(t.shape, dtype, index)
+        if (dtype == t.dtype and tuple(stride) == t.stride() and not t.is_conj() and not t.is_neg()
+                and (t.is_contiguous() or _dense_order(t.shape, stride))):
+            # same bytes in the same layout: one device copy of the span
+            out = self._alloc(t.shape, dtype, index, stride)
             if t.numel():
                 item = t.element_size()
                 out._payload.copy_from(t._payload, 0, t.storage_offset() * item, t.numel() * item)
             return out
-        return self._upload(self._download(t).to(dtype), index)
+        return self._upload(self._download(t).to(dtype), index, stride)
 
     def clone(self, func, args, kwargs):
-        return self.to_copy(func, (args[0],), {})
+        return self.to_copy(func, (args[0],), {"memory_format": kwargs.get("memory_format")})
 
     def local_scalar(self, func, args, kwargs):
         return self._download(args[0]).item()
@@ -406,10 +530,10 @@ class Runner:
     def unsafe_view(self, func, args, kwargs):
         t, size = args[0], args[1]
         if not t.is_contiguous():
-            return self.to_copy(func, (t,), {}).view(size)
+            return self.to_copy(func, (t,), {"memory_format": torch.contiguous_format}).view(size)
         meta = self._meta(t).view(size)
-        return self._wrap(t._payload, meta.shape, meta.stride(), meta.storage_offset(), t.dtype,
-                          t.device.index)
+        return _tag(self._wrap(t._payload, meta.shape, meta.stride(), meta.storage_offset(), t.dtype,
+                               t.device.index), t)
 
     def fill_(self, func, args, kwargs):
         t, value = args[0], args[1]
@@ -572,6 +696,11 @@ def _layer_norm(runner, name, args, kwargs):
     stats = shape[:len(shape) - k] + (1,) * k
     return name, [inp, weight, bias], [eps], [k], [shape, stats, stats], None, None
 
+
+ELEMENTWISE = frozenset(("aten::add.Tensor", "aten::sub.Tensor", "aten::mul.Tensor", "aten::div.Tensor",
+                         "aten::add.Scalar", "aten::sub.Scalar", "aten::mul.Scalar", "aten::div.Scalar",
+                         "aten::neg", "aten::relu", "aten::silu", "aten::sigmoid", "aten::tanh",
+                         "aten::exp", "aten::gelu"))
 
 KERNEL_BUILDERS = {
     "aten::add.Tensor": lambda r, n, a, k: _binary(r, n, a, k, True),

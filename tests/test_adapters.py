@@ -146,3 +146,102 @@ def test_one_adapter_object_per_library(tmp_path):
     assert first.memory_info(0)["allocated"] == 16
     del buf
     assert first.memory_info(0)["allocated"] == 0
+
+
+# ---- adapters that give broken answers: each is checked, none crashes flagos ----------------
+
+NULL_NAMES = "static const char *null_name(int32_t code) { (void)code; return NULL; }\n"
+
+
+def broken(tmp_path, name: str, *edits: tuple[str, str], extra: str = ""):
+    """The guide's adapter with some lines replaced, loaded."""
+    source = guide_example()
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new)
+    source = source.replace("static const flagos_kernel toy_kernels[]", extra + "static const flagos_kernel toy_kernels[]")
+    return load(str(build(tmp_path, name, source, strict=False)))
+
+
+def relu_args(adapter):
+    x, y = adapter.alloc(0, 16), adapter.alloc(0, 16)
+    return [(x, 0, 0, (4,), (1,))], [(y, 0, 0, (4,), (1,))], (), ()
+
+
+def test_error_name_returning_null_on_init_failure(tmp_path):
+    with pytest.raises(flagos.errors.AdapterError,
+                       match=r"its init\(\) failed \(unnamed error, code 2\): init refused"):
+        broken(tmp_path, "nullinit",
+               ("static int32_t toy_init(flagos_status *st) { return ok(st); }",
+                "static int32_t toy_init(flagos_status *st) { return fail(st, 2, \"init refused\"); }"),
+               (".error_name = toy_error_name,", ".error_name = null_name,"),
+               extra=NULL_NAMES)
+
+
+def test_error_name_returning_null_on_kernel_failure(tmp_path):
+    adapter = broken(tmp_path, "nullkernel",
+                     ("return fail(st, FLAGOS_STATUS_UNSUPPORTED, \"toy relu: contiguous float32 only\");\n"
+                      "    for", "return fail(st, FLAGOS_STATUS_UNSUPPORTED, \"toy relu\");\n"
+                      "    if (x) return fail(st, TOY_ERROR_INVALID, \"relu broke\");\n    for"),
+                     (".error_name = toy_error_name,", ".error_name = null_name,"),
+                     extra=NULL_NAMES)
+    with pytest.raises(flagos.DeviceError, match=r"kernel aten::relu failed \(unnamed error, code 2\): "
+                                                 r"relu broke") as info:
+        adapter.run_kernel(0, 0, *relu_args(adapter))
+    assert info.value.code == 2 and info.value.code_name == "unnamed error"
+    assert adapter.error_name(7) == "unnamed error"
+
+
+def test_kernel_failing_without_filling_its_status(tmp_path):
+    adapter = broken(tmp_path, "mute",
+                     ("return fail(st, FLAGOS_STATUS_UNSUPPORTED, \"toy relu: contiguous float32 only\");\n"
+                      "    for", "return fail(st, FLAGOS_STATUS_UNSUPPORTED, \"toy relu\");\n"
+                      "    if (x) return TOY_ERROR_LOST; /* status left as it was */\n    for"))
+    with pytest.raises(flagos.DeviceError, match=r"kernel aten::relu failed \(TOY_ERROR_LOST, code 3\): "
+                                                 r"the adapter gave no message") as info:
+        adapter.run_kernel(0, 0, *relu_args(adapter))
+    assert info.value.code == 3 and info.value.code_name == "TOY_ERROR_LOST"
+    assert info.value.hint.startswith("the device is in a failed state")
+
+
+def test_absurd_device_count_is_refused(tmp_path):
+    adapter = broken(tmp_path, "many", ("*count = 1;", "*count = 2147483647;"))
+    with pytest.raises(flagos.errors.AdapterError,
+                       match=r"device_count\(\) reported 2147483647 devices; flagos drives 0 to 64"):
+        adapter.device_count()
+    negative = broken(tmp_path, "negative", ("*count = 1;", "*count = -2;"))
+    with pytest.raises(flagos.errors.AdapterError, match=r"reported -2 devices"):
+        negative.device_count()
+
+
+def test_zero_buffer_handle_is_a_failed_allocation(tmp_path):
+    adapter = broken(tmp_path, "zerohandle", ("*out = i + 1;", "*out = nbytes == 12 ? 0 : i + 1;"))
+    with pytest.raises(flagos.errors.AdapterError, match=r"alloc\(\) of 12 bytes on device 0 returned "
+                                                         r"success and buffer 0"):
+        adapter.alloc(0, 12)
+    buf = adapter.alloc(0, 16)  # the adapter keeps working
+    assert buf.handle != 0 and buf.nbytes == 16
+
+
+def test_kernel_table_entries_need_names_and_functions(tmp_path):
+    with pytest.raises(flagos.errors.AdapterError, match=r"kernel 1 of its kernel table has no op name"):
+        broken(tmp_path, "noname", ('{"aten::add.Tensor", toy_add,', '{NULL, toy_add,'))
+
+
+def test_buffer_copies_outside_the_buffer_never_reach_the_adapter(tmp_path):
+    import torch
+    from torch.utils.dlpack import to_dlpack
+
+    adapter = broken(tmp_path, "ranges")
+    buf = adapter.alloc(0, 16)
+    with pytest.raises(RuntimeError, match=r"a copy from host of 16 bytes at offset 8 is outside "
+                                           r"the 16-byte buffer"):
+        buf.write(to_dlpack(torch.ones(4)), 8)
+    with pytest.raises(ValueError, match="non-negative"):
+        buf.read(to_dlpack(torch.ones(1)), -4)
+    with pytest.raises(RuntimeError, match="a device copy of 16 bytes at offset 2"):
+        buf.copy_from(adapter.alloc(0, 32), 2, 0, 16)
+    with pytest.raises(ValueError, match="adapter copies take host tensors with storage"):
+        buf.write(to_dlpack(torch._efficientzerotensor(4)), 0)
+    with pytest.raises(ValueError, match="a kernel tensor lies outside its buffer"):
+        adapter.run_kernel(0, 0, [(buf, 2, 0, (4,), (1,))], [(buf, 0, 0, (4,), (1,))], (), ())

@@ -23,6 +23,7 @@ export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=lib
 export PYTHONPATH="$work"
 "$PYTHON" -c "import flagos._C as c, sys; assert c.__file__.startswith('$work'), c.__file__"
 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_device.py tests/test_routes.py \
-    tests/test_errors.py tests/test_native_mode.py tests/test_adapters.py tests/test_sim.py "$@"
+    tests/test_errors.py tests/test_native_mode.py tests/test_adapters.py tests/test_sim.py \
+    tests/test_sim_fidelity.py "$@"
 FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_device.py \
     tests/test_routes.py tests/test_errors.py "$@"

@@ -18,6 +18,22 @@
  *    flagos, and no host pointer is kept by the adapter after a call returns.
  *  - Calls may come from any thread, but never two at once: flagos serializes them, so an
  *    adapter needs no locking for flagos's sake.
+ *  - flagos checks what it hands over: every size, stride, offset and byte count is validated
+ *    with overflow-checked arithmetic before a call, so copies and kernel tensors always lie
+ *    inside the buffers they name, and zero-byte copies are not made at all.
+ *
+ * What flagos does with a broken answer (it never crashes on one):
+ *  - error_name() returning NULL: the code is reported as "unnamed error".
+ *  - a failing call that leaves its status unfilled: the returned code is the one reported
+ *    (never status->code), with the message "the adapter gave no message"; a message without
+ *    a NUL is cut at FLAGOS_STATUS_MESSAGE_SIZE - 1.
+ *  - device_count() below 0 or above FLAGOS_MAX_DEVICES: flagos.AdapterError, and the chip
+ *    is not used.
+ *  - alloc() returning success with buffer 0: flagos.AdapterError for that allocation; flagos
+ *    keeps no buffer and calls free() for nothing (an adapter that allocated anyway leaks).
+ *  - a kernel table entry without an op name or function, a NULL required entry point, a
+ *    table without a name: the library is refused at load with flagos.AdapterError.
+ *  - init() failing: the library is refused at load with the code, name and message.
  *
  * docs/adapters.md is the guide to writing one; backends/sim is the reference adapter.
  */
@@ -36,6 +52,7 @@ extern "C" {
 #define FLAGOS_ADAPTER_ENTRY "flagos_adapter_get"
 
 #define FLAGOS_MAX_DIMS 8
+#define FLAGOS_MAX_DEVICES 64                     /* device_count() above this is refused */
 #define FLAGOS_STATUS_MESSAGE_SIZE 256
 
 /* A kernel returns this (never a vendor code) when it cannot handle these particular
@@ -129,6 +146,9 @@ typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_statu
  *   aten::mul.Scalar, aten::div.Scalar    in: self; scalars: other
  *       (flagos also uses the .Scalar kernels for a .Tensor op whose `other` is a 0-dim
  *        host tensor, which is how `x + 2` reaches the router)
+ *       (for these and the unary ops below, flagos may hand every operand with its dims in
+ *        another order, the same for all, so that a channels_last result is still a
+ *        contiguous output)
  *   aten::neg, aten::relu, aten::silu,    in: self; out: same shape
  *   aten::sigmoid, aten::tanh, aten::exp
  *   aten::gelu                            in: self; ints: approximate (0 "none", 1 "tanh")

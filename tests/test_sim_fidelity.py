@@ -1,0 +1,221 @@
+"""sim gives the numbers, layouts and errors plain PyTorch gives on the CPU.
+
+Each test runs in a fresh process on sim (whatever chip the suite itself uses) and compares
+with the same code on plain CPU tensors.
+"""
+import textwrap
+
+from conftest import device_mode_only, run_python
+
+pytestmark = device_mode_only
+
+PRELUDE = """
+import torch, flagos
+flagos.activate("sim")
+d = flagos.device()
+
+def error(fn):
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+"""
+
+
+def run_sim(code: str, **env):
+    proc = run_python(PRELUDE + textwrap.dedent(code), env={"FLAGOS_FALLBACK": "allow", **env})
+    assert "OK" in proc.stdout, proc.stdout + proc.stderr
+    return proc
+
+
+def test_host_round_trip_over_views_of_one_buffer_in_other_dtypes():
+    run_sim("""
+        torch.manual_seed(0)
+
+        def run(buf):
+            h = buf.view(torch.float16)        # one buffer, read as halves and as floats
+            a = torch.addcmul(buf[1:5], h[1:5], buf[1:5])   # float16 view starts at byte 2
+            b = torch.add(buf[1:3], h[3:5])                 # float32 view at byte 4
+            c = torch.addcmul(h[2:6].view(torch.float32), buf[3:5], h[11:13])
+            buf[6:8].addcmul_(h[21:23], buf[9:11])           # written back in place
+            return a, b, c, buf
+
+        host = torch.randn(16)
+        for got, want in zip(run(host.to(d)), run(host.clone())):
+            torch.testing.assert_close(got.cpu(), want, equal_nan=True)
+        print("OK")
+    """)
+
+
+def test_sizes_and_strides_are_checked_before_reaching_the_adapter():
+    run_sim("""
+        import gc
+
+        def same(fn, *args):
+            want = error(lambda: fn("cpu", *args))
+            got = error(lambda: fn(d, *args))
+            assert want is not None and got == want, (got, want)
+
+        same(lambda dev: torch.empty(2**62 + 4, device=dev))
+        same(lambda dev: torch.empty(2**40, 2**40, device=dev))
+        same(lambda dev: torch.empty(-1, device=dev))
+        same(lambda dev: torch.zeros(2, -3, device=dev))
+        same(lambda dev: torch.empty_strided((2,), (-1,), device=dev))
+        same(lambda dev: torch.empty_strided((2**62,), (4,), device=dev))
+        same(lambda dev: torch.zeros(4, device=dev).as_strided((4,), (2,)))
+        same(lambda dev: torch.zeros(4, device=dev).as_strided((4,), (1,), 1))
+        same(lambda dev: torch.zeros(4, device=dev)[1:].as_strided((2, 2), (2, 1), 1))
+        same(lambda dev: torch.zeros(2, 4, device=dev).as_strided_((4, 4), (4, 1)))
+        gc.collect()
+        assert torch.flagos.memory_allocated() == 0   # nothing is left of the refused calls
+        # a view that does fit still works, through the same checks
+        x = torch.arange(8.0, device=d).as_strided((3, 2), (2, 1), 1)
+        torch.testing.assert_close(x.cpu(), torch.arange(8.0).as_strided((3, 2), (2, 1), 1))
+        print("OK")
+    """)
+
+
+def test_storage_less_tensors_are_materialized_not_read():
+    run_sim("""
+        torch.testing.assert_close(torch._efficientzerotensor(3, device=d).cpu(), torch.zeros(3))
+        torch.testing.assert_close(torch._efficientzerotensor(2, 3).to(d).cpu(), torch.zeros(2, 3))
+        a = torch.ones(3, device=d)
+        a.copy_(torch._efficientzerotensor(3))
+        torch.testing.assert_close(a.cpu(), torch.zeros(3))
+
+        x0 = torch.randn(3).requires_grad_()
+        x = x0.detach().to(d).requires_grad_()
+        torch.sgn(x).sum().backward()               # sgn's gradient is an efficient zero tensor
+        torch.sgn(x0).sum().backward()
+        torch.testing.assert_close(x.grad.cpu(), x0.grad)
+        z = torch.empty(0, 3, device=d)
+        torch.testing.assert_close(z.sum(0).cpu(), torch.empty(0, 3).sum(0))
+        print("OK")
+    """)
+
+
+def test_conjugate_and_negative_views_are_honoured():
+    run_sim("""
+        z = torch.tensor([[1 + 2j, 3 - 4j], [0.5 - 1j, 2 + 0.25j]])
+        x = torch.randn(3, 4)
+        cases = {
+            "conj().cpu()": lambda z, x: z.conj(),
+            "resolve_conj": lambda z, x: z.conj().resolve_conj(),
+            "mH @ z": lambda z, x: z.mH @ z,
+            "conj * z": lambda z, x: z.conj() * z,
+            "conj().imag": lambda z, x: z.conj().imag,
+            "conj view item": lambda z, x: torch.tensor(z.conj().t()[0, 1].item()),
+            "conj clone": lambda z, x: z.conj().clone(),
+            "conj detach": lambda z, x: z.conj().detach(),
+            "conj _unsafe_view": lambda z, x: torch.ops.aten._unsafe_view(z.conj(), (4,)),
+            "neg view": lambda z, x: torch._neg_view(x),
+            "neg view + 1": lambda z, x: torch._neg_view(x) + 1,
+            "neg view mm": lambda z, x: torch._neg_view(x) @ x.t(),
+            "neg view t": lambda z, x: torch._neg_view(x).t().contiguous(),
+            "resolve_neg": lambda z, x: torch._neg_view(x).resolve_neg(),
+        }
+        for name, fn in cases.items():
+            want = fn(z, x)
+            got = fn(z.to(d), x.to(d)).cpu()
+            torch.testing.assert_close(got.resolve_conj().resolve_neg(), want.resolve_conj().resolve_neg(),
+                                       msg=name)
+
+        def copy_into_conj(dev):
+            a = torch.zeros(2, 2, dtype=torch.complex64, device=dev)
+            a.t().conj().copy_(z.to(dev))          # strided destination with the bit
+            b = torch.zeros(2, 2, dtype=torch.complex64, device=dev)
+            b.conj().copy_(z.to(dev))              # contiguous destination with the bit
+            return a.cpu(), b.cpu()
+
+        for got, want in zip(copy_into_conj(d), copy_into_conj("cpu")):
+            torch.testing.assert_close(got, want)
+        in_place = {
+            "fill_": lambda t: t.conj().fill_(1 + 1j),
+            "zero_": lambda t: t.conj().zero_(),
+            "mul_": lambda t: t.conj().mul_(2j),
+            "neg view fill_": lambda t: torch._neg_view(t.real).fill_(3.0),
+        }
+        for name, fn in in_place.items():
+            a, b = z.clone(), z.to(d)
+            fn(a)
+            fn(b)
+            torch.testing.assert_close(b.cpu(), a, msg=name)
+        print("OK")
+    """)
+
+
+def test_cpu_of_a_tensor_made_in_inference_mode():
+    run_sim("""
+        with torch.inference_mode():
+            y = torch.arange(6.0, device=d).view(2, 3) * 2
+        want = torch.arange(6.0).view(2, 3) * 2
+        torch.testing.assert_close(y.cpu(), want)
+        torch.testing.assert_close(y.to(torch.float64).cpu(), want.double())
+        torch.testing.assert_close(y.to("cpu", torch.float16), want.half())
+        torch.testing.assert_close(y.t().cpu(), want.t())
+        torch.testing.assert_close(y.to(d).cpu(), want)
+        print("OK")
+    """)
+
+
+def test_layouts_and_result_strides_match_cpu():
+    run_sim("""
+        import torch.nn.functional as F
+        cl = torch.channels_last
+        torch.manual_seed(0)
+        x = torch.randn(2, 3, 4, 5)
+        bias = torch.randn(1, 3, 1, 1)
+        cases = {
+            "to channels_last": lambda x, b, dev: x.to(memory_format=cl),
+            "to float64 channels_last": lambda x, b, dev: x.to(torch.float64, memory_format=cl),
+            "contiguous channels_last": lambda x, b, dev: x.contiguous(memory_format=cl),
+            "empty channels_last": lambda x, b, dev: torch.empty(2, 3, 4, 5, memory_format=cl, device=dev),
+            "empty_like preserves": lambda x, b, dev: torch.empty_like(x.contiguous(memory_format=cl)),
+            "empty_like of a permuted view": lambda x, b, dev: torch.empty_like(x.transpose(1, 3)),
+            "empty_like channels_last": lambda x, b, dev: torch.empty_like(x, memory_format=cl),
+            "new_empty_strided": lambda x, b, dev: x.new_empty_strided((3, 4), (1, 3)),
+            "clone of a permuted view": lambda x, b, dev: x.transpose(1, 3).clone(),
+            "half of a permuted view": lambda x, b, dev: x.transpose(1, 2).half(),
+            "to cpu channels_last": lambda x, b, dev: x.to("cpu", memory_format=cl),
+            "relu (kernel)": lambda x, b, dev: F.relu(x.contiguous(memory_format=cl)),
+            "add (kernel)": lambda x, b, dev: x.contiguous(memory_format=cl) + x.contiguous(memory_format=cl),
+            "add bias (kernel)": lambda x, b, dev: x.contiguous(memory_format=cl) + b,
+            "mul permuted (kernel)": lambda x, b, dev: x.transpose(0, 1) * 2,
+            "mul mixed layouts (kernel)": lambda x, b, dev: x.contiguous(memory_format=cl) * x,
+            "gelu half (kernel)": lambda x, b, dev: F.gelu(x.half().contiguous(memory_format=cl)),
+            "abs (fallback)": lambda x, b, dev: x.contiguous(memory_format=cl).abs(),
+            "conv2d (fallback)": lambda x, b, dev: F.conv2d(x.contiguous(memory_format=cl),
+                                                            torch.ones(4, 3, 3, 3, device=dev)),
+        }
+        for name, fn in cases.items():
+            want = fn(x, bias, "cpu")
+            with flagos.track() as r:
+                got = fn(x.to(d), bias.to(d), d)
+            assert got.stride() == want.stride(), (name, got.stride(), want.stride())
+            if "empty" not in name:
+                torch.testing.assert_close(got.cpu(), want, msg=name)
+            if "(kernel)" in name:
+                assert r.calls("fallback") == 0, (name, r.to_dict())
+        print("OK")
+    """)
+
+
+def test_sparse_tensors_get_a_clear_error():
+    run_sim("""
+        s = torch.eye(3).to_sparse()
+        attempts = {
+            "to": lambda: s.to(d),
+            "to_sparse": lambda: torch.eye(3, device=d).to_sparse(),
+            "to_sparse_csr": lambda: torch.eye(3, device=d).to_sparse_csr(),
+            "copy_": lambda: torch.zeros(3, 3, device=d).copy_(s),
+            "sparse_coo_tensor": lambda: torch.sparse_coo_tensor(
+                torch.tensor([[0], [1]], device=d), torch.tensor([1.0], device=d), (2, 2)),
+        }
+        for name, fn in attempts.items():
+            kind, message = error(fn)
+            assert kind == "RuntimeError", (name, kind, message)
+            assert "sparse tensors are not supported on flagos" in message and ".to_dense()" in message, (name, message)
+        torch.testing.assert_close(s.to_dense().to(d).cpu(), torch.eye(3))   # the way out works
+        print("OK")
+    """)
