@@ -18,8 +18,6 @@ from conftest import device_mode_only
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "conformance"))
 import runner  # noqa: E402
 
-pytest.importorskip("torch.testing._internal.common_methods_invocations")
-
 FAST_OPS = [
     # elementwise, unary and binary, with type promotion and broadcasting
     "add", "mul", "div.no_rounding_mode", "pow", "abs", "exp", "sigmoid", "where", "clamp",
@@ -39,6 +37,9 @@ FAST_OPS = [
 ]
 
 
+BOGUS = ("no.such.op", "float32", "fwd")
+
+
 def run_subset():
     import harness
     cases = []
@@ -49,8 +50,10 @@ def run_subset():
     errors = []
 
     def one(chip):
+        # An op the worker cannot find kills it (KeyError): the harness's crash path, on cpu.
+        todo = [BOGUS, *cases] if chip == "cpu" else cases
         try:
-            results.update(runner.run(chip, cases, workers=1, timeout=60))
+            results.update(runner.run(chip, todo, workers=1, timeout=60))
         except Exception as exc:  # surfaced below, in the test's thread
             errors.append(exc)
 
@@ -62,12 +65,17 @@ def run_subset():
         t.join()
     if errors:
         raise errors[0]
-    return results
+    return results, results.pop(runner.key_of("cpu", BOGUS))
 
 
 @pytest.fixture(scope="module")
-def results(monkeypatch_module):
+def subset(monkeypatch_module):
     return run_subset()
+
+
+@pytest.fixture
+def results(subset):
+    return subset[0]
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +84,26 @@ def monkeypatch_module():
     mp.setenv("CONFORMANCE_SAMPLES", "3")
     yield mp
     mp.undo()
+
+
+@device_mode_only
+def test_worker_crash_is_recorded(subset):
+    results, crash = subset
+    assert crash["outcome"] == "crash" and "KeyError" in crash["message"], crash
+    # the fresh worker went on with the rest
+    assert results[runner.key_of("cpu", ("add", "float32", "fwd"))]["outcome"] == "pass"
+
+
+def test_judge_is_strict():
+    expected = {"a bug": ["*:mul:complex64:bwd", "sim:add:float32:fwd"], "other": ["cpu:sub:*"]}
+    results = {"cpu:mul:complex64:bwd": {"outcome": "mismatch"},
+               "sim:mul:complex64:bwd": {"outcome": "pass"},
+               "sim:add:float32:fwd": {"outcome": "pass"},
+               "sim:div:float32:fwd": {"outcome": "crash"},
+               "cpu:abs:float32:fwd": {"outcome": "stride"}}
+    unexpected, fixed = runner.judge(results, expected)
+    assert unexpected == ["cpu:abs:float32:fwd", "sim:div:float32:fwd"]
+    assert fixed == ["sim:add:float32:fwd"]  # `cpu:sub:*` matched nothing that ran
 
 
 @device_mode_only
