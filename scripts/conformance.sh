@@ -20,4 +20,4 @@ if [ $# -eq 0 ]; then
     # only a full sweep writes the documented numbers
     args+=(--write-doc docs/conformance.md)
 fi
-CONFORMANCE_COMMAND="scripts/conformance.sh $*" exec nice -n 10 "$PYTHON" tests/conformance/run.py "${args[@]}" "$@"
+CONFORMANCE_COMMAND="scripts/conformance.sh${*:+ $*}" exec nice -n 10 "$PYTHON" tests/conformance/run.py "${args[@]}" "$@"

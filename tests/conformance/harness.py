@@ -34,7 +34,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 BWD_DTYPES = ("float32", "complex64")
 RANK = {"pass": 0, "skip": 0, "stride": 1, "mismatch": 2, "error": 3, "crash": 4}
 
-# FlagGems' resolutions (tests/accuracy_utils.py): rtol per result dtype; atol for fp32 as the
+# FlagGems' RESOLUTION table as rtol per result dtype; atol for fp32 as the
 # issue asks. Complex results use their real dtype's; float64 results (a float32 op may return
 # them) get the fp32 tolerances; integer and bool results must be exact.
 TOL = {torch.float32: (1e-5, 1.3e-6), torch.complex64: (1e-5, 1.3e-6),
@@ -195,27 +195,6 @@ def _compare(got, want, on_device, values=True):
         _compare_leaf(i, g, w, on_device, values)
     for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
         _check_strides(i, g, w)
-
-
-def _same(a, b) -> bool:
-    """Two CPU results equal (NaNs equal): tells a random op from a deterministic one."""
-    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
-    if len(la) != len(lb):
-        return False
-    for x, y in zip(la, lb):
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.shape != y.shape or x.dtype != y.dtype:
-                return False
-            if x.layout == torch.strided and not torch.equal(torch.nan_to_num(x.detach()),
-                                                             torch.nan_to_num(y.detach())):
-                if not (torch.isnan(x) == torch.isnan(y)).all() or not torch.equal(
-                        x.detach()[~torch.isnan(x)], y.detach()[~torch.isnan(y)]):
-                    return False
-        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            return False
-        elif x != y and not (isinstance(x, float) and math.isnan(x) and math.isnan(y)):
-            return False
-    return True
 
 
 def _random(op, args) -> bool:

@@ -101,15 +101,18 @@ def main(argv=None):
     for p in fixed:
         print(f"now passes: remove {p!r} from tests/conformance/expected_failures.py")
     if args.write_doc:
-        write_doc(args.write_doc, results, chips, dtypes, seconds, unexpected, fixed, expected, argv)
+        write_doc(args.write_doc, results, chips, dtypes, seconds, unexpected, fixed, expected, argv,
+                  args.workers)
     return 1 if unexpected or fixed else 0
 
 
-def write_doc(path, results, chips, dtypes, seconds, unexpected, fixed, expected, argv):
+def write_doc(path, results, chips, dtypes, seconds, unexpected, fixed, expected, argv,
+              args_workers):
     import torch
     by_cause = collections.Counter(runner.cause_of(k, expected) for k, r in results.items()
                                    if r["outcome"] not in ("pass", "skip"))
-    cmd = os.environ.get("CONFORMANCE_COMMAND") or "python tests/conformance/run.py " + shlex.join(argv or sys.argv[1:])
+    cmd = os.environ.get("CONFORMANCE_COMMAND") or \
+        "python tests/conformance/run.py " + shlex.join(argv or sys.argv[1:])
     lines = [
         "# Conformance: PyTorch's OpInfo database on the flagos device",
         "",
@@ -117,8 +120,8 @@ def write_doc(path, results, chips, dtypes, seconds, unexpected, fixed, expected
         "is in the section after the numbers.",
         "",
         f"Last run: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{seconds / 60:.0f} min, torch {torch.__version__}, "
-        f"{harness.MAX_SAMPLES} samples per case, command `{cmd}`.",
+        f"{seconds / 60:.0f} min on {os.cpu_count()} cores ({args_workers} workers per chip), "
+        f"torch {torch.__version__}, {harness.MAX_SAMPLES} samples per case, command `{cmd}`.",
         "",
         table(results, chips, dtypes),
         "",
@@ -129,8 +132,10 @@ def write_doc(path, results, chips, dtypes, seconds, unexpected, fixed, expected
     ]
     for cause, n in by_cause.most_common():
         lines.append(f"| {n} | {cause or '**not listed: unexpected**'} |")
-    lines += ["", f"Unexpected failures: {len(unexpected)}", ""]
-    lines += [f"- `{k}` {results[k]['outcome']}: {results[k]['message'][:200]}" for k in unexpected]
+    lines += ["", f"Unexpected failures: {len(unexpected)}"]
+    if unexpected:
+        lines += [""] + [f"- `{k}` {results[k]['outcome']}: {results[k]['message'][:200]}"
+                         for k in unexpected]
     if fixed:
         lines += ["", "Listed as expected but now passing (remove them):", ""]
         lines += [f"- `{p}`" for p in fixed]

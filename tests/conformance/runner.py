@@ -115,6 +115,8 @@ def run(chip, cases, workers=2, timeout=60.0, on_result=None):
                 w = sk.data
                 lines = w.lines()
                 if lines is None:
+                    if not w.ready:
+                        raise RuntimeError(f"a {chip} worker died while starting: {w.why_dead()}")
                     retire(w, "crash", w.why_dead())
                     if todo:
                         start()
