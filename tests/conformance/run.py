@@ -89,24 +89,24 @@ def main(argv=None):
         print(f"{chip}: {len(cases)} cases, {args.workers} workers", flush=True)
         results.update(runner.run(chip, cases, args.workers, args.timeout, on_result))
     seconds = time.time() - start
-    unexpected, fixed = runner.judge(results, expected, globs=not args.ops)
+    unexpected, stale = runner.judge(results, expected, globs=not args.ops)
     if set(chips) != {"cpu", "sim"} or set(dtypes) != set(harness.DTYPES) \
             or set(args.directions.split(",")) != {"fwd", "bwd"}:
-        fixed = []  # a partial sweep cannot tell which listed patterns are fixed
+        stale = []  # a partial sweep cannot tell which listed patterns are stale
 
     print(table(results, chips, dtypes))
     print(f"{len(results)} cases in {seconds:.0f} s")
     for key in unexpected:
         print(f"unexpected {results[key]['outcome']}: {key}: {results[key]['message']}")
-    for p in fixed:
-        print(f"now passes: remove {p!r} from tests/conformance/expected_failures.py")
+    for line in stale:
+        print(f"tests/conformance/expected_failures.py: {line}")
     if args.write_doc:
-        write_doc(args.write_doc, results, chips, dtypes, seconds, unexpected, fixed, expected, argv,
+        write_doc(args.write_doc, results, chips, dtypes, seconds, unexpected, stale, expected, argv,
                   args.workers)
-    return 1 if unexpected or fixed else 0
+    return 1 if unexpected or stale else 0
 
 
-def write_doc(path, results, chips, dtypes, seconds, unexpected, fixed, expected, argv,
+def write_doc(path, results, chips, dtypes, seconds, unexpected, stale, expected, argv,
               args_workers):
     import torch
     by_cause = collections.Counter(runner.cause_of(k, expected) for k, r in results.items()
@@ -136,9 +136,9 @@ def write_doc(path, results, chips, dtypes, seconds, unexpected, fixed, expected
     if unexpected:
         lines += [""] + [f"- `{k}` {results[k]['outcome']}: {results[k]['message'][:200]}"
                          for k in unexpected]
-    if fixed:
-        lines += ["", "Listed as expected but now passing (remove them):", ""]
-        lines += [f"- `{p}`" for p in fixed]
+    if stale:
+        lines += ["", "Listed as expected but now passing:", ""]
+        lines += [f"- {line}" for line in stale]
     text = "\n".join(lines) + "\n"
     old = open(path).read() if os.path.exists(path) else ""
     marker = "\n## How it works"

@@ -159,22 +159,32 @@ def cause_of(key, expected):
 
 
 def judge(results, expected, globs=True):
-    """(unexpected, fixed): failing cases not listed; listed patterns that matched cases which
-    all ran and all passed (strict: the list must shrink when a bug is fixed). A run over some
-    ops sees only part of what a pattern with a wildcard in its op field covers: globs=False
-    leaves those out of `fixed`."""
+    """(unexpected, stale). unexpected: failing cases no pattern lists. stale: one line per
+    listed pattern that now passes where it ran (strict: the list must shrink when a bug is
+    fixed): "remove P" when all its cases pass, "narrow P" when a both-chips pattern passes on
+    one chip. A run over some ops sees only part of what a pattern with a wildcard in its op
+    field covers: globs=False leaves those out of `stale`."""
     unexpected = []
-    matched = {}
+    matched = {}  # (pattern, chip) -> [cases run, cases failing]
     for key, r in sorted(results.items()):
         failing = r["outcome"] not in ("pass", "skip")
-        for cause, patterns in expected.items():
+        chip = key.split(":")[0]
+        for patterns in expected.values():
             for p in patterns:
                 if fnmatch.fnmatchcase(key, p):
-                    seen = matched.setdefault(p, [0, 0])
+                    seen = matched.setdefault((p, chip), [0, 0])
                     seen[0] += r["outcome"] != "skip"
                     seen[1] += failing
         if failing and cause_of(key, expected) is None:
             unexpected.append(key)
-    fixed = sorted(p for p, (ran, failed) in matched.items()
-                   if ran and not failed and (globs or not any(c in p.split(":")[1] for c in "*?[")))
-    return unexpected, fixed
+    stale = []
+    for p in sorted({p for p, _ in matched}):
+        if not globs and any(c in p.split(":")[1] for c in "*?["):
+            continue
+        passing = [c for (q, c), (ran, failed) in matched.items() if q == p and ran and not failed]
+        failing = [c for (q, c), (ran, failed) in matched.items() if q == p and failed]
+        if passing and not failing:
+            stale.append(f"remove {p!r}: it passes")
+        elif passing:
+            stale.append(f"narrow {p!r} to {', '.join(failing)}: it passes on {', '.join(passing)}")
+    return unexpected, stale
