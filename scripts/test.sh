@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: everything in device mode on the cpu chip (with native mode, autoload, the
 # adapter ABI and the real models), the chip-dependent tests again on the emulated accelerator
-# sim, then the AddressSanitizer job over the C router, the loader and the sim adapter.
+# sim, then the AddressSanitizer and UndefinedBehaviorSanitizer jobs over the C router, the
+# loader and the sim adapter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -9,3 +10,4 @@ CHIP_TESTS="tests/test_device.py tests/test_routes.py tests/test_errors.py tests
 "$PYTHON" -m pytest -q tests "$@"
 FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q $CHIP_TESTS "$@"
 bash tests/asan/run.sh
+bash tests/ubsan/run.sh
