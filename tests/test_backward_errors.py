@@ -130,3 +130,80 @@ def test_outside_backward_errors_raise_at_the_op(dev):
     flagos.set_route("aten::mul.Tensor", "error")
     with pytest.raises(flagos.FallbackError, match="routed to 'error'"):
         torch.ones(2, device=dev) * 2
+
+
+def test_fault_injection_over_a_training_loop_on_sim():
+    """An allocation fails somewhere inside a six-step training loop on sim (forward or
+    backward, wherever allocation #N falls). The loop catches it and skips that step; the
+    final weights equal a CPU run that skipped the same step."""
+    proc = run_python("""
+        import torch, flagos
+        flagos.activate("sim")
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        model.load_state_dict(ref.state_dict())
+        model = model.to("flagos")
+        data = [(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(6)]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        failed = []
+        for step, (x, y) in enumerate(data):
+            opt.zero_grad(set_to_none=True)
+            try:
+                loss = ((model(x.to("flagos")) - y.to("flagos")) ** 2).mean()
+                loss.backward()
+                opt.step()
+            except torch.OutOfMemoryError as e:
+                failed.append(step)
+                print("STEP", step, "FAILED |", str(e).splitlines()[0][:80])
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step, (x, y) in enumerate(data):
+            if step in failed:
+                continue
+            ref_opt.zero_grad(set_to_none=True)
+            ((ref(x) - y) ** 2).mean().backward()
+            ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+        print("FAILED STEPS", failed, "WEIGHTS MATCH")
+    """, env={"FLAGOS_FALLBACK": "allow", "FLAGOS_SIM_FAIL_ALLOC_AT": "60"}, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "FAILED | sim device 0 is out of memory" in proc.stdout
+    assert "WEIGHTS MATCH" in proc.stdout and "FAILED STEPS [" in proc.stdout
+    assert "FAILED STEPS []" not in proc.stdout
+
+
+def test_error_paths_do_not_leak():
+    """Failing calls, repeated, hold on to no device memory and no Python objects."""
+    proc = run_python("""
+        import gc, torch, flagos
+        flagos.activate("sim")
+        m = torch.flagos
+        x = torch.ones(256, device="flagos", requires_grad=True)
+        def failures():
+            for make in (lambda: torch.empty(2**40, device="flagos"),          # out of memory
+                         lambda: x + torch.ones(256),                           # mixed devices
+                         lambda: torch.empty(-1, device="flagos")):             # bad size
+                try:
+                    make()
+                except (RuntimeError, torch.OutOfMemoryError):
+                    pass
+            loss = (x * 2).sum()
+            flagos.set_route("aten::mul.Tensor", "error")
+            try:
+                loss.backward()                                                 # fails inside backward
+            except flagos.FallbackError:
+                pass
+            flagos.set_route("aten::mul.Tensor", "auto")
+            x.grad = None
+        failures()
+        gc.collect(); gc.collect()
+        mem, objs = m.memory_allocated(), len(gc.get_objects())
+        for _ in range(30):
+            failures()
+        gc.collect(); gc.collect()
+        print("MEM", m.memory_allocated() - mem, "OBJS", len(gc.get_objects()) - objs)
+    """, env={"FLAGOS_FALLBACK": "allow", "FLAGOS_SIM_MEMORY": "16M"})
+    mem, objs = proc.stdout.split()[1], int(proc.stdout.split()[3])
+    assert mem == "0", proc.stdout
+    assert objs < 30, proc.stdout  # nothing grows per failing round
