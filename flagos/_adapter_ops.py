@@ -127,10 +127,13 @@ class _HostRegions:
     def __init__(self, tensors):
         self.regions = {}  # id(buffer) -> (buffer, first byte, end byte)
         for t in tensors:
+            key = id(t._payload)
+            if t.numel() == 0:  # touches no byte (its offset may even lie past a 0-byte buffer)
+                self.regions.setdefault(key, (t._payload, 0, 0))
+                continue
             lo, hi = _span(t.size(), t.stride(), t.storage_offset())
             b0, b1 = lo * t.element_size(), hi * t.element_size()
             b0 -= b0 % ALIGN  # views of one buffer in other dtypes: a start every item size divides
-            key = id(t._payload)
             if key in self.regions:
                 buf, r0, r1 = self.regions[key]
                 b0, b1 = (min(r0, b0), max(r1, b1)) if r1 > r0 else (b0, b1)

@@ -219,3 +219,17 @@ def test_sparse_tensors_get_a_clear_error():
         torch.testing.assert_close(s.to_dense().to(d).cpu(), torch.eye(3))   # the way out works
         print("OK")
     """)
+
+
+def test_empty_views_in_a_fallback_touch_no_bytes():
+    """An empty tensor's offset may lie past its 0-byte buffer; the host round trip must not
+    read there (combinations' backward with an empty gradient did)."""
+    run_sim("""
+        x = torch.ones(1, device=d, requires_grad=True)
+        out = torch.combinations(x, r=2)                       # shape (0, 2)
+        (g,) = torch.autograd.grad(out, x, torch.randn(0, 2).to(d))
+        assert g.cpu().tolist() == [0.0], g
+        e = torch.empty(0, device=d)
+        assert torch.cat([e, torch.ones(2, device=d)]).cpu().tolist() == [1.0, 1.0]
+        print("OK")
+    """)
