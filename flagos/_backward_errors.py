@@ -22,6 +22,7 @@ from . import _C, _schema
 _lock = threading.Lock()
 _failed: dict[int, BaseException] = {}  # graph task id -> its first error
 _local = threading.local()              # .busy: placeholders being made, route normally
+_STALE_AFTER = 64                       # backward passes after which an entry is stale
 
 
 def install() -> None:
@@ -37,6 +38,10 @@ def on_error(func, args, kwargs, exc):
     if task == -1:
         return None
     with _lock:
+        # A pass that failed again elsewhere (an engine check) never ran its callback: forget
+        # such entries once later passes have run, so the per-op check switches off again.
+        for old in [t for t in _failed if t < task - _STALE_AFTER]:
+            del _failed[old]
         first = task not in _failed
         if first:
             # The failed frames' locals hold the op's tensors: let them go now, keep the lines.
@@ -69,10 +74,30 @@ def _placeholders(func, args, kwargs):
     try:
         _local.busy = True
         return _make_placeholders(func, args, kwargs)
-    except Exception:  # noqa: BLE001 - see docstring; the engine's own checks report a mismatch
-        return _first_tensor(args, kwargs)
+    except Exception:  # noqa: BLE001 - see docstring
+        return _by_schema(func, args, kwargs)
     finally:
         _local.busy = False
+
+
+_ZERO = {"bool": False, "int": 0, "SymInt": 0, "float": 0.0, "complex": 0j}
+
+
+def _by_schema(func, args, kwargs):
+    """Placeholders from the schema's return types when the op has no meta kernel: zeros of
+    the Python type for scalars (item() and friends), the first tensor argument for tensors
+    (the engine's own shape checks report a mismatch)."""
+    outs = []
+    for ret in func._schema.returns:
+        kind = str(ret.type)
+        if kind == "Scalar":
+            tensor = _first_tensor(args, kwargs)
+            outs.append(0j if tensor.is_complex() else 0.0 if tensor.is_floating_point() else 0)
+        elif kind in _ZERO:
+            outs.append(_ZERO[kind])
+        else:
+            outs.append(_first_tensor(args, kwargs))
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _make_placeholders(func, args, kwargs):
