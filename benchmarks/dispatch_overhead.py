@@ -2,7 +2,8 @@
 
     python benchmarks/dispatch_overhead.py [--chip cpu] [--mode device|native] [--number 2000] [--repeat 7]
 
-Small tensors, so the figure is the cost of routing an op, not of computing it.
+Small tensors, so the figure is the cost of routing an op, not of computing it; then ops of
+realistic size (a UNet's conv2d, attention, group_norm), where the overhead is what a model pays.
 """
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ OPS = {
     "layer_norm": lambda a, b: torch.nn.functional.layer_norm(a, (8,)),
 }
 
+F = torch.nn.functional
+# name -> (inputs, op): the shapes of a DDPM-cifar10-sized UNet's middle blocks
+REALISTIC = {
+    "conv2d 1x256x8x8": ((torch.randn(1, 256, 8, 8), torch.randn(256, 256, 3, 3)),
+                         lambda x, w: F.conv2d(x, w, padding=1)),
+    "sdpa 1x8x128x64": ((torch.randn(1, 8, 128, 64),) * 3,
+                        lambda q, k, v: F.scaled_dot_product_attention(q, k, v)),
+    "group_norm 1x256x8x8": ((torch.randn(1, 256, 8, 8),), lambda x: F.group_norm(x, 32)),
+}
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,6 +56,14 @@ def main() -> None:
     dev = flagos.device()
     on_chip = tuple(t.to(dev) for t in base)
     routed = {name: median_us(lambda f=f: f(*on_chip), args.number, args.repeat) for name, f in OPS.items()}
+    real = {}
+    for name, (inputs, f) in REALISTIC.items():
+        moved = tuple(t.to(dev) for t in inputs)
+        number = max(args.number // 20, 20)
+        # interleaved: native and flagos alternate, so a load change hits both
+        pairs = [(median_us(lambda: f(*inputs), number, 1), median_us(lambda: f(*moved), number, 1))
+                 for _ in range(args.repeat)]
+        real[name] = tuple(sorted(p[i] for p in pairs)[len(pairs) // 2] for i in (0, 1))
 
     print(f"machine: {machine()}")
     print(f"chip {info['chip']}, {info['mode']} mode; 8x8 float32; median of {args.repeat} x {args.number} calls")
@@ -54,6 +73,9 @@ def main() -> None:
         print(f"{name:<12}{n:>11.2f}{f:>11.2f}{f - n:>13.2f}{f / n:>8.2f}")
     over = sorted(routed[k] - native[k] for k in OPS)
     print(f"median overhead per op: {over[len(over) // 2]:.2f} µs")
+    print(f"\n{'realistic op':<22}{'native µs':>11}{'flagos µs':>11}{'overhead µs':>13}{'ratio':>8}")
+    for name, (n, f) in real.items():
+        print(f"{name:<22}{n:>11.1f}{f:>11.1f}{f - n:>13.1f}{f / n:>8.2f}")
 
 
 if __name__ == "__main__":

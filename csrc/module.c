@@ -33,6 +33,8 @@ static void state_clear_config(flagos_state *st)
     Py_CLEAR(st->set_metadata);
     Py_CLEAR(st->on_backward_error);
     Py_CLEAR(st->skip_failed_task);
+    Py_CLEAR(st->math_call);
+    Py_CLEAR(st->complex_dtypes);
     st->failed_tasks = 0;
     st->configured = 0;
 }
@@ -150,6 +152,21 @@ static PyObject *fl_set_backward_hooks(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *fl_set_math_call(PyObject *module, PyObject *args)
+{
+    PyObject *fn, *dtypes;
+    if (!PyArg_ParseTuple(args, "OO!:set_math_call", &fn, &PyTuple_Type, &dtypes))
+        return NULL;
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "set_math_call(fn, complex_dtypes): fn must be callable");
+        return NULL;
+    }
+    flagos_state *st = flagos_get_state(module);
+    Py_XSETREF(st->math_call, Py_NewRef(fn));
+    Py_XSETREF(st->complex_dtypes, Py_NewRef(dtypes));
+    Py_RETURN_NONE;
+}
+
 static PyObject *fl_set_failed_tasks(PyObject *module, PyObject *arg)
 {
     long n = PyLong_AsLong(arg);
@@ -224,6 +241,8 @@ static PyMethodDef fl_methods[] = {
      "0 allow, 1 warn once per op, 2 raise before running."},
     {"set_backward_hooks", fl_set_backward_hooks, METH_VARARGS,
      "set_backward_hooks(on_error, skip): what an op failing inside autograd's engine does."},
+    {"set_math_call", fl_set_math_call, METH_VARARGS,
+     "set_math_call(fn, complex_dtypes): how chip ops on complex tensors are called."},
     {"set_failed_tasks", fl_set_failed_tasks, METH_O,
      "Number of backward passes holding a deferred error (0 turns the per-op check off)."},
     {"invalidate", fl_invalidate, METH_NOARGS, "Resolve every op's route again on its next call."},
@@ -263,6 +282,8 @@ static int fl_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->adapter_dispatch);
     Py_VISIT(st->on_backward_error);
     Py_VISIT(st->skip_failed_task);
+    Py_VISIT(st->math_call);
+    Py_VISIT(st->complex_dtypes);
     op_entry *e, *tmp;
     HASH_ITER(hh, st->table, e, tmp) {
         Py_VISIT(e->func);

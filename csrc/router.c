@@ -701,6 +701,62 @@ static PyObject *call_with(PyObject *fn, PyObject *args, PyObject *kwargs)
     return r;
 }
 
+/* 1 if a tensor argument (top level, or in a list) is complex, 0 if none, -1 on error. */
+static int is_complex_tensor(flagos_state *st, PyObject *v)
+{
+    if (!PyObject_TypeCheck(v, (PyTypeObject *)st->tensor_type))
+        return 0;
+    PyObject *dtype = PyObject_GetAttr(v, fl_names.dtype);
+    if (dtype == NULL)
+        return -1;
+    int found = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(st->complex_dtypes); i++)
+        found |= dtype == PyTuple_GET_ITEM(st->complex_dtypes, i);
+    Py_DECREF(dtype);
+    return found;
+}
+
+static int any_complex(flagos_state *st, PyObject *args, PyObject *kwargs)
+{
+    PyObject *vals = kwargs ? PyDict_Values(kwargs) : NULL;
+    if (kwargs && vals == NULL)
+        return -1;
+    PyObject *groups[2] = {args, vals};
+    int found = 0;
+    for (int g = 0; g < 2 && !found && groups[g] != NULL; g++) {
+        PyObject *seq = groups[g];
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && !found; i++) {
+            PyObject *v = PySequence_Fast_ITEMS(seq)[i];
+            if (PyList_Check(v) || PyTuple_Check(v)) {
+                for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(v) && !found; k++)
+                    found = is_complex_tensor(st, PySequence_Fast_ITEMS(v)[k]);
+            } else {
+                found = is_complex_tensor(st, v);
+            }
+            if (found < 0)
+                break;
+        }
+    }
+    Py_XDECREF(vals);
+    return found;
+}
+
+/* Call a chip op on payloads. Inside __torch_dispatch__ PyTorch excludes every key above
+ * Python, the conjugate and negative fallbacks too; a composite op on complex payloads
+ * (pinv, lstsq) makes conjugate views inside and needs them, so those calls re-enable them. */
+PyObject *flagos_call_payload(flagos_state *st, PyObject *fn, PyObject *args, PyObject *kwargs)
+{
+    if (st->math_call != NULL) {
+        int c = any_complex(st, args, kwargs);
+        if (c < 0)
+            return NULL;
+        if (c)
+            return PyObject_CallFunctionObjArgs(st->math_call, fn, args,
+                                                kwargs ? kwargs : Py_None, NULL);
+    }
+    return call_with(fn, args, kwargs);
+}
+
 static int raise_route_error(flagos_state *st, op_entry *e)
 {
     PyErr_Format(st->fallback_error,
@@ -849,12 +905,12 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
 
     if (!st->device_mode) {
         /* Native mode: the tensors are already the chip's own. */
-        out = call_with(route == ROUTE_OVERRIDE ? e->override : e->call, args, kwargs);
+        out = flagos_call_payload(st, route == ROUTE_OVERRIDE ? e->override : e->call, args, kwargs);
         if (out == NULL && route == ROUTE_OVERRIDE &&
             PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
             PyErr_Clear();
             route = ROUTE_NATIVE;
-            out = call_with(e->call, args, kwargs);
+            out = flagos_call_payload(st, e->call, args, kwargs);
         }
         if (out == NULL)
             goto not_implemented;
@@ -867,12 +923,12 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
         goto error;
     if (unwrap_call(st, e, args, kwargs, !from_factory, &uargs, &ukwargs) < 0)
         goto error;
-    out = call_with(route == ROUTE_OVERRIDE ? e->override : e->call, uargs, ukwargs);
+    out = flagos_call_payload(st, route == ROUTE_OVERRIDE ? e->override : e->call, uargs, ukwargs);
     if (out == NULL && route == ROUTE_OVERRIDE &&
         PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
         PyErr_Clear();
         route = ROUTE_NATIVE;
-        out = call_with(e->call, uargs, ukwargs);
+        out = flagos_call_payload(st, e->call, uargs, ukwargs);
     }
     Py_CLEAR(uargs);
     Py_CLEAR(ukwargs);

@@ -86,6 +86,8 @@ typedef struct flagos_state {
     PyObject *on_backward_error; /* Python: (func, args, kwargs, exc) -> placeholders or None */
     PyObject *skip_failed_task;  /* Python: (func, args, kwargs) -> placeholders or None */
     int failed_tasks;          /* backward graph tasks holding a deferred error (0: no check) */
+    PyObject *math_call;       /* Python: (fn, args, kwargs) with the conj/neg keys enabled */
+    PyObject *complex_dtypes;  /* tuple of the complex torch.dtype objects */
     PyObject *dtypes[MAX_DTYPES]; /* registry for dtype_mask (strong refs) */
     int n_dtypes;
 } flagos_state;
@@ -102,6 +104,7 @@ flagos_state *flagos_get_state(PyObject *module);
 /* router.c */
 PyObject *flagos_route_call(flagos_state *st, PyObject *func, PyObject *args, PyObject *kwargs,
                             int from_factory);
+PyObject *flagos_call_payload(flagos_state *st, PyObject *fn, PyObject *args, PyObject *kwargs);
 void flagos_table_clear(flagos_state *st);
 void flagos_table_invalidate(flagos_state *st);
 PyObject *flagos_table_export(flagos_state *st, int include_routes_only);

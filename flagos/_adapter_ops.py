@@ -19,7 +19,7 @@ import time
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from . import _C, _schema
+from . import _C, _math_keys, _schema
 from ._runtime import set_metadata
 from ._tensor import FlagosTensor
 from .errors import DeviceMismatchError
@@ -387,7 +387,11 @@ class Runner:
         to_host = trip.download()
         hargs = _walk(args, trip.view)
         hkwargs = {k: CPU if _is_flagos_device(v) else _walk(v, trip.view) for k, v in kwargs.items()}
-        out = func(*hargs, **hkwargs)
+        if any(isinstance(t, torch.Tensor) and t.is_complex()
+               for t in _flatten((hargs, tuple(hkwargs.values())))):
+            out = _math_keys.call(func, hargs, hkwargs)  # conjugate views inside composite ops
+        else:
+            out = func(*hargs, **hkwargs)
 
         facts = self.facts.get(func)
         if facts is None:

@@ -169,6 +169,8 @@ def _configure_router(state: Active) -> None:
         adapter_dispatch=_adapter_runner(state) if isinstance(chip, AdapterChip) else None,
     )
     _C.set_fallback_policy(_POLICIES[_env.get("FLAGOS_FALLBACK") or "warn"])
+    from . import _math_keys
+    _math_keys.install()
     if device_mode:
         from . import _backward_errors
         _backward_errors.install()

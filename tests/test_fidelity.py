@@ -66,6 +66,17 @@ def test_eigen_decomposition_gradient(dev):
     close(grads[1], grads[0], rtol=1e-6, atol=1e-6)
 
 
+def test_composite_ops_that_conjugate_inside(dev):
+    """pinv and lstsq reach the router whole and build conjugate views inside: the chip op
+    must run with PyTorch's conjugate fallback on, as on CPU."""
+    torch.manual_seed(0)
+    a = torch.randn(5, 5, dtype=torch.complex64)
+    b = torch.randn(5, 2, dtype=torch.complex64)
+    close(torch.linalg.pinv(a.to(dev)), torch.linalg.pinv(a), rtol=1e-4, atol=1e-4)
+    close(torch.linalg.lstsq(a.to(dev), b.to(dev)).solution, torch.linalg.lstsq(a, b).solution,
+          rtol=1e-4, atol=1e-4)
+
+
 # ---- .data assignment --------------------------------------------------------------------
 
 def test_data_assignment_takes_the_new_values(dev):
