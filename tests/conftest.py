@@ -98,3 +98,13 @@ def assert_close(actual, expected, atol=1e-6, rtol=1e-5):
     actual = actual.detach().cpu() if isinstance(actual, torch.Tensor) else torch.as_tensor(actual)
     expected = expected.detach().cpu() if isinstance(expected, torch.Tensor) else torch.as_tensor(expected)
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+def run_pytest(paths, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run test files in a fresh pytest process with `env` (FLAGOS_TEST_CHIP=sim: a file
+    written for sim also runs from the cpu suite); the caller asserts on the outcome."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, paths)]
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=900,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

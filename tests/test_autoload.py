@@ -10,6 +10,7 @@ def test_autoload_with_flagos_device():
         print("FLAGOS" if "flagos" in __import__("sys").modules else "NO")
     """, env={"FLAGOS_DEVICE": "cpu"})
     assert "tensor([2., 2.], device='flagos:0')" in proc.stdout
+    assert "FLAGOS" in proc.stdout  # flagos was imported by the autoload itself
 
 
 @device_mode_only

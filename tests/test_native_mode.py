@@ -29,7 +29,9 @@ def test_native_mode_routes_reports_and_falls_back():
         assert v.add_(2) is v and a.tolist() == [0.0, 2.0, 2.0]
         model = torch.nn.Linear(5, 3)
         model(x).sum().backward()
-        assert model.weight.grad is not None
+        # d sum(x @ W.T + b) / dW[j] is the column sums of x for every row j; / db is the batch
+        assert torch.allclose(model.weight.grad, x.sum(0).expand(3, 5))
+        assert model.bias.grad.tolist() == [4.0, 4.0, 4.0]
         report = flagos.fallback_report()
         print(report)
         assert report.op("aten::add_.Tensor")["calls"]["fallback"] == 1

@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+"""Does the test suite catch a broken flagos? Put one deliberate bug at a time into a scratch
+copy of the tree, rebuild, run the tests that should notice it, and report caught / survived.
+
+    python scripts/mutation_check.py              # every mutation (about half an hour on 2 cores)
+    python scripts/mutation_check.py --only sub_scalar_adds fp16_truncates
+    python scripts/mutation_check.py --list
+
+A mutation is caught only when a test fails (pytest exit status 1). Before the mutations, the
+same test selections run on the unmutated copy and must pass, so a failure means the bug.
+A mutation whose original text is no longer in its file stops the script before anything
+runs: the code changed, and the mutation must be updated with it. Exit status: 0 when every
+mutation is caught, 1 when one survives or a run errs, 2 on a drifted mutation.
+
+Runs sequentially, under `nice`, with pytest's `-x -p no:cacheprovider`; see docs/testing.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COPIED = ("setup.py", "pyproject.toml", "README.md", "csrc", "flagos", "backends", "tests", "docs",
+          "examples")
+SIM_ALL = {"FLAGOS_SIM_DTYPES": "float32,float16,bfloat16"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One pytest run: the chip the suite activates, test paths / node ids, and -k."""
+    chip: str
+    paths: tuple[str, ...]
+    k: str = ""
+    env: tuple[tuple[str, str], ...] = ()
+
+    def label(self) -> str:
+        return f"{self.chip}: {' '.join(self.paths)}" + (f" -k '{self.k}'" if self.k else "")
+
+
+def cpu(*paths, k=""):
+    return Run("cpu", paths, k)
+
+
+def sim(*paths, k=""):
+    return Run("sim", paths, k, tuple(SIM_ALL.items()))
+
+
+@dataclass
+class Mutation:
+    name: str
+    what: str
+    edits: list[tuple[str, str, str]]  # (file, original text, replacement)
+    runs: list[Run] = field(default_factory=list)
+
+
+def M(name, what, path, original, replacement, *runs, more=()):
+    return Mutation(name, what, [(path, original, replacement), *more], list(runs))
+
+
+ROUTER, FALLBACK, ADAPTER = "csrc/router.c", "csrc/fallback.c", "csrc/adapter.c"
+KERNELS, SIM = "backends/sim/kernels.c", "backends/sim/sim.c"
+ENV_TESTS, POLICY = "tests/test_env.py", "tests/test_policy.py"
+COUNTERS, KERNEL_TESTS = "tests/test_fallback_counters.py", "tests/test_sim_kernels.py"
+LOADER = "tests/test_adapter_loader.py"
+
+MUTATIONS = [
+    # ---- the 16 bugs of issue 9 that the suite used to miss, and its two untested claims ----
+    M("fallback_env_ignored", "FLAGOS_FALLBACK=error in the environment behaves as allow",
+      "flagos/_runtime.py",
+      '    _C.set_fallback_policy(_POLICIES[_env.get("FLAGOS_FALLBACK") or "warn"])',
+      "    _C.set_fallback_policy(0)",
+      cpu(ENV_TESTS, k="fallback_variable")),
+    M("device_backend_wins", "FLAGOS_DEVICE_BACKEND wins over FLAGOS_DEVICE",
+      "flagos/_env.py",
+      'return get("FLAGOS_DEVICE") or get("FLAGOS_DEVICE_BACKEND")',
+      'return get("FLAGOS_DEVICE_BACKEND") or get("FLAGOS_DEVICE")',
+      cpu(ENV_TESTS, k="device_variables")),
+    M("policy_after_fallback", "the fallback policy is checked after the fallback ran (torch-native chips)",
+      ROUTER,
+      "    Py_CLEAR(target);\n    if (check_policy(st, e) < 0)\n        return NULL;\n    if (st->device_mode) {",
+      "    Py_CLEAR(target);\n    if (st->device_mode) {",
+      cpu(POLICY, k="policy"),
+      more=[(ROUTER, "    out = flagos_run_fallback(st, e, args, kwargs, target);\n",
+             "    out = flagos_run_fallback(st, e, args, kwargs, target);\n"
+             "    if (out != NULL && check_policy(st, e) < 0)\n        Py_CLEAR(out);\n")]),
+    M("mixed_devices_on_fallback", "the mixed-device check is skipped on the fallback route",
+      ROUTER,
+      "            if (unwrap_call(st, e, args, kwargs, 1, &uargs, &ukwargs) < 0)\n                goto error;",
+      "            if (unwrap_call(st, e, args, kwargs, 0, &uargs, &ukwargs) < 0)\n                goto error;",
+      cpu(POLICY, k="mixed_devices")),
+    M("chip_not_implemented_raises", "a chip kernel's NotImplementedError propagates instead of falling back",
+      ROUTER,
+      "        !PyErr_ExceptionMatches(PyExc_NotImplementedError))\n        goto error;",
+      "        1)\n        goto error;",
+      cpu(POLICY, k="not_implemented")),
+    M("override_decline_raises", "an override's NotImplementedError is not handed to the chip's kernel",
+      ROUTER,
+      "    if (out == NULL && route == ROUTE_OVERRIDE &&\n        PyErr_ExceptionMatches(PyExc_NotImplementedError)) {",
+      "    if (out == NULL && route == ROUTE_OVERRIDE && 0 &&\n        PyErr_ExceptionMatches(PyExc_NotImplementedError)) {",
+      cpu(POLICY, k="override_declining")),
+    M("fallback_time_unmeasured", "the fallback's wall time is not measured (torch-native chips)",
+      FALLBACK, "    e->fallback_ns += now_ns() - t0;", "    e->fallback_ns += 0 * (now_ns() - t0);",
+      cpu(COUNTERS, k="wall_time")),
+    M("written_bytes_uncounted", "bytes copied back for written arguments are not counted",
+      FALLBACK, "        if (same == 1 && add_bytes(host, &c->e->bytes_to_device) == 0)",
+      "        if (same == 1)",
+      cpu(COUNTERS, k="bytes")),
+    M("sub_scalar_adds", "sim: sub.Scalar adds", KERNELS,
+      "static float sub_scalar_fn(float a, float b, const float *s) { (void)b; return a - s[1] * s[0]; }",
+      "static float sub_scalar_fn(float a, float b, const float *s) { (void)b; return a + s[1] * s[0]; }",
+      sim(KERNEL_TESTS, k="scalar")),
+    M("mean_divides_by_numel", "sim: mean.dim divides by the input's numel, not the reduced count",
+      KERNELS, "sum / (double)count : NAN;", "sum / (double)in[0].numel : NAN;",
+      sim(KERNEL_TESTS, k="reduc or mean")),
+    M("softmax_without_max", "sim: softmax without subtracting the row's max", KERNELS,
+      "        if (x > max || isnan(x))", "        if (isnan(x))",
+      sim(KERNEL_TESTS, k="softmax"),
+      more=[(KERNELS, "    float max = -INFINITY;", "    float max = 0.0f;")]),
+    M("fp16_truncates", "sim: float32 -> float16 truncates instead of rounding to nearest even",
+      KERNELS, "(shift_right_round_even(magnitude, 13) - (112u << 10))",
+      "((magnitude >> 13) - (112u << 10))",
+      sim(KERNEL_TESTS, k="round_to_nearest")),
+    M("short_table_accepted", "the loader accepts a table shorter than the ABI requires", ADAPTER,
+      "    if (api->struct_size < needed) {", "    if (api->struct_size < needed && 0) {",
+      cpu(LOADER, k="shorter")),
+    M("sim_devices_ignored", "FLAGOS_SIM_DEVICES is ignored (always 2 devices)", SIM,
+      "    sim.n_devices = (int32_t)devices;", "    sim.n_devices = SIM_DEFAULT_DEVICES;",
+      cpu(ENV_TESTS, k="sim_devices")),
+    M("torch_range_unwarned", "no warning for a PyTorch outside the tested range",
+      "flagos/_runtime.py", "    if not low <= version <= high:",
+      "    if False and not low <= version <= high:",
+      cpu("tests/test_versions.py", k="torch")),
+    M("batch_norm_stats_lost_sim", "sim: the fallback does not write back written arguments it does "
+      "not return (BatchNorm's running statistics)", "flagos/_adapter_ops.py",
+      "sum(self._write_back(trip, t) for i in write_args\n",
+      "sum(self._write_back(trip, t) for i in write_args if i in return_alias\n",
+      sim(COUNTERS, k="batch_norm")),
+    M("init_failure_accepted", "the loader ignores a failed init() of an adapter", ADAPTER,
+      "    if (api->init(&st) != 0) {", "    if (api->init(&st) != 0 && 0) {",
+      cpu(LOADER, k="init")),
+    M("mode_env_ignored", "FLAGOS_MODE in the environment is ignored", "flagos/_runtime.py",
+      '    mode = (mode or _env.get("FLAGOS_MODE") or "").lower()', '    mode = (mode or "").lower()',
+      cpu(ENV_TESTS, k="mode_variable")),
+    # ---- more ----
+    M("batch_norm_stats_lost_cpu", "torch-native chips: the fallback writes back only the first "
+      "written argument (BatchNorm's running_var is lost)", FALLBACK,
+      "    for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(e->write_args); w++) {\n"
+      "        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(e->write_args, w));\n"
+      "        PyObject *orig = argument_of",
+      "    for (Py_ssize_t w = 0; w < 1 && w < PyTuple_GET_SIZE(e->write_args); w++) {\n"
+      "        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(e->write_args, w));\n"
+      "        PyObject *orig = argument_of",
+      cpu(COUNTERS, k="batch_norm")),
+    M("fallback_time_unmeasured_sim", "C-ABI chips: the fallback's wall time is not counted",
+      ROUTER, "    e->fallback_ns += ns;", "    e->fallback_ns += 0 * ns;",
+      sim(COUNTERS, k="wall_time")),
+    M("route_env_ignored", "FLAGOS_ROUTE in the environment is ignored", "flagos/_routes.py",
+      '    _forced.update(parse_route_spec(_env.get("FLAGOS_ROUTE")))',
+      '    parse_route_spec(_env.get("FLAGOS_ROUTE"))',
+      cpu(ENV_TESTS, k="route_variable")),
+    M("log_level_env_ignored", "FLAGOS_LOG_LEVEL's level is ignored", "flagos/_runtime.py",
+      '    level = _env.get("FLAGOS_LOG_LEVEL") or "warning"', '    level = "warning"',
+      cpu(ENV_TESTS, k="log_level")),
+    M("adapter_path_ignored", "FLAGOS_ADAPTER_PATH is not searched", "flagos/chips/adapter.py",
+      "    return extra + [PACKAGE_DIR]", "    return [PACKAGE_DIR]",
+      cpu(ENV_TESTS, k="adapter_path")),
+    M("warns_every_call", "FLAGOS_FALLBACK=warn warns on every call, not once per op", ROUTER,
+      "    if (st->fallback_policy == 1 && !(e->flags & OP_WARNED)) {",
+      "    if (st->fallback_policy == 1) {",
+      cpu(POLICY, k="warn_policy")),
+    M("add_ignores_alpha", "sim: add.Tensor ignores alpha", KERNELS,
+      "static float add_tensor_fn(float a, float b, const float *s) { return a + s[0] * b; }",
+      "static float add_tensor_fn(float a, float b, const float *s) { (void)s; return a + b; }",
+      sim(KERNEL_TESTS, k="binary_tensor")),
+    M("bf16_truncates", "sim: float32 -> bfloat16 truncates", KERNELS,
+      "    uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);",
+      "    uint32_t rounding_bias = 0u * ((bits >> 16) & 1u);",
+      sim(KERNEL_TESTS, k="bfloat16_results")),
+    M("fp16_subnormals_truncate", "sim: float16 subnormal results truncate", KERNELS,
+      "shift_right_round_even(significand, 126u - exponent)", "(significand >> (126u - exponent))",
+      sim(KERNEL_TESTS, k="subnormal")),
+    M("layer_norm_fixed_eps", "sim: layer_norm ignores its eps", KERNELS,
+      "        double rstd = 1.0 / sqrt(variance + eps);", "        double rstd = 1.0 / sqrt(variance + 1e-5 + 0 * eps);",
+      sim(KERNEL_TESTS, k="layer_norm")),
+    M("addmm_swaps_alpha_beta", "sim: addmm swaps alpha and beta", KERNELS,
+      "gemm(&a, &b, &self, args->scalars[1], args->scalars[0], &c,",
+      "gemm(&a, &b, &self, args->scalars[0], args->scalars[1], &c,",
+      sim(KERNEL_TESTS, k="addmm")),
+    M("div_scalar_multiplies", "sim: div.Scalar multiplies", KERNELS,
+      "{ (void)b; return a / s[0]; }", "{ (void)b; return a * s[0]; }",
+      sim(KERNEL_TESTS, k="scalar")),
+]
+
+
+# ---- the scratch tree ----------------------------------------------------------------------
+
+def sh(cmd, cwd, env=None, quiet=True) -> subprocess.CompletedProcess:
+    return subprocess.run(["nice", "-n", "10", *cmd], cwd=cwd, env=env, text=True,
+                          capture_output=quiet)
+
+
+def make_scratch() -> str:
+    work = tempfile.mkdtemp(prefix="flagos-mutants-")
+    for item in COPIED:
+        src = os.path.join(ROOT, item)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(work, item),
+                            ignore=shutil.ignore_patterns("*.so", "__pycache__", "build"))
+        elif os.path.exists(src):
+            shutil.copy2(src, work)
+    return work
+
+
+def build(work: str) -> subprocess.CompletedProcess:
+    return sh([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], work)
+
+
+def built_libraries(work: str) -> list[str]:
+    out = []
+    for folder in ("flagos", os.path.join("flagos", "adapters")):
+        out += [os.path.join(folder, f) for f in os.listdir(os.path.join(work, folder)) if f.endswith(".so")]
+    return out
+
+
+def check_edits(work: str) -> list[str]:
+    """Every mutation's original text occurs exactly once: else the code drifted."""
+    problems = []
+    for m in MUTATIONS:
+        for path, original, _ in m.edits:
+            text = open(os.path.join(work, path)).read()
+            n = text.count(original)
+            if n != 1:
+                problems.append(f"{m.name}: {path}: original text found {n} times (expected once):\n"
+                                f"    {original!r}")
+    return problems
+
+
+def test_env(work: str, run: Run) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    env.update(PYTHONPATH=work, FLAGOS_TEST_CHIP=run.chip, **dict(run.env))
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # a restored module must never run from a mutant's .pyc
+    return env
+
+
+def pytest_run(work: str, run: Run) -> tuple[int, str, float]:
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *run.paths]
+    if run.k:
+        cmd += ["-k", run.k]
+    t0 = time.monotonic()
+    proc = sh(cmd, work, test_env(work, run))
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    return proc.returncode, tail[-1] if tail else "", time.monotonic() - t0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutations only")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip running the selections on the unmutated tree first")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch tree")
+    opts = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not opts.only or m.name in opts.only]
+    if opts.list:
+        for m in MUTATIONS:
+            print(f"{m.name:30} {m.what}\n{'':30} " + "; ".join(r.label() for r in m.runs))
+        return 0
+    if opts.only and len(chosen) != len(opts.only):
+        unknown = set(opts.only) - {m.name for m in MUTATIONS}
+        sys.exit(f"unknown mutation(s): {', '.join(sorted(unknown))} (see --list)")
+
+    started = time.monotonic()
+    work = make_scratch()
+    try:
+        problems = check_edits(work)
+        if problems:
+            print("The code drifted from these mutations; update scripts/mutation_check.py:",
+                  *problems, sep="\n", file=sys.stderr)
+            return 2
+        b = build(work)
+        if b.returncode != 0:
+            print(b.stdout, b.stderr, file=sys.stderr)
+            sys.exit("the unmutated scratch tree does not build")
+        probe = sh([sys.executable, "-c", "import flagos._C as c; print(c.__file__)"], work,
+                   test_env(work, Run("cpu", ())))
+        if not probe.stdout.startswith(work):
+            sys.exit(f"flagos._C does not come from the scratch tree: {probe.stdout}{probe.stderr}")
+        pristine = {lib: open(os.path.join(work, lib), "rb").read() for lib in built_libraries(work)}
+
+        if not opts.no_baseline:
+            for run in dict.fromkeys(r for m in chosen for r in m.runs):
+                rc, last, secs = pytest_run(work, run)
+                print(f"baseline  {run.label()}: {last} ({secs:.0f} s)", flush=True)
+                if rc != 0:
+                    sys.exit(f"baseline failed (exit {rc}): the unmutated tree must pass {run.label()}")
+
+        results = []
+        for m in chosen:
+            t0 = time.monotonic()
+            originals = {}
+            for path, original, replacement in m.edits:
+                full = os.path.join(work, path)
+                originals.setdefault(full, open(full).read())
+                text = open(full).read()
+                with open(full, "w") as f:
+                    f.write(text.replace(original, replacement, 1))
+            status, detail = "survived", ""
+            try:
+                if any(p.endswith((".c", ".h")) for p, _, _ in m.edits):
+                    b = build(work)
+                    if b.returncode != 0:
+                        status, detail = "error", "build failed: " + (b.stderr or b.stdout)[-300:]
+                if status != "error":
+                    for run in m.runs:
+                        rc, last, _ = pytest_run(work, run)
+                        if rc == 1:
+                            status, detail = "caught", f"{run.label()}: {last}"
+                            break
+                        if rc != 0:
+                            status, detail = "error", f"{run.label()}: pytest exit {rc}: {last}"
+                            break
+                        detail = f"{run.label()}: {last}"
+            finally:
+                for full, text in originals.items():
+                    with open(full, "w") as f:
+                        f.write(text)
+                for lib, data in pristine.items():  # back to the unmutated build, newer than its sources
+                    with open(os.path.join(work, lib), "wb") as f:
+                        f.write(data)
+            secs = time.monotonic() - t0
+            results.append((m, status, secs, detail))
+            print(f"{status:8}  {m.name:30} {secs:5.0f} s  {detail}", flush=True)
+    finally:
+        if opts.keep:
+            print(f"scratch tree kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    total = time.monotonic() - started
+    caught = sum(1 for _, s, _, _ in results if s == "caught")
+    print(f"\n{caught} of {len(results)} mutations caught in {total / 60:.1f} min "
+          f"({time.strftime('%Y-%m-%d %H:%M %Z')})\n")
+    print("| mutation | bug | result | seconds |\n|---|---|---|---|")
+    for m, status, secs, _ in results:
+        print(f"| `{m.name}` | {m.what} | {status} | {secs:.0f} |")
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

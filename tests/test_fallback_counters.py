@@ -1,0 +1,108 @@
+"""What the CPU fallback counts (wall time, bytes each way) and what it writes back.
+
+Expected numbers are computed here from the tensors' sizes; times are bounded by clocks read
+here, around work PyTorch does on the CPU.
+"""
+import time
+
+import pytest
+import torch
+
+import flagos
+from conftest import CHIP, device_mode_only
+
+pytestmark = device_mode_only
+
+
+def test_fallback_wall_time_covers_the_op(dev):
+    n = 384
+    x, y = torch.randn(n, n), torch.randn(n, n)
+    cpu_ns = []
+    for _ in range(3):  # the op alone on the CPU, at its fastest
+        t0 = time.perf_counter_ns()
+        x @ y
+        cpu_ns.append(time.perf_counter_ns() - t0)
+    fx, fy = x.to(dev), y.to(dev)
+    flagos.set_route("aten::mm", "fallback")
+    t0 = time.perf_counter_ns()
+    out = fx @ fy
+    wall = time.perf_counter_ns() - t0
+    row = flagos.fallback_report().op("aten::mm")
+    assert row["calls"]["fallback"] == 1
+    # the fallback's time includes running the op on the host, and fits in the call around it
+    assert min(cpu_ns) / 2 <= row["fallback_ns"] <= wall, (row["fallback_ns"], min(cpu_ns), wall)
+    assert flagos.fallback_report().fallback_seconds == pytest.approx(row["fallback_ns"] / 1e9)
+    torch.testing.assert_close(out.cpu(), x @ y)
+
+
+def test_native_calls_count_no_fallback_time(dev):
+    a = torch.ones(64, device=dev)
+    (a + a).cpu()
+    row = flagos.fallback_report().op("aten::add.Tensor")
+    assert row["calls"]["native"] == 1 and row["fallback_ns"] == 0
+    assert row["bytes_to_host"] == 0 and row["bytes_to_device"] == 0
+
+
+def test_bytes_of_an_inplace_fallback(dev):
+    a, b = torch.arange(10.0), torch.full((10,), 2.0)
+    fa = a.to(dev)
+    flagos.set_route("aten::add_", "fallback")
+    assert fa.add_(b.to(dev)) is fa
+    assert fa.cpu().tolist() == (a + b).tolist()
+    row = flagos.fallback_report().op("aten::add_.Tensor")
+    assert row["bytes_to_host"] == 2 * 10 * 4   # self and other go to the host
+    assert row["bytes_to_device"] == 10 * 4     # self, written, comes back; nothing else
+
+
+def test_bytes_of_an_out_fallback(dev):
+    a = torch.arange(6.0)
+    fa, out = a.to(dev), torch.empty(6, device=dev)
+    flagos.set_route("aten::mul", "fallback")
+    assert torch.mul(fa, 3, out=out) is out
+    assert out.cpu().tolist() == (a * 3).tolist()
+    row = flagos.fallback_report().op("aten::mul.out")
+    assert row["bytes_to_host"] == 2 * 6 * 4 and row["bytes_to_device"] == 6 * 4
+
+
+def test_bytes_of_a_view_fallback(dev):
+    base = torch.zeros(4, 8, device=dev)
+    view = base[1, 2:5]                        # 3 elements inside a 32-element buffer
+    flagos.set_route("aten::add_", "fallback")
+    view.add_(1.5)
+    expected = torch.zeros(4, 8)
+    expected[1, 2:5] = 1.5
+    assert torch.equal(base.cpu(), expected)
+    row = flagos.fallback_report().op("aten::add_.Scalar") or flagos.fallback_report().op("aten::add_.Tensor")
+    assert row["bytes_to_host"] == 3 * 4 and row["bytes_to_device"] == 3 * 4
+
+
+def test_new_results_count_their_upload(dev):
+    x = torch.randn(5, 7)
+    flagos.set_route("aten::cumsum", "fallback")
+    out = x.to(dev).cumsum(1)
+    torch.testing.assert_close(out.cpu(), x.cumsum(1))
+    row = flagos.fallback_report().op("aten::cumsum")
+    assert row["bytes_to_host"] == 5 * 7 * 4 and row["bytes_to_device"] == 5 * 7 * 4
+    assert row["dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batch_norm_running_statistics_are_written_back(dev, momentum):
+    # sim has no batch-norm kernel; on cpu the route is forced: either way the fallback runs
+    # native_batch_norm, which writes running_mean and running_var (not returned) in place
+    flagos.set_route("aten::native_batch_norm", "fallback")
+    flagos.set_route("aten::_native_batch_norm_legit", "fallback")
+    torch.manual_seed(0)
+    ref = torch.nn.BatchNorm2d(3, momentum=momentum)
+    bn = torch.nn.BatchNorm2d(3, momentum=momentum).to(dev)
+    batches = [torch.randn(4, 3, 5, 5) * 3 + 1 for _ in range(3)]
+    for x in batches:
+        torch.testing.assert_close(bn(x.to(dev)).cpu(), ref(x), atol=1e-5, rtol=1e-5)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        mine, theirs = getattr(bn, name).cpu(), getattr(ref, name)
+        assert not torch.equal(theirs, torch.nn.BatchNorm2d(3).__getattr__(name)), name  # it moved
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5, msg=name)
+    bn.eval(), ref.eval()
+    x = torch.randn(2, 3, 5, 5)
+    torch.testing.assert_close(bn(x.to(dev)).cpu(), ref(x), atol=1e-5, rtol=1e-5)
+    assert flagos.fallback_report().calls("fallback") >= 3
