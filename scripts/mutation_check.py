@@ -70,7 +70,7 @@ COUNTERS, KERNEL_TESTS = "tests/test_fallback_counters.py", "tests/test_sim_kern
 LOADER = "tests/test_adapter_loader.py"
 
 MUTATIONS = [
-    # ---- the 16 bugs of issue 9 that the suite used to miss, and its two untested claims ----
+    # ---- 16 bugs the suite used to miss, and two claims that had no test ----
     M("fallback_env_ignored", "FLAGOS_FALLBACK=error in the environment behaves as allow",
       "flagos/_runtime.py",
       '    _C.set_fallback_policy(_POLICIES[_env.get("FLAGOS_FALLBACK") or "warn"])',
