@@ -60,3 +60,18 @@ def test_diffusers_pipeline_example_under_autocast(tmp_path, chip, dtype):
     line = next(l for l in proc.stdout.splitlines() if "max |flagos - cpu|" in l)
     assert f"({dtype})" in line
     assert float(line.split("max |flagos - cpu| = ")[1].split(";")[0]) <= 0.16
+
+
+@device_mode_only
+@pytest.mark.parametrize("chip", ["cpu", "sim"])
+def test_transformers_generate_example(chip):
+    """generate() + tokenizer.decode match plain CPU; fp16 autocast + GradScaler training steps
+    match CPU within fp16 tolerance (the example exits non-zero otherwise)."""
+    proc = run_python(f"""
+        import runpy, sys
+        sys.argv = ["transformers_generate.py", "--device", "{chip}", "--steps", "2"]
+        runpy.run_path(r"{ROOT / 'examples' / 'transformers_generate.py'}", run_name="__main__")
+    """, env={"FLAGOS_FALLBACK": "allow"})
+    assert "generated on flagos:0: 'the chip runs" in proc.stdout
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("max |loss difference|"))
+    assert float(line.split("= ")[1]) <= 1e-3
