@@ -32,7 +32,6 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.floa
                torch.bool: 9}
 CPU = torch.device("cpu")
 TO_OPS = frozenset(f"aten::to.{o}" for o in ("dtype", "device", "dtype_layout", "other"))
-ALIGN = 16  # the largest item size (complex128): every item size divides it
 META = torch.device("meta")
 
 
@@ -125,19 +124,23 @@ class _HostRegions:
     they do on the device."""
 
     def __init__(self, tensors):
-        self.regions = {}  # id(buffer) -> (buffer, first byte, end byte)
+        spans = {}  # id(buffer) -> [buffer, first byte, end byte, largest item size]
         for t in tensors:
             key = id(t._payload)
             if t.numel() == 0:  # touches no byte (its offset may even lie past a 0-byte buffer)
-                self.regions.setdefault(key, (t._payload, 0, 0))
+                spans.setdefault(key, [t._payload, 0, 0, 1])
                 continue
+            item = t.element_size()
             lo, hi = _span(t.size(), t.stride(), t.storage_offset())
-            b0, b1 = lo * t.element_size(), hi * t.element_size()
-            b0 -= b0 % ALIGN  # views of one buffer in other dtypes: a start every item size divides
-            if key in self.regions:
-                buf, r0, r1 = self.regions[key]
-                b0, b1 = (min(r0, b0), max(r1, b1)) if r1 > r0 else (b0, b1)
-            self.regions[key] = (t._payload, b0, b1)
+            b0, b1 = lo * item, hi * item
+            span = spans.get(key)
+            if span is None or span[2] <= span[1]:
+                spans[key] = [t._payload, b0, b1, item]
+            else:
+                span[1], span[2], span[3] = min(span[1], b0), max(span[2], b1), max(span[3], item)
+        # Views of one buffer in other dtypes: the region starts where every item size used
+        # divides the offset (item sizes are powers of two, so the largest one does).
+        self.regions = {key: (buf, b0 - b0 % item, b1) for key, (buf, b0, b1, item) in spans.items()}
         self.data = {}     # id(buffer) -> (host uint8 tensor, first byte)
         self.views = {}    # id(flagos tensor) -> its host view
         self.uploaded = set()
@@ -157,7 +160,7 @@ class _HostRegions:
         item = t.element_size()
         usable = (data.numel() // item) * item
         flat = data[:usable].view(t.dtype) if usable else torch.empty(0, dtype=t.dtype)
-        # offsets in bytes first: b0 is a multiple of ALIGN, so of this view's item size
+        # offsets in bytes first: b0 is a multiple of every item size viewing this buffer
         offset = (t.storage_offset() * item - b0) // item if t.numel() else 0
         v = flat.as_strided(t.size(), t.stride(), offset)
         self.views[id(t)] = v
