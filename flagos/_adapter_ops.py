@@ -21,7 +21,7 @@ from torch.utils.dlpack import to_dlpack
 
 from . import _C, _math_keys, _schema
 from ._runtime import set_metadata
-from ._tensor import FlagosTensor
+from ._tensor import FlagosTensor, copy_math_bits
 from .errors import DeviceMismatchError
 
 NATIVE, FALLBACK, WOULD_FALL_BACK = _C.ROUTE_NATIVE, _C.ROUTE_FALLBACK, _C.ROUTE_ERROR
@@ -71,11 +71,7 @@ def _span(size, stride, offset) -> tuple[int, int]:
 def _tag(fresh: torch.Tensor, t) -> torch.Tensor:
     """fresh (a new tensor over t's bytes, host, meta or flagos) given t's conjugate and
     negative bits, which say how to read those bytes (x.conj(), torch._neg_view(x))."""
-    if t.is_conj():
-        torch._C._set_conj(fresh, True)
-    if t.is_neg():
-        torch._C._set_neg(fresh, True)
-    return fresh
+    return copy_math_bits(t, fresh)
 
 
 def _physical(host: torch.Tensor) -> torch.Tensor:

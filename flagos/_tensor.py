@@ -117,11 +117,16 @@ def wrap(payload: torch.Tensor, index: int | None = None) -> FlagosTensor:
         storage_size=_C.WRAPPER_STORAGE_BYTES)
     out._payload = payload
     # PyTorch's conjugate/negative fallbacks act on the wrapper's bits (see router.c).
-    if payload.is_conj():
-        torch._C._set_conj(out, True)
-    if payload.is_neg():
-        torch._C._set_neg(out, True)
-    return out
+    return copy_math_bits(payload, out)
+
+
+def copy_math_bits(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """dst, given src's conjugate and negative bits (how to read the same bytes)."""
+    if src.is_conj():
+        torch._C._set_conj(dst, True)
+    if src.is_neg():
+        torch._C._set_neg(dst, True)
+    return dst
 
 
 def payload(tensor: torch.Tensor) -> torch.Tensor:
