@@ -27,7 +27,7 @@ def find_uthash():
 
 def sanitizer_flags():
     """FLAGOS_SANITIZE=address or undefined builds the extension for the AddressSanitizer or
-    UndefinedBehaviorSanitizer job (tests/asan, tests/ubsan)."""
+    UndefinedBehaviorSanitizer job (tests/sanitizers/run.sh)."""
     which = os.environ.get("FLAGOS_SANITIZE", "")
     if not which:
         return [], []

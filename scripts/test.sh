@@ -9,5 +9,5 @@ PYTHON=${PYTHON:-python3}
 CHIP_TESTS="tests/test_device.py tests/test_routes.py tests/test_errors.py tests/test_models.py tests/test_fidelity.py tests/test_ecosystem.py tests/test_autocast.py tests/test_policy.py tests/test_fallback_counters.py"
 "$PYTHON" -m pytest -q tests "$@"
 FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q $CHIP_TESTS "$@"
-bash tests/asan/run.sh
-bash tests/ubsan/run.sh
+bash tests/sanitizers/run.sh address
+bash tests/sanitizers/run.sh undefined
