@@ -1,0 +1,24 @@
+"""Output helpers shared by the subcommands: JSON to a file or stdout, aligned text tables."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def write_json(data, path: str | None = "-") -> None:
+    """Write `data` as JSON to `path` ("-" or None: stdout)."""
+    text = json.dumps(data, indent=2, default=str)
+    if path in (None, "-"):
+        sys.stdout.write(text + "\n")
+        return
+    with open(path, "w") as f:
+        f.write(text + "\n")
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    """Rows of cells as an aligned plain-text table with a header line."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
