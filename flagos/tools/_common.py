@@ -22,3 +22,18 @@ def format_table(headers: list[str], rows: list[list]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def format_bytes(n: int | None) -> str:
+    """1536 -> '1.5 KiB'; None -> '-'."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def format_share(x: float | None) -> str:
+    """0.231 -> '23.1%'; None -> '-'."""
+    return "-" if x is None else f"{100 * x:.1f}%"

@@ -17,7 +17,7 @@ import sys
 import time
 
 from . import _probe, _smoke
-from ._common import write_json
+from ._common import format_bytes, write_json
 
 _MARK = {"OK": "[OK]  ", "WARN": "[WARN]", "FAIL": "[FAIL]", "SKIP": "[--]  "}
 _STATUS_MARK = {_probe.AVAILABLE: "OK", _probe.UNAVAILABLE: "SKIP", _probe.BROKEN: "FAIL"}
@@ -32,7 +32,7 @@ def add_arguments(parser) -> None:
 
 
 def diagnose(chip: str | None = None, smoke: bool = True, _allow_fork: bool = False) -> dict:
-    """The findings as a dict: versions, chips, adapter_path, environment, config_problems,
+    """The findings as a dict: versions, chips, devices, adapter_path, environment, config_problems,
     smoke, verdict {"level": ok|warn|fail, "text"}, bug_report, seconds.
 
     chip: one chip name (ValueError naming the known chips if flagos does not know it).
@@ -49,6 +49,7 @@ def diagnose(chip: str | None = None, smoke: bool = True, _allow_fork: bool = Fa
         "versions": _probe.versions(),
         "chips": statuses,
         "adapter_path": _probe.adapter_search_path(),
+        "devices": _probe.device_rows(statuses),
         "environment": _probe.environment(),
         "config_problems": _probe.config_problems(),
         "smoke": _smoke.smoke_test(ready, allow_fork=_allow_fork) if smoke else [],
@@ -65,6 +66,8 @@ def _verdict(findings: dict, chip: str | None) -> dict:
     failed = [r["chip"] for r in findings["smoke"] if r["verdict"] == "fail"]
     warned = [r["chip"] for r in findings["smoke"] if r["verdict"] == "warn"]
     problems = [f"{s['chip']} is broken ({s['reason'].split(':')[0]})" for s in broken]
+    problems += [f"{d['chip']}:{d['index']} {d['status']}" for d in findings["devices"]
+                 if d["status"] != "ok"]
     problems += [f"smoke test failed on {c}" for c in failed]
     problems += findings["config_problems"]
     if chip is not None and not ready and not broken:
@@ -85,9 +88,14 @@ def _bug_report(findings: dict) -> str:
         found = ", ".join(f"{k} {val}" for k, val in s["versions"].items())
         state = f"{s['status']}, {s['device_count']} device(s)" if not s["reason"] else s["reason"]
         lines.append(f"chip {s['chip']}: {state}" + (f" [{found}]" if found else ""))
+    lines += [f"device {d['chip']}:{d['index']}: {d['status']}" for d in findings["devices"]
+              if d["status"] != "ok"]
     for r in findings["smoke"]:
-        bad = [f"{c['name']}: {c['level']} {c['detail']}" for c in r["checks"] if c["level"] != "OK"]
-        lines.append(f"smoke {r['chip']}: {r['verdict']}" + (f" ({'; '.join(bad)})" if bad else ""))
+        bad = [c for c in r["checks"] if c["level"] != "OK"]
+        # the first problem in full; later checks often fail for the same reason
+        first = f" ({bad[0]['name']}: {bad[0]['level']} {bad[0]['detail']}" if bad else ""
+        more = f"; then {', '.join(c['name'] + ' ' + c['level'] for c in bad[1:])}" if bad[1:] else ""
+        lines.append(f"smoke {r['chip']}: {r['verdict']}{first}{more}{')' if bad else ''}")
     lines += [f"{k}={val}" for k, val in findings["environment"].items()]
     lines.append(f"verdict: {findings['verdict']['text']}")
     return "\n".join(lines)
@@ -107,6 +115,16 @@ def format_text(findings: dict) -> str:
         else:
             what = f"{s['status']}: {s['reason']}"
         out.append(f"  {mark} {s['chip'].ljust(width)}  {what}")
+    out += ["", "Devices"]
+    for d in findings["devices"]:
+        if d["status"] != "ok":
+            out.append(f"  {_MARK['FAIL']} {d['chip']}:{d['index']}  {d['status']}")
+            continue
+        memory = f"{format_bytes(d['memory_used'])} / {format_bytes(d['memory_total'])} used"
+        out.append(f"  {_MARK['OK']} {d['chip']}:{d['index']}  {d['name']}, {memory}, "
+                   f"native {' '.join(d['native_dtypes'])}")
+    if not findings["devices"]:
+        out.append("  (none)")
     out += ["", "Adapter search path"]
     for entry in findings["adapter_path"]:
         held = ", ".join(entry["libraries"]) or ("(empty)" if entry["exists"] else "(no such folder)")
