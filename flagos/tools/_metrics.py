@@ -31,12 +31,16 @@ def add_arguments(parser) -> None:
 
 
 def metrics(port: int | None = None, addr: str = "127.0.0.1"):
-    """port None: one scrape of this machine's metrics as Prometheus text. A port: start the
-    exporter in this process and return it (flagos.metrics.Exporter; `.stop()` ends it)."""
+    """port None: one scrape of every device of every available chip, as Prometheus text. A
+    port: start that exporter in this process and return it (flagos.metrics.Exporter;
+    `.stop()` ends it). Unlike an exporter started inside a program, which shows its active
+    chip, the machine's exporter shows every chip even where flagos is active."""
+    from .. import chips
     from .. import metrics as flagos_metrics
+    every_chip = list(chips.known())
     if port is None:
-        return flagos_metrics.exposition()
-    return flagos_metrics.start_http_server(port, addr)
+        return flagos_metrics.exposition(every_chip)
+    return flagos_metrics.start_http_server(port, addr, every_chip)
 
 
 def _serve(exporter) -> None:
