@@ -8,11 +8,13 @@ works in any process, active or not, and changes nothing in torch.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
 import platform
 import sys
+import threading
 import time
 
 import torch
@@ -181,6 +183,7 @@ def _torch_versions(profile) -> dict:
     return found
 
 
+@functools.lru_cache(maxsize=None)
 def _nvidia_driver_version() -> str:
     try:
         import pynvml
@@ -316,6 +319,8 @@ def device_rows(statuses: list[dict] | None = None, utilization: bool = False) -
 # ---- utilization -----------------------------------------------------------------------
 
 _cpu_sample: tuple[int, int] | None = None
+_cpu_ratio = 0.0
+_cpu_lock = threading.Lock()  # an exporter answers scrapes from several threads
 
 
 def _read_cpu_times() -> tuple[int, int] | None:
@@ -331,16 +336,18 @@ def _read_cpu_times() -> tuple[int, int] | None:
 
 def cpu_utilization() -> float | None:
     """Busy share of the host CPUs since the previous call (the first call samples 0.1 s)."""
-    global _cpu_sample
-    if _cpu_sample is None:
-        _cpu_sample = _read_cpu_times()
-        time.sleep(0.1)
-    now = _read_cpu_times()
-    if now is None or _cpu_sample is None:
-        return None
-    busy, total = now[0] - _cpu_sample[0], now[1] - _cpu_sample[1]
-    _cpu_sample = now
-    return round(busy / total, 4) if total > 0 else 0.0
+    global _cpu_sample, _cpu_ratio
+    with _cpu_lock:
+        if _cpu_sample is None:
+            _cpu_sample = _read_cpu_times()
+            time.sleep(0.1)
+        now = _read_cpu_times()
+        if now is None or _cpu_sample is None:
+            return None
+        busy, total = now[0] - _cpu_sample[0], now[1] - _cpu_sample[1]
+        if total > 0:  # else asked again within one clock tick: the last answer stands
+            _cpu_sample, _cpu_ratio = now, round(busy / total, 4)
+        return _cpu_ratio
 
 
 def device_utilization(profile, index: int) -> float | None:
