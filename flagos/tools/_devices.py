@@ -1,5 +1,6 @@
-"""One row per device of every available chip: chip, index, name, memory used/total, native
-dtypes, mode, status.
+"""One row per device of every available chip.
+
+Columns: chip, index, name, memory used/total, native dtypes, mode, status.
 
 Memory used is the whole device's (total - free, as nvidia-smi counts it); for the cpu chip it
 is the host's. A C-ABI chip's memory (sim) belongs to the process that loads its adapter, so

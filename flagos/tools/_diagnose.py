@@ -1,6 +1,8 @@
-"""Is this machine ready for flagos? Versions, every chip and adapter with its status and the
-reason, the environment, a smoke test on each available chip, a verdict, and a block to paste
-into a bug report.
+"""Is this machine ready for flagos? Chips, adapters, smoke tests, a verdict.
+
+Versions, every chip and adapter with its status and the reason, the devices, the adapter
+search path, the environment, a smoke test on each available chip, a one-line verdict, and a
+block to paste into a bug report.
 
 Every chip flagos knows is listed: available, unavailable (package missing, driver missing,
 not built into this PyTorch, no devices) or broken (ABI mismatch, missing symbol, load error,

@@ -1,4 +1,6 @@
-"""Serve the flagos Prometheus metrics of this machine's devices on http://ADDR:PORT/metrics.
+"""Serve Prometheus metrics of this machine's devices, the same names on every chip.
+
+The endpoint is http://ADDR:PORT/metrics.
 
 The same metric names on every chip: flagos_device_memory_used_bytes,
 flagos_device_memory_total_bytes, flagos_device_utilization_ratio (where the chip exposes it),

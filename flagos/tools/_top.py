@@ -1,5 +1,7 @@
-"""A refreshing view of every device (memory used/total, utilization where the chip exposes it)
-and of the running programs that export flagos metrics (their op calls and fallback share).
+"""A refreshing view of every device and of the programs that export flagos metrics.
+
+Devices: memory used/total, utilization where the chip exposes it. Programs: their op calls
+and fallback share.
 
 Programs appear when they serve metrics: flagos.metrics.start_http_server(port) inside them,
 or `flagos metrics`. They announce themselves in FLAGOS_RUNTIME_DIR, and top reads each one's
