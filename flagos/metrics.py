@@ -148,10 +148,14 @@ def start_http_server(port: int, addr: str = "127.0.0.1", chips: list[str] | Non
         raise ConfigError(f"port must be an int from 0 to 65535 (0: any free port), not {port!r}")
     prometheus_client = _prometheus()
     try:
-        server, thread = prometheus_client.start_http_server(port, addr=addr, registry=registry(chips))
+        started = prometheus_client.start_http_server(port, addr=addr, registry=registry(chips))
     except OSError as e:
         raise OSError(e.errno, f"cannot serve flagos metrics on {addr}:{port} ({e.strerror or e}); "
                       f"choose another port, or 0 for any free one") from e
+    if not isinstance(started, tuple):  # before 0.17 the server was not returned: no port, no stop
+        raise ModuleNotFoundError("flagos metrics need prometheus_client 0.17 or later: "
+                                  "pip install -U 'prometheus_client>=0.17'", name="prometheus_client")
+    server, thread = started
     bound = server.server_address[1]
     state = _active()
     announcement = _exporters.announce(addr, bound, state.chip.name if state else None)
