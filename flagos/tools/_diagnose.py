@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import time
 
+from ..errors import ChipNotFoundError
 from . import _probe, _smoke
 from ._common import format_bytes, write_json
 
@@ -37,13 +38,14 @@ def diagnose(chip: str | None = None, smoke: bool = True, _allow_fork: bool = Fa
     """The findings as a dict: versions, chips, devices, adapter_path, environment, config_problems,
     smoke, verdict {"level": ok|warn|fail, "text"}, bug_report, seconds.
 
-    chip: one chip name (ValueError naming the known chips if flagos does not know it).
+    chip: one chip name (flagos.ChipNotFoundError, naming the known chips, if flagos does
+    not know it). seconds: the time spent here, after Python and torch are loaded.
     Smoke tests run in child processes, so calling this never activates flagos here.
     """
     start = time.perf_counter()
     known = _probe.known_chips()
     if chip is not None and chip not in known:
-        raise ValueError(f"unknown chip {chip!r}; flagos knows: {', '.join(known)} "
+        raise ChipNotFoundError(f"unknown chip {chip!r}; flagos knows: {', '.join(known)} "
                          f"(adapters are found on FLAGOS_ADAPTER_PATH)")
     statuses = _probe.chip_statuses([chip] if chip else None)
     ready = [s["chip"] for s in statuses if s["status"] == _probe.AVAILABLE]
@@ -132,7 +134,8 @@ def format_text(findings: dict) -> str:
         held = ", ".join(entry["libraries"]) or ("(empty)" if entry["exists"] else "(no such folder)")
         out.append(f"  {entry['folder']}  [{entry['source']}]  {held}")
     out += ["", "Environment"]
-    out += [f"  {k}={val}" for k, val in findings["environment"].items()] or ["  (no FLAGOS_* or vendor variables set)"]
+    settings = [f"  {k}={val}" for k, val in findings["environment"].items()]
+    out += settings or ["  (no FLAGOS_* or vendor variables set)"]
     out += [f"  {_MARK['FAIL']} {p}" for p in findings["config_problems"]]
     for r in findings["smoke"]:
         out += ["", f"Smoke test: {r['chip']}"]
@@ -146,7 +149,7 @@ def format_text(findings: dict) -> str:
 def run(args) -> int:
     try:
         findings = diagnose(chip=args.chip, smoke=args.smoke, _allow_fork=True)
-    except ValueError as e:
+    except ChipNotFoundError as e:
         print(f"flagos diagnose: error: {e}", file=sys.stderr)
         return 2
     if args.json:
