@@ -36,10 +36,10 @@ def run_json(*args: str, env: dict | None = None, returncode: int = 0):
     return json.loads(proc.stdout)
 
 
-def run_workload() -> int:
+def run_workload() -> tuple[torch.nn.Module, int]:
     """A small model on flagos.device(), checked against the same model on plain CPU, with
     GELU forced onto the CPU fallback so that every chip has a fallback to count. Returns the
-    bytes the kept tensors hold on the device."""
+    model (its weights stay on the device while it lives) and the bytes they hold."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8),
                                 torch.nn.LayerNorm(8))
@@ -47,7 +47,7 @@ def run_workload() -> int:
     with torch.no_grad():
         expected = torch.softmax(model(x), dim=-1)
         flagos.set_route("aten::gelu", "fallback")
-        run_workload.model = model.to(flagos.device())  # kept: its memory stays in use
+        model.to(flagos.device())
         got = torch.softmax(model(x.to(flagos.device())), dim=-1).cpu()
     torch.testing.assert_close(got, expected, rtol=1.3e-6, atol=1e-5)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return model, sum(p.numel() * p.element_size() for p in model.parameters())

@@ -21,7 +21,7 @@ def watched(tmp_path, monkeypatch):
     plus two records top must cope with: a program that has ended, one that does not answer."""
     monkeypatch.setenv("FLAGOS_RUNTIME_DIR", str(tmp_path))
     exporter = flagos.metrics.start_http_server(0)
-    held = run_workload()
+    model, held = run_workload()  # model alive: its weights stay on the device
     folder = tmp_path / "exporters"
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                            capture_output=True, text=True).stdout.strip()
@@ -30,7 +30,7 @@ def watched(tmp_path, monkeypatch):
     silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     (folder / f"{silent.pid}.json").write_text(json.dumps(
         {"pid": silent.pid, "host": "127.0.0.1", "port": 1, "url": "http://127.0.0.1:1/metrics", "chip": "cpu"}))
-    yield {"env": {"FLAGOS_RUNTIME_DIR": str(tmp_path)}, "held": held, "ended": int(ended),
+    yield {"env": {"FLAGOS_RUNTIME_DIR": str(tmp_path)}, "model": model, "held": held, "ended": int(ended),
            "silent": silent.pid, "folder": folder}
     silent.kill()
     silent.wait()

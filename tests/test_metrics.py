@@ -46,7 +46,7 @@ def exporter(tmp_path, monkeypatch):
 
 @device_mode_only
 def test_exporter_in_a_program_reports_its_ops_and_devices(exporter, tmp_path):
-    held = run_workload()
+    model, held = run_workload()  # model alive: its weights stay on the device
     report = flagos.fallback_report()
     metrics = scrape(exporter.url)
 
