@@ -47,8 +47,18 @@ def diagnose(chip: str | None = None, smoke: bool = True, _allow_fork: bool = Fa
     if chip is not None and chip not in known:
         raise ChipNotFoundError(f"unknown chip {chip!r}; flagos knows: {', '.join(known)} "
                          f"(adapters are found on FLAGOS_ADAPTER_PATH)")
-    statuses = _probe.chip_statuses([chip] if chip else None)
-    ready = [s["chip"] for s in statuses if s["status"] == _probe.AVAILABLE]
+    names = [chip] if chip else list(known)
+    tests = _smoke.SmokeTests(allow_fork=_allow_fork)
+    found = {}
+    # Host-side chips (cpu, adapters) are probed and their smoke tests started first, before
+    # anything here wakes a GPU driver, whose state would not survive the fork of a test.
+    for group in ([n for n in names if _smoke.host_side(n)],
+                  [n for n in names if not _smoke.host_side(n)]):
+        for status in _probe.chip_statuses(group):
+            found[status["chip"]] = status
+            if smoke and status["status"] == _probe.AVAILABLE:
+                tests.start(status["chip"])
+    statuses = [found[n] for n in names]
     findings = {
         "versions": _probe.versions(),
         "chips": statuses,
@@ -56,7 +66,7 @@ def diagnose(chip: str | None = None, smoke: bool = True, _allow_fork: bool = Fa
         "devices": _probe.device_rows(statuses),
         "environment": _probe.environment(),
         "config_problems": _probe.config_problems(),
-        "smoke": _smoke.smoke_test(ready, allow_fork=_allow_fork) if smoke else [],
+        "smoke": tests.results(),
     }
     findings["verdict"] = _verdict(findings, chip)
     findings["seconds"] = round(time.perf_counter() - start, 3)

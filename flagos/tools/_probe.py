@@ -255,7 +255,7 @@ def chip_status(name: str) -> dict:
 
 def chip_statuses(names: list[str] | None = None) -> list[dict]:
     """The status of every chip flagos knows (or of `names`), in `auto`'s order."""
-    return [chip_status(n) for n in (names or chips.known())]
+    return [chip_status(n) for n in (chips.known() if names is None else names)]
 
 
 def known_chips() -> tuple[str, ...]:

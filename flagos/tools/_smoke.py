@@ -150,14 +150,19 @@ def _child_environment() -> dict:
     return env
 
 
-def can_fork(chip: str) -> bool:
-    """Forking is safe from a fresh process (no flagos activation, no other threads) and for
-    chips with no driver state a fork could break (the host and C-ABI adapters)."""
-    from .. import chips, _runtime
+def host_side(chip: str) -> bool:
+    """The host and C-ABI adapters: chips without GPU-driver state that a fork could break."""
+    from .. import chips
     from ..chips.adapter import AdapterChip
+    return chip == "cpu" or isinstance(chips.profile(chip), AdapterChip)
+
+
+def can_fork(chip: str) -> bool:
+    """Forking is safe from a fresh process (no flagos activation, no other threads) for
+    host-side chips."""
+    from .. import _runtime
     return (hasattr(os, "fork") and _runtime.active_or_none() is None
-            and threading.active_count() == 1
-            and (chip == "cpu" or isinstance(chips.profile(chip), AdapterChip)))
+            and threading.active_count() == 1 and host_side(chip))
 
 
 class _Child:
@@ -235,14 +240,25 @@ def _warm_up_torch() -> None:
         pass
 
 
-def smoke_test(chip_names: list[str], allow_fork: bool = False) -> list[dict]:
-    """The smoke test of each chip, all running at once, each in its own process."""
-    forks = [allow_fork and can_fork(c) for c in chip_names]
-    if any(forks):
-        _warm_up_torch()
-    children = [_Child(c, fork=f) for c, f in zip(chip_names, forks)]
-    deadline = time.monotonic() + TIMEOUT_S
-    return [child.result(deadline) for child in children]
+class SmokeTests:
+    """Smoke tests started chip by chip, as soon as each chip is known to be available, and
+    collected together."""
+
+    def __init__(self, allow_fork: bool = False):
+        self.allow_fork = allow_fork
+        self.children: list[_Child] = []
+        self._warm = False
+
+    def start(self, chip: str) -> None:
+        fork = self.allow_fork and can_fork(chip)
+        if fork and not self._warm:
+            _warm_up_torch()
+            self._warm = True
+        self.children.append(_Child(chip, fork))
+
+    def results(self) -> list[dict]:
+        deadline = time.monotonic() + TIMEOUT_S
+        return [child.result(deadline) for child in self.children]
 
 
 if __name__ == "__main__":
