@@ -18,6 +18,11 @@ import sys
 import threading
 import time
 
+import torch
+
+import flagos
+from .. import _runtime
+
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 TIMEOUT_S = 60.0
 
@@ -48,11 +53,6 @@ def _mib(n: int) -> str:
 
 def run_checks(chip: str) -> dict:
     """Activate `chip` in this process and run every check; never raises."""
-    import torch
-
-    import flagos
-    from flagos import _runtime
-
     checks: list[dict] = []
     start = time.perf_counter()
     try:
@@ -68,14 +68,14 @@ def run_checks(chip: str) -> dict:
     for name, step in steps:
         start = time.perf_counter()
         try:
-            level, detail = step(torch, flagos, state, name)
+            level, detail = step(state, name)
         except Exception as e:  # the check failed; the other checks still run
             level, detail = FAIL, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         checks.append(_check(name, level, detail, start))
     return {"chip": chip, "verdict": _verdict(checks), "checks": checks}
 
 
-def _allocate(torch, flagos, state, name):
+def _allocate(state, name):
     dev = flagos.device()
     before = state.chip.memory_allocated(state.current)
     x = torch.empty(2**18, dtype=torch.float32, device=dev)  # 1 MiB
@@ -86,7 +86,7 @@ def _allocate(torch, flagos, state, name):
     return OK, f"1.0 MiB on {dev}{counted}"
 
 
-def _round_trip(torch, flagos, state, name):
+def _round_trip(state, name):
     g = torch.Generator().manual_seed(0)
     host = torch.randn(64, 64, generator=g)
     path = [flagos.device(0)] + ([flagos.device(1)] if state.device_count > 1 else [])
@@ -101,7 +101,7 @@ def _round_trip(torch, flagos, state, name):
     return OK, f"{hops}, 16 KiB bit-exact"
 
 
-def _matmul(torch, flagos, dtype):
+def _matmul(dtype):
     """(max abs error relative to the result's size, fell back to the CPU?) of one matmul."""
     g = torch.Generator().manual_seed(0)
     a = torch.randn(32, 48, generator=g).to(dtype)
@@ -119,18 +119,18 @@ def _matmul(torch, flagos, dtype):
     return err, fell_back
 
 
-def _matmul_float32(torch, flagos, state, name):
-    err, fell_back = _matmul(torch, flagos, torch.float32)
+def _matmul_float32(state, name):
+    err, fell_back = _matmul(torch.float32)
     where = "CPU fallback" if fell_back else "native kernel"
     if err > _MATMUL_TOLERANCE["float32"]:
         return FAIL, f"float32 32x48 @ 48x16 ({where}): error {err:.2e} > {_MATMUL_TOLERANCE['float32']:.0e}"
     return OK, f"float32 32x48 @ 48x16 ({where}): error {err:.1e}"
 
 
-def _half(torch, flagos, state, name):
+def _half(state, name):
     dtype = getattr(torch, name)
     tolerance = _MATMUL_TOLERANCE[name]
-    err, fell_back = _matmul(torch, flagos, dtype)
+    err, fell_back = _matmul(dtype)
     if err > tolerance:
         return FAIL, f"matmul error {err:.2e} > {tolerance:.0e}"
     native = name in state.chip.native_dtypes
@@ -160,7 +160,6 @@ def host_side(chip: str) -> bool:
 def can_fork(chip: str) -> bool:
     """Forking is safe from a fresh process (no flagos activation, no other threads) for
     host-side chips."""
-    from .. import _runtime
     return (hasattr(os, "fork") and _runtime.active_or_none() is None
             and threading.active_count() == 1 and host_side(chip))
 
