@@ -22,7 +22,8 @@ h1 { font-size: 20px; margin: 0 0 4px; } h2 { font-size: 16px; margin: 28px 0 8p
 code { font: 12px ui-monospace, "SFMono-Regular", Menlo, monospace; }
 table { border-collapse: collapse; font-size: 13px; }
 th, td { padding: 4px 10px; border-bottom: 1px solid #e3e6eb; text-align: left; vertical-align: top; }
-th { background: #f4f6f9; position: sticky; top: 0; }
+th { background: #f4f6f9; position: sticky; top: 0; white-space: nowrap; }
+td.meta { font-size: 12px; min-width: 20em; }
 th.sortable { cursor: pointer; user-select: none; } th.sortable:hover { background: #e6ebf2; }
 th[aria-sort=descending]::after { content: " \\25BC"; } th[aria-sort=ascending]::after { content: " \\25B2"; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
@@ -55,6 +56,11 @@ document.querySelectorAll("th.sortable").forEach(function (th) {
 _ROUTES = ("override", "native", "fallback")
 
 
+def _short_path(path: str) -> str:
+    """A file as the table shows call sites: relative to the working directory or site-packages."""
+    return _short_site(f"{path}:").rstrip(":")
+
+
 def _route(row: dict) -> str:
     return "/".join(k for k in _ROUTES if row["calls"][k])
 
@@ -82,7 +88,8 @@ def _summary(data: dict) -> str:
     if target:
         lines.append(f'<p class="verdict" id="target-verdict">{escape(target["verdict"])}'
                      f'<br><span class="meta">coverage: {escape(target["kind"])} '
-                     f'<code>{escape(str(target["source"]))}</code></span></p>')
+                     f'<code title="{escape(str(target["source"]))}">'
+                     f'{escape(_short_path(str(target["source"])))}</code></span></p>')
     return "\n".join(lines)
 
 
