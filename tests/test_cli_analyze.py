@@ -230,6 +230,21 @@ def test_html_page_of_the_analysis(analyze_run):
     assert analysis["target"]["verdict"] in html.read_text()
 
 
+def test_cpu_coverage_file_agrees_with_the_live_dispatcher():
+    """The file's reading of PyTorch's yaml (structured delegates, ufunc loops, composites)
+    against the kernels this process's dispatcher actually holds for CPU."""
+    from flagos.coverage.generate import dispatcher_table
+
+    shipped = json.load(open(os.path.join(ROOT, "flagos", "coverage", "cpu.json")))
+    if shipped["torch"] != torch.__version__.split("+")[0]:
+        pytest.skip(f"cpu.json comes from PyTorch {shipped['torch']}; this is {torch.__version__}")
+    live = dispatcher_table("cpu")
+    both = (set(shipped["kernel"]) | set(shipped["no_kernel"])) & (set(live["kernel"]) | set(live["no_kernel"]))
+    assert len(both) > 2500
+    assert set(shipped["kernel"]) & both == set(live["kernel"]) & both
+    assert "aten::cumsum" in live["kernel"] and "aten::_flash_attention_forward" in live["no_kernel"]
+
+
 def test_usage_error_exits_2():
     proc = flagos_command("analyze", "--chip", CHIP)
     assert proc.returncode == 2, proc.stdout + proc.stderr
