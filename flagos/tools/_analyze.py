@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 
+from .. import _env
 from ._common import write_json
 
 EXIT_NO_REPORT, EXIT_USAGE = 1, 2
@@ -122,7 +123,7 @@ def analyze(command, chip: str | None = None, target: str | None = None,
     RuntimeError when the run gave no report. stdout/stderr: where the command's output goes
     (default: inherited)."""
     command = _command(command)
-    chip = _check_chip(chip or os.environ.get("FLAGOS_DEVICE") or "auto")
+    chip = _check_chip(chip or _env.requested_device() or "auto")
     if target is not None:
         from ..coverage import for_chip
         try:
@@ -135,9 +136,14 @@ def analyze(command, chip: str | None = None, target: str | None = None,
         env.pop("FLAGOS_DEVICE_BACKEND", None)
         env.setdefault("FLAGOS_FALLBACK", "allow")  # the table lists every fallback; no warnings
         try:
-            status = subprocess.call(command, env=env, stdout=stdout, stderr=stderr)
+            child = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr)
         except OSError as e:
             raise UsageError(f"cannot run {command[0]!r}: {e.strerror or e}") from None
+        try:
+            status = child.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C reached the command too: it writes its report as it exits, so show that
+            status = child.wait()
         report = _read_report(report_path)
     if report is None:
         raise RuntimeError(
@@ -187,8 +193,10 @@ def run(args) -> int:
         print(f"flagos analyze: {e}", file=sys.stderr)
         return EXIT_NO_REPORT
     out = sys.stderr if to_stdout else sys.stdout
-    print(f"\nflagos analyze: {' '.join(analysis['command'])} on chip {analysis['chip']} "
-          f"(exit status {analysis['status']})", file=out)
+    status = analysis["status"]
+    ended = f"ended by signal {-status}" if status < 0 else f"exit status {status}"
+    print(f"\nflagos analyze: {' '.join(analysis['command'])} on chip {analysis['chip']} ({ended})",
+          file=out)
     print(coverage_table(analysis), file=out)
     print(f"verdict: {analysis['verdict']}", file=out)
     if analysis["target"]:
@@ -205,5 +213,4 @@ def run(args) -> int:
         print(f"flagos analyze: cannot write {e.filename}: {e.strerror}; give a writable path",
               file=sys.stderr)
         return EXIT_NO_REPORT
-    status = analysis["status"]
-    return 128 - status if status < 0 else status  # killed by signal N: 128+N, as shells say
+    return 128 - status if status < 0 else status  # ended by signal N: 128+N, as shells say
