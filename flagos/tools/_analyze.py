@@ -5,7 +5,9 @@
 The command runs in a child process with flagos active on --chip (FLAGOS_DEVICE: the script
 imports torch and uses "flagos" or flagos.device()) and the fallback report written at its exit
 (FLAGOS_REPORT). Then: per op, the route it took (native or fallback), calls, time in the
-fallback and the first call site, and the verdict "fallback share of op time X%".
+fallback and the first call site, and the verdict "fallback share of op time X%". flagos times
+fallbacks, not native kernels, so op time is counted as the run's tracked time (activation to
+exit) and X is a lower bound of the fallbacks' share of the time spent in ops.
 
 --target CHIP answers "what would fall back there" without that chip: every op seen is
 classified against the target's coverage (an adapter chip's kernel table read from its
