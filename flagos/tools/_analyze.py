@@ -17,6 +17,7 @@ Exit status: the script's own (0 when it succeeded); 1 when the run gave no repo
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -73,7 +74,6 @@ def _command(command) -> list[str]:
 
 
 def _read_report(path: str) -> dict | None:
-    import json
     try:
         with open(path) as f:
             text = f.read()
