@@ -102,9 +102,11 @@ def measure(chip: str, model: str, batch: int, warmup: int, iters: int, dtype: s
         import flagos
     bar = _ProgressBar(name, warmup + iters, progress)
 
+    outputs = []
+
     def step() -> float:
         start = time.perf_counter()
-        work.call(net, inputs)
+        outputs[:] = [work.call(net, inputs)]
         _childrun.synchronize(chip)
         return (time.perf_counter() - start) * 1e3
 
@@ -121,8 +123,11 @@ def measure(chip: str, model: str, batch: int, warmup: int, iters: int, dtype: s
             latencies.append(step())
             bar.update(warmup + i + 1)
     bar.close()
+    # the sum of the last output: equal across chips (to rounding) when they computed the same
+    checksum = sum(float(t.detach().to("cpu", torch.float64).sum())
+                   for t in _models.output_tensors(outputs[0]) if not t.is_complex())
     result = {"chip": name, "device": str(device), "warmup_ms": warm, "latencies_ms": latencies,
-              "peak_memory_bytes": None, "fallback": None}
+              "output_checksum": checksum, "peak_memory_bytes": None, "fallback": None}
     if on_flagos:
         info = flagos.info()
         result["mode"] = info["mode"]

@@ -174,6 +174,19 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def output_tensors(value) -> list[torch.Tensor]:
+    """Every tensor in a model's output (tensor, tuple, list, dict, ModelOutput, dataclass)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in output_tensors(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in output_tensors(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in output_tensors(getattr(value, f.name))]
+    return []
+
+
 def move(inputs, device, dtype: torch.dtype | None = None):
     """Inputs (tensor, tuple, list or dict, nested) moved to `device`; floating tensors cast
     to `dtype` when given."""
