@@ -93,14 +93,17 @@ class _DDPM(torch.nn.Module):
 
         self.unet = _unet(1, seed).model
         self.scheduler = DDPMScheduler(num_train_timesteps=100)
-        self.steps = steps
+        self.steps, self.seed = steps, seed
 
     def forward(self, noise):
         self.scheduler.set_timesteps(self.steps)
+        # the scheduler's noise drawn on the host from a seeded generator: every chip, and
+        # every call, denoises with the same noise
+        generator = torch.Generator().manual_seed(self.seed + 2)
         sample = noise
         for t in self.scheduler.timesteps:
             eps = self.unet(sample, t).sample
-            sample = self.scheduler.step(eps, t, sample).prev_sample
+            sample = self.scheduler.step(eps, t, sample, generator=generator).prev_sample
         return sample
 
 
