@@ -31,7 +31,8 @@ MODEL_FILE = textwrap.dedent('''
             super().__init__()
             self.norm = nn.LayerNorm(width)
             self.proj = nn.Linear(width, width)
-            self.ffn = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+            self.ffn = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                     nn.Linear(2 * width, width))
 
         def forward(self, x):
             x = x + self.proj(self.norm(x))
@@ -40,7 +41,8 @@ MODEL_FILE = textwrap.dedent('''
 
     def build(batch=2):
         model = nn.Sequential(OrderedDict(
-            embed=nn.Linear(8, 16), blocks=nn.Sequential(Block(16), Block(16)), head=nn.Linear(16, 4)))
+            embed=nn.Linear(8, 16), blocks=nn.Sequential(Block(16), Block(16)),
+            head=nn.Linear(16, 4)))
         return model.eval(), (torch.randn(batch, 8),)
 
 
@@ -99,7 +101,8 @@ def test_same_model_without_the_wrong_kernel_passes(model_file):
     proc = run_flagos("compare", f"{model_file}:build", "--chip", "sim", "--json", "-")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
-    assert (data["chip"], data["ref"], data["passed"], data["failed"]) == ("sim", "torch-cpu", True, 0)
+    assert (data["chip"], data["ref"], data["passed"], data["failed"]) == \
+        ("sim", "torch-cpu", True, 0)
     assert [r["name"] for r in data["modules"]] == EXECUTION_ORDER
     assert data["chip_run"]["override_ops"] == []
     for row in data["modules"]:  # sim's kernels against plain PyTorch, float32 tolerances
@@ -152,7 +155,8 @@ def test_verdict_thresholds():
     big = _compare.judge([ref * 1000 + 2], [ref * 1000])
     assert big["cosine"] > 0.999 and big["reason"] == "max abs err 2 > 1.0"
     # NaN where the reference has NaN too is agreement; shapes that differ are not
-    assert _compare.judge([torch.tensor([float("nan"), 1.0])], [torch.tensor([float("nan"), 1.0])])["passed"]
+    both_nan = torch.tensor([float("nan"), 1.0])
+    assert _compare.judge([both_nan], [both_nan.clone()])["passed"]
     assert "shapes differ" in _compare.judge([ref[:10]], [ref[:11]])["reason"]
 
 

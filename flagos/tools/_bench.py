@@ -11,7 +11,6 @@ synchronized after every iteration. Exit codes: 0 every chip ran, 1 a chip faile
 """
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -20,7 +19,7 @@ import time
 import torch
 
 from . import _childrun, _models
-from ._common import format_table, write_json
+from ._common import format_table, non_negative_int, positive_int, write_json
 
 DEFAULT_CHIPS = (_childrun.REFERENCE, "auto")
 _PROGRESS = ("auto", "always", "never")
@@ -31,10 +30,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--chips", default=",".join(DEFAULT_CHIPS),
                         help="comma-separated chips to measure, the first is the ratio's base "
                              "(default: %(default)s; torch-cpu is plain PyTorch without flagos)")
-    parser.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
-    parser.add_argument("--warmup", type=_non_negative, default=3,
-                        help="untimed-for-statistics iterations before measuring (default 3)")
-    parser.add_argument("--iters", type=_positive, default=20,
+    parser.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    parser.add_argument("--warmup", type=non_negative_int, default=3,
+                        help="iterations before measuring, timed and reported apart (default 3)")
+    parser.add_argument("--iters", type=positive_int, default=20,
                         help="measured iterations (default 20)")
     parser.add_argument("--dtype", default="float32",
                         help="float32, float16, bfloat16 or float64 (default float32)")
@@ -44,20 +43,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--progress", choices=_PROGRESS, default="auto",
                         help="progress bar on stderr: auto (a terminal and a run over 1 s), "
                              "always, never")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
-    return value
 
 
 # ---- the measurement, inside the process that runs the chip ------------------------------
@@ -115,22 +100,18 @@ def measure(chip: str, model: str, batch: int, warmup: int, iters: int, dtype: s
         for i in range(warmup):
             warm.append(step())
             bar.update(i + 1)
+        _childrun.reset_peak_memory(chip)
         if on_flagos:
-            torch.flagos.reset_peak_memory_stats()
             flagos.reset_report()
         latencies = []
         for i in range(iters):
             latencies.append(step())
             bar.update(warmup + i + 1)
     bar.close()
-    result = {"chip": name, "device": str(device), "warmup_ms": warm, "latencies_ms": latencies,
-              "peak_memory_bytes": None, "fallback": None}
+    result = {"chip": name, "device": str(device), "mode": _childrun.mode(chip),
+              "warmup_ms": warm, "latencies_ms": latencies,
+              "peak_memory_bytes": _childrun.peak_memory(chip), "fallback": None}
     if on_flagos:
-        info = flagos.info()
-        result["mode"] = info["mode"]
-        # a chip whose memory is the host's (cpu) tracks none: say so rather than print 0
-        if not _active_chip().payload_is_host:
-            result["peak_memory_bytes"] = torch.flagos.max_memory_allocated()
         report = flagos.fallback_report()
         calls, fallback_calls = report.calls(), report.calls("fallback")
         # time share against the measured iterations, not the report's own span
@@ -145,11 +126,6 @@ def measure(chip: str, model: str, batch: int, warmup: int, iters: int, dtype: s
                                     for t in _models.output_tensors(outputs[0])
                                     if not t.is_complex())
     return result
-
-
-def _active_chip():
-    from .. import _runtime
-    return _runtime.active().chip
 
 
 # ---- statistics and the whole run --------------------------------------------------------

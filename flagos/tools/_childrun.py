@@ -22,9 +22,9 @@ import traceback
 import torch
 
 REFERENCE = "torch-cpu"
-# Variables that choose or record an activation: the child sets its own, and one shared
-# FLAGOS_REPORT path would be overwritten by every child in turn.
-_CHILD_DROPS = ("FLAGOS_DEVICE", "FLAGOS_DEVICE_BACKEND", "FLAGOS_MODE", "FLAGOS_REPORT")
+# The chip is the child's own (FLAGOS_DEVICE); one shared FLAGOS_REPORT path would be
+# overwritten by every child in turn. Every other FLAGOS_* setting (routes, mode) applies.
+_CHILD_DROPS = ("FLAGOS_DEVICE", "FLAGOS_DEVICE_BACKEND", "FLAGOS_REPORT")
 
 
 class ChildError(RuntimeError):
@@ -64,9 +64,32 @@ def chip_name(chip: str) -> str:
     return _active().chip.name
 
 
+# The chip's own functions rather than torch.flagos, which exists in device mode only.
+
 def synchronize(chip: str) -> None:
     if chip != REFERENCE:
-        torch.flagos.synchronize()
+        state = _active()
+        state.chip.synchronize(state.current)
+
+
+def reset_peak_memory(chip: str) -> None:
+    if chip != REFERENCE:
+        state = _active()
+        state.chip.reset_peak_memory_stats(state.current)
+
+
+def peak_memory(chip: str) -> int | None:
+    """Peak bytes allocated on the chip's current device; None for plain torch and for chips
+    whose memory is the host's (cpu), which track none (rather than a misleading 0)."""
+    state = _active() if chip != REFERENCE else None
+    if state is None or state.chip.payload_is_host:
+        return None
+    return int(state.chip.max_memory_allocated(state.current))
+
+
+def mode(chip: str) -> str | None:
+    """"device" or "native" for a flagos chip, None for plain torch."""
+    return None if chip == REFERENCE else _active().mode
 
 
 def check_chip(chip: str) -> str:

@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 from . import _childrun, _models
-from ._common import format_table, write_json
+from ._common import format_table, non_negative_int, positive_int, write_json
 
 THRESHOLDS = {"cosine": 0.99, "max_abs_err": 1e-3, "cosine_floor": 0.9, "max_abs_err_ceiling": 1.0}
 _REL_FLOOR = 1e-6
@@ -40,9 +40,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="float32",
                         help="dtype of the run on --chip (and on --ref without --upcast): "
                              "float32, float16, bfloat16, float64 (default float32)")
-    parser.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    parser.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs")
-    parser.add_argument("--show", type=int, default=20,
+    parser.add_argument("--show", type=non_negative_int, default=20,
                         help="module rows to print, 0 for all (default 20: from the first "
                              "failure on, or the lowest cosines when all pass)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': stdout)")
@@ -137,9 +137,12 @@ def judge(chip_out: list[torch.Tensor], ref_out: list[torch.Tensor]) -> dict:
         cosine = float((a_f * b_f).sum()) / norms
     else:  # a zero vector: same only if both are zero
         cosine = 1.0 if max_abs == 0 else 0.0
-    row.update(cosine=cosine, max_abs_err=max_abs,
-               max_rel_err=float((diff / b_f.abs().clamp_min(_REL_FLOOR)).max()) if diff.numel() else 0.0,
-               rmse=float(diff.pow(2).mean().sqrt()) if diff.numel() else 0.0)
+    if diff.numel():
+        max_rel = float((diff / b_f.abs().clamp_min(_REL_FLOOR)).max())
+        rmse = float(diff.pow(2).mean().sqrt())
+    else:
+        max_rel = rmse = 0.0
+    row.update(cosine=cosine, max_abs_err=max_abs, max_rel_err=max_rel, rmse=rmse)
     # NaN/inf in the same places with the same values on both sides is agreement
     one_sided = (fin_a != fin_b) | (~fin_a & ~fin_b & (a != b) & ~(a.isnan() & b.isnan()))
     t = THRESHOLDS
@@ -151,7 +154,8 @@ def judge(chip_out: list[torch.Tensor], ref_out: list[torch.Tensor]) -> dict:
     elif max_abs > t["max_abs_err_ceiling"]:
         reason = f"max abs err {max_abs:.3g} > {t['max_abs_err_ceiling']}"
     elif cosine < t["cosine"] and max_abs > t["max_abs_err"]:
-        reason = f"cosine {cosine:.4f} < {t['cosine']} and max abs err {max_abs:.3g} > {t['max_abs_err']}"
+        reason = (f"cosine {cosine:.4f} < {t['cosine']} and max abs err {max_abs:.3g} > "
+                  f"{t['max_abs_err']}")
     else:
         reason = None
     return {**row, "passed": reason is None, "reason": reason}
@@ -260,7 +264,8 @@ def format_result(data: dict, show: int = 20) -> str:
         lines.append(f"{len(rows)} of {len(data['modules'])} module calls, {what} "
                      f"(--show 0 for all):")
     lines += [table, ""]
-    for label, key in (("fell back to the CPU", "fallback_ops"), ("ran an override", "override_ops")):
+    for label, key in (("fell back to the CPU", "fallback_ops"),
+                       ("ran an override", "override_ops")):
         ops = data["chip_run"].get(key)
         if ops:
             lines.append(f"ops that {label} on {data['chip']}: {', '.join(ops)}")

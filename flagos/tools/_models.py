@@ -186,7 +186,8 @@ def output_tensors(value) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in output_tensors(v)]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [t for f in dataclasses.fields(value) for t in output_tensors(getattr(value, f.name))]
+        return [t for f in dataclasses.fields(value)
+                for t in output_tensors(getattr(value, f.name))]
     return []
 
 
