@@ -14,6 +14,7 @@ a chip could not run, 2 usage.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import sys
@@ -217,12 +218,22 @@ def compare(model, inputs=None, chip: str = "auto", ref: str = _childrun.REFEREN
             raise ValueError(f"model must be an nn.Module or a workload name, not "
                              f"{type(model).__name__}")
         ref_dtype = "float64" if upcast else dtype
-        runs, recs = {}, {}
-        for side, name, side_dtype in (("chip", chip, dtype), ("ref", ref, ref_dtype)):
-            path = os.path.join(tmp, f"{side}.pt")
-            runs[side] = _childrun.call(name, f"{__name__}:record", out_path=path,
-                                        dtype=side_dtype, **source)
-            recs[side] = torch.load(path, weights_only=True)
+        sides = {"chip": (chip, dtype), "ref": (ref, ref_dtype)}
+
+        def run_side(side):
+            name, side_dtype = sides[side]
+            return _childrun.call(name, f"{__name__}:record", dtype=side_dtype,
+                                  out_path=os.path.join(tmp, f"{side}.pt"), **source)
+
+        # Child processes run side by side (timing does not matter here); a side that runs
+        # in this process stays on this thread.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            pending = {side: pool.submit(run_side, side) for side in sides
+                       if not _childrun.runs_here(sides[side][0])}
+            runs = {side: run_side(side) for side in sides if side not in pending}
+            runs.update({side: future.result() for side, future in pending.items()})
+        recs = {side: torch.load(os.path.join(tmp, f"{side}.pt"), weights_only=True)
+                for side in sides}
     rows = _rows(recs["chip"], recs["ref"])
     failed = [r for r in rows if not r["passed"]]
     return {"model": label, "chip": runs["chip"]["chip"], "ref": runs["ref"]["chip"],
