@@ -135,7 +135,7 @@ def judge(chip_out: list[torch.Tensor], ref_out: list[torch.Tensor]) -> dict:
     max_abs = float(diff.max()) if diff.numel() else 0.0
     norms = float(a_f.norm()) * float(b_f.norm())
     if norms > 0:
-        cosine = float((a_f * b_f).sum()) / norms
+        cosine = max(-1.0, min(1.0, float((a_f * b_f).sum()) / norms))  # rounding past 1
     else:  # a zero vector: same only if both are zero
         cosine = 1.0 if max_abs == 0 else 0.0
     if diff.numel():
