@@ -78,7 +78,7 @@ def record(chip: str, out_path: str, model: str | None = None, pickled: str | No
     device = _childrun.device_for(chip)
     if pickled is not None:
         net, inputs = torch.load(pickled, weights_only=False)
-        call = _models._call_module
+        call = _models.call_module
     else:
         work = _models.load(model, batch, seed)
         net, inputs, call = work.model, work.inputs, work.call

@@ -27,10 +27,10 @@ class Workload:
 
     def __post_init__(self):
         if self.call is None:
-            self.call = _call_module
+            self.call = call_module
 
 
-def _call_module(model, inputs):
+def call_module(model, inputs):
     if isinstance(inputs, dict):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
