@@ -32,15 +32,17 @@ def _param_bytes(spec):
 def test_bench_against_plain_torch(tmp_path):
     chart = tmp_path / "bench.png"
     # one op forced to the CPU fallback: the mlp runs 8 ops a step, gelu is 1 of them
-    proc = run_flagos("bench", "mlp", "--chips", f"torch-cpu,{CHIP}", "--batch", "2",
+    proc = run_flagos("bench", "mlp", "--chips", "torch-cpu,cpu,sim", "--batch", "2",
                       "--warmup", "2", "--iters", "5", "--json", "-", "--plot", str(chart),
                       "--progress", "always", env={"FLAGOS_ROUTE": "aten::gelu=fallback"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
     assert (data["model"], data["batch"], data["iters"], data["base"]) == ("mlp", 2, 5, "torch-cpu")
-    native, chip = data["results"]
-    assert (native["chip"], native["device"], chip["chip"]) == ("torch-cpu", "cpu", CHIP)
-    for row in (native, chip):
+    native, cpu, sim = data["results"]
+    assert (native["chip"], native["device"], native["mode"]) == ("torch-cpu", "cpu", None)
+    assert [(r["chip"], r["device"], r["mode"]) for r in (cpu, sim)] == \
+        [("cpu", "flagos:0", "device"), ("sim", "flagos:0", "device")]
+    for row in data["results"]:
         assert len(row["warmup_ms"]) == 2 and len(row["latencies_ms"]) == 5
         lat = row["latencies_ms"]
         assert row["min_ms"] == min(lat) and row["max_ms"] == max(lat)
@@ -49,21 +51,23 @@ def test_bench_against_plain_torch(tmp_path):
         assert row["mean_ms"] == pytest.approx(statistics.fmean(lat))
         assert row["std_ms"] == pytest.approx(statistics.stdev(lat))
         assert row["throughput_per_s"] == pytest.approx(2 * 5 / (sum(lat) / 1e3))
+        assert row["ratio"] == pytest.approx(row["p50_ms"] / native["p50_ms"])
+        # every chip computed what plain PyTorch computed
+        assert row["output_checksum"] == pytest.approx(native["output_checksum"],
+                                                       rel=1e-4, abs=1e-4)
     assert native["ratio"] == 1.0
-    assert chip["ratio"] == pytest.approx(chip["p50_ms"] / native["p50_ms"])
-    # the chip computed what plain PyTorch computed
-    assert chip["output_checksum"] == pytest.approx(native["output_checksum"], rel=1e-4, abs=1e-4)
     assert native["fallback"] is None and native["peak_memory_bytes"] is None
-    fallback = chip["fallback"]
-    assert fallback["ops"] == ["aten::gelu"]
-    assert (fallback["calls"], fallback["fallback_calls"]) == (5 * 8, 5)
-    assert fallback["call_share"] == pytest.approx(1 / 8) and 0 < fallback["time_share"] <= 1
-    if CHIP == "sim":  # the weights stay on the device while it is measured
-        assert chip["peak_memory_bytes"] >= _param_bytes("mlp")
-    else:  # the cpu chip's memory is the host's: not tracked, not reported as 0
-        assert chip["peak_memory_bytes"] is None
+    for row in (cpu, sim):
+        fallback = row["fallback"]
+        assert fallback["ops"] == ["aten::gelu"]
+        assert (fallback["calls"], fallback["fallback_calls"]) == (5 * 8, 5)
+        assert fallback["call_share"] == pytest.approx(1 / 8) and 0 < fallback["time_share"] <= 1
+    # sim's weights stay on the device while it is measured; the cpu chip's memory is the
+    # host's, not tracked, and not reported as 0
+    assert sim["peak_memory_bytes"] >= _param_bytes("mlp") and cpu["peak_memory_bytes"] is None
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
-    assert f"{CHIP:<12} [##############################] 7/7" in proc.stderr
+    for chip in ("torch-cpu", "cpu", "sim"):
+        assert f"{chip:<12} [##############################] 7/7" in proc.stderr
 
 
 def test_a_chip_that_fails_is_reported_and_the_others_still_run(tmp_path):
