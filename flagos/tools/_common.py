@@ -22,3 +22,21 @@ def format_table(headers: list[str], rows: list[list]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    from argparse import ArgumentTypeError  # only the command line needs it
+    value = int(text)
+    if value < 1:
+        raise ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer of at least 0."""
+    from argparse import ArgumentTypeError
+    value = int(text)
+    if value < 0:
+        raise ArgumentTypeError(f"{text} is negative")
+    return value
