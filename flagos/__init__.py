@@ -31,6 +31,7 @@ _EXPORTS = {
     "ConfigError": "errors", "ChipNotFoundError": "errors", "DeviceError": "errors",
     "DeviceMismatchError": "errors", "FallbackError": "errors", "FallbackWarning": "errors",
     "AdapterError": "errors",
+    "compare": "tools._compare",
 }
 
 __all__ = sorted([*_EXPORTS, "errors", "__version__"])

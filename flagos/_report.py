@@ -19,8 +19,8 @@ _atexit_registered = False
 class Report:
     """Counters per op for one span of time (since the last reset, or one `track()` scope).
 
-    `str(report)` is an aligned table; `to_dict()`, `to_json()` and `save(path)`
-    give the same data for tools.
+    `str(report)` is an aligned table; `to_dict()`, `to_json()` and `save(path)` give the
+    same data for tools (`save("report.html")` writes a page with a chart, JSON otherwise).
     """
 
     def __init__(self, rows: list[dict] | None = None, elapsed_s: float = 0.0, chip: str | None = None):
@@ -69,9 +69,16 @@ class Report:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
-    def save(self, path: str) -> None:
+    def save(self, path) -> None:
+        """Write the report to `path`: a self-contained HTML page for .html/.htm, JSON otherwise."""
+        path = os.fspath(path)
+        if path.lower().endswith((".html", ".htm")):
+            from ._report_html import render
+            text = render(self.to_dict())
+        else:
+            text = self.to_json()
         with open(path, "w") as f:
-            f.write(self.to_json())
+            f.write(text)
 
     def __str__(self) -> str:
         d = self.to_dict()

@@ -24,6 +24,24 @@ def format_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    from argparse import ArgumentTypeError  # only the command line needs it
+    value = int(text)
+    if value < 1:
+        raise ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer of at least 0."""
+    from argparse import ArgumentTypeError
+    value = int(text)
+    if value < 0:
+        raise ArgumentTypeError(f"{text} is negative")
+    return value
+
+
 def format_bytes(n: int | None) -> str:
     """1536 -> '1.5 KiB'; None -> '-'."""
     if n is None:

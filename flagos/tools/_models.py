@@ -2,14 +2,17 @@
 seeded random weights (no downloads), and user workloads given as `path.py:function`.
 
 A workload is a module and its inputs: `load(spec, batch, seed)` returns a `Workload` whose
-`call(model, inputs)` runs one step. A user function takes no arguments and returns
-`(model, inputs)`, inputs being a tuple of positional arguments or a dict of keyword arguments.
+`call(model, inputs)` runs one step. A user function takes no arguments (or `batch`) and
+returns `(model, inputs)`, inputs being a tensor, a tuple of positional arguments or a dict of
+keyword arguments.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -24,10 +27,10 @@ class Workload:
 
     def __post_init__(self):
         if self.call is None:
-            self.call = _call_module
+            self.call = call_module
 
 
-def _call_module(model, inputs):
+def call_module(model, inputs):
     if isinstance(inputs, dict):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
@@ -90,14 +93,17 @@ class _DDPM(torch.nn.Module):
 
         self.unet = _unet(1, seed).model
         self.scheduler = DDPMScheduler(num_train_timesteps=100)
-        self.steps = steps
+        self.steps, self.seed = steps, seed
 
     def forward(self, noise):
         self.scheduler.set_timesteps(self.steps)
+        # the scheduler's noise drawn on the host from a seeded generator: every chip, and
+        # every call, denoises with the same noise
+        generator = torch.Generator().manual_seed(self.seed + 2)
         sample = noise
         for t in self.scheduler.timesteps:
             eps = self.unet(sample, t).sample
-            sample = self.scheduler.step(eps, t, sample).prev_sample
+            sample = self.scheduler.step(eps, t, sample, generator=generator).prev_sample
         return sample
 
 
@@ -110,25 +116,79 @@ def _ddpm(batch: int, seed: int) -> Workload:
 BUILTIN = {"mlp": _mlp, "cnn": _cnn, "bert": _bert, "unet": _unet, "ddpm": _ddpm}
 
 
-def load(spec: str, batch: int = 1, seed: int = 0) -> Workload:
-    """A built-in workload by name, or `path.py:function` returning (model, inputs)."""
+def check_spec(spec: str) -> None:
+    """ValueError naming the choices unless `spec` names a built-in or an existing
+    `path.py:function` (cheap: builds nothing, so a tool can check before starting children)."""
     if spec in BUILTIN:
-        return BUILTIN[spec](batch, seed)
+        return
     path, sep, func = spec.rpartition(":")
-    if not sep or not path.endswith(".py"):
+    if not sep or not path.endswith(".py") or not func:
         raise ValueError(f"unknown model {spec!r}: use one of {', '.join(BUILTIN)} or "
                          f"path/to/file.py:function (a function returning (model, inputs))")
     if not os.path.isfile(path):
         raise ValueError(f"model file {path!r} does not exist")
-    module_spec = importlib.util.spec_from_file_location(
-        f"flagos_user_model_{abs(hash(path))}", path)
+
+
+def load(spec: str, batch: int = 1, seed: int = 0) -> Workload:
+    """A built-in workload by name, or `path.py:function` returning (model, inputs).
+
+    A user function may take a `batch` argument; it is called with the seed already set."""
+    check_spec(spec)
+    if spec in BUILTIN:
+        return BUILTIN[spec](batch, seed)
+    path, _, func = spec.rpartition(":")
+    path = os.path.abspath(path)
+    # the file's folder on the path, so the file can import its neighbours as a script would
+    if os.path.dirname(path) not in sys.path:
+        sys.path.insert(0, os.path.dirname(path))
+    name = "flagos_user_model_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    if not hasattr(module, func):
+    fn = getattr(module, func, None)
+    if not callable(fn):
         raise ValueError(f"{path} has no function {func!r}")
     torch.manual_seed(seed)
-    model, inputs = getattr(module, func)()
-    return Workload(spec, model, inputs)
+    takes_batch = "batch" in inspect.signature(fn).parameters
+    made = fn(batch=batch) if takes_batch else fn()
+    if (not isinstance(made, (tuple, list)) or len(made) != 2
+            or not isinstance(made[0], torch.nn.Module)):
+        raise ValueError(f"{spec} must return (model, inputs): an nn.Module and a tensor, tuple "
+                         f"or dict of its arguments; it returned {type(made).__name__}")
+    return Workload(spec, made[0], made[1])
+
+
+def cast_model(model: torch.nn.Module, device, dtype: torch.dtype | None) -> torch.nn.Module:
+    """`model` on `device`, its floating parameters and buffers cast to `dtype` when given."""
+    return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float64": torch.float64, "fp64": torch.float64}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """A dtype from its command-line name, or ValueError listing the names."""
+    dtype = DTYPES.get(name.strip().lower())
+    if dtype is None:
+        raise ValueError(f"unknown dtype {name!r}; use one of: float32, float16, bfloat16, "
+                         f"float64 (or fp32, fp16, bf16, fp64)")
+    return dtype
+
+
+def output_tensors(value) -> list[torch.Tensor]:
+    """Every tensor in a model's output (tensor, tuple, list, dict, ModelOutput, dataclass)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in output_tensors(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in output_tensors(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value)
+                for t in output_tensors(getattr(value, f.name))]
+    return []
 
 
 def move(inputs, device, dtype: torch.dtype | None = None):

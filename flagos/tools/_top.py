@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 
 from .. import _exporters
 from . import _probe
-from ._common import format_bytes, format_share, format_table, write_json
+from ._common import format_bytes, format_share, format_table, positive_int, write_json
 
 SCRAPE_TIMEOUT_S = 1.0
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: a redraw without curses
@@ -34,18 +34,11 @@ def _interval(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {text}")
-    return value
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("--interval", type=_interval, default=2.0, metavar="S",
                         help="seconds between frames (default 2)")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
-    parser.add_argument("-n", "--count", type=_count, metavar="N",
+    parser.add_argument("-n", "--count", type=positive_int, metavar="N",
                         help="print N frames and exit (default: until Ctrl-C)")
     parser.add_argument("--json", action="store_true",
                         help="frames as JSON (--once: one object; otherwise one object a line)")

@@ -1,0 +1,270 @@
+"""`flagos analyze`, run the way a user runs it: `python -m flagos analyze ... -- python script.py`.
+
+The script is a small real model that checks its own results against plain PyTorch on the CPU
+(it fails when they differ). Its report is checked against the same workload run in this
+process on the suite's chip, and `--target sim` from the cpu chip against a real run on sim.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+import flagos
+from conftest import CHIP, device_mode_only
+
+pytestmark = device_mode_only
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent("""\
+    import sys
+
+    import torch
+    import torch.nn.functional as F
+
+    import flagos
+
+
+    def step(model, x, vol):
+        h = model(x)
+        return h.max(dim=1).values.cumsum(0), F.adaptive_avg_pool3d(vol, 2)
+
+
+    def workload(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                                    torch.nn.Linear(16, 8))
+        x, vol = torch.randn(4, 8), torch.randn(1, 2, 4, 4, 4)
+        with torch.no_grad():
+            expected = step(model, x, vol)
+            model.to(device)
+            got = step(model, x.to(device), vol.to(device))
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g.cpu(), e, atol=1e-5, rtol=1e-5)
+        print("results match plain PyTorch")
+
+
+    if __name__ == "__main__":
+        workload(flagos.device())
+        sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    """)
+
+
+def flagos_command(*args, cwd=None, timeout=240):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "flagos", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("analyze") / "workload.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+# Two runs serve every test: cpu with --target sim, and sim with --target cpu (this one's
+# script exits with status 3 after its work, and its JSON goes to stdout).
+RUNS = {"cpu": ("sim", "0"), "sim": ("cpu", "3")}
+_runs = {}
+
+
+@pytest.fixture(scope="module")
+def analyze_run(script):
+    """analyze_run(chip) -> (process, analysis, html path), each run once per module."""
+    def run(chip):
+        if chip not in _runs:
+            target, status = RUNS[chip]
+            html = script.parent / f"{chip}.html"
+            proc = flagos_command("analyze", "--chip", chip, "--target", target, "--json", "-",
+                                  "--html", str(html), "--", sys.executable, str(script), status)
+            assert proc.returncode == int(status), proc.stdout + proc.stderr
+            _runs[chip] = proc, json.loads(proc.stdout), html
+        return _runs[chip]
+    return run
+
+
+def test_report_matches_the_same_workload_in_process(analyze_run, script, dev):
+    proc, analysis, _ = analyze_run(CHIP)
+    # JSON on stdout: the script's own output went to stderr, and its status came through
+    assert "results match plain PyTorch" in proc.stderr
+    assert analysis["chip"] == CHIP and analysis["status"] == int(RUNS[CHIP][1])
+    assert analysis["command"] == [sys.executable, str(script), RUNS[CHIP][1]]
+
+    namespace = {"__name__": "workload"}
+    exec(compile(SCRIPT, str(script), "exec"), namespace)
+    with flagos.track() as here:
+        namespace["workload"](dev)
+    expected = {r["op"]: r for r in here.to_dict()["ops"]}
+    got = {r["op"]: r for r in analysis["ops"]}
+    assert set(got) == set(expected)
+    for op, row in got.items():
+        assert row["calls"] == expected[op]["calls"], op
+        assert (row["fallback_ns"] > 0) == (expected[op]["fallback_ns"] > 0), op
+    assert sorted(analysis["totals"]["calls_by_route"].items()) == sorted(
+        here.to_dict()["totals"]["calls_by_route"].items())
+
+    # the first call site is the script's own line that called the op
+    line = SCRIPT.splitlines().index("    return h.max(dim=1).values.cumsum(0), F.adaptive_avg_pool3d(vol, 2)") + 1
+    assert got["aten::max.dim"]["site"] == f"{script}:{line}"
+
+
+def test_printed_table_and_verdict(analyze_run):
+    proc, analysis, _ = analyze_run(CHIP)
+    lines = proc.stderr.splitlines()
+    header = next(i for i, l in enumerate(lines) if l.startswith("op ") and "first call site" in l)
+    rows = {}
+    for line in lines[header + 2:]:
+        if line.startswith("verdict:"):
+            break
+        cells = line.split()
+        rows[cells[0]] = cells
+    assert set(rows) == {r["op"] for r in analysis["ops"]}
+    for r in analysis["ops"]:
+        cells = rows[r["op"]]
+        assert cells[1] == "/".join(k for k in ("override", "native", "fallback") if r["calls"][k])
+        assert int(cells[2]) == sum(r["calls"].values()) and int(cells[3]) == r["calls"]["fallback"]
+        assert float(cells[4]) == pytest.approx(r["fallback_ns"] / 1e6, abs=0.006)
+        assert cells[-1] == r["target"]["route"]
+    share = 100 * analysis["totals"]["fallback_time_share"]
+    assert f"verdict: fallback share of op time {share:.1f}%" in proc.stderr
+    assert analysis["verdict"].startswith(f"fallback share of op time {share:.1f}%")
+    assert f"target: {analysis['target']['verdict']}" in proc.stderr
+
+
+def test_target_sim_from_cpu_predicts_the_fallbacks_of_a_real_sim_run(analyze_run):
+    _, predicted, _ = analyze_run("cpu")   # --target sim
+    _, real, _ = analyze_run("sim")        # --target cpu
+    assert predicted["totals"]["fallback_ops"] == 0  # on cpu itself nothing fell back
+    real_fallbacks = {r["op"] for r in real["ops"] if r["calls"]["fallback"]}
+    assert real_fallbacks, "the workload is meant to need fallbacks on sim"
+    assert set(predicted["target"]["fallback_ops"]) == real_fallbacks
+    per_op = {r["op"]: r["target"]["route"] for r in predicted["ops"]}
+    assert {op for op, route in per_op.items() if route == "fallback"} == real_fallbacks
+    assert predicted["target"]["calls_by_route"]["fallback"] == real["totals"]["calls_by_route"]["fallback"]
+    assert predicted["target"]["kind"] == "adapter"
+    assert predicted["target"]["source"].endswith("libflagos_sim_adapter.so")
+    # and the other way round: the cpu chip has a kernel for everything the sim run used
+    assert real["target"]["fallback_ops"] == [] and real["target"]["unknown_ops"] == []
+
+
+def test_vendor_coverage_files_classify_the_ops_of_a_run(analyze_run):
+    """mps and cuda answers come from PyTorch's own dispatch table (checked here in the raw
+    native_functions.yaml): the adaptive 3-d pool the script runs has a CUDA kernel, no MPS one."""
+    import yaml
+    import torchgen
+
+    import flagos.coverage
+
+    yaml_path = os.path.join(os.path.dirname(torchgen.__file__), "packaged", "ATen", "native",
+                             "native_functions.yaml")
+    with open(yaml_path) as f:
+        entries = {e["func"].split("(")[0]: e
+                   for e in yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))}
+    keys = {k.strip() for ks in entries["_adaptive_avg_pool3d"]["dispatch"] for k in ks.split(",")}
+    assert "CUDA" in keys and "MPS" not in keys and not any(k.startswith("Composite") for k in keys)
+
+    _, analysis, _ = analyze_run(CHIP)
+    ops = [r["op"] for r in analysis["ops"]]
+    assert "aten::_adaptive_avg_pool3d" in ops
+    for chip, key in (("mps", "MPS"), ("cuda", "CUDA")):
+        coverage = flagos.coverage.for_chip(chip)
+        assert coverage.describe()["dispatch_key"] == key
+        assert coverage.describe()["torch"] == torch.__version__.split("+")[0]
+        routes = {op: coverage.classify(op) for op in ops}
+        assert all(route != "unknown" for route, _ in routes.values())  # all in PyTorch's table
+        fell_back = {op for op, (route, _) in routes.items() if route == "fallback"}
+        assert fell_back == ({"aten::_adaptive_avg_pool3d"} if chip == "mps" else set()), chip
+    assert "no MPS kernel" in flagos.coverage.for_chip("mps").classify("aten::_adaptive_avg_pool3d")[1]
+
+
+def test_coverage_files_are_what_the_generator_writes(tmp_path):
+    shipped = json.load(open(os.path.join(ROOT, "flagos", "coverage", "cuda.json")))
+    if shipped["torch"] != torch.__version__.split("+")[0]:
+        pytest.skip(f"cuda.json comes from PyTorch {shipped['torch']}; this is {torch.__version__}")
+    from flagos.coverage.generate import main  # `python -m flagos.coverage.generate`, here
+    assert main(["--out", str(tmp_path), "cuda"]) == 0
+    assert json.load(open(tmp_path / "cuda.json")) == shipped
+
+
+class _Rows(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.rows, self._cells, self._text = [], None, None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tr" and dict(attrs).get("data-op"):
+            self._cells = []
+        elif tag == "td" and self._cells is not None:
+            self._text = []
+
+    def handle_data(self, data):
+        if self._text is not None:
+            self._text.append(data)
+
+    def handle_endtag(self, tag):
+        if tag == "td" and self._text is not None:
+            self._cells.append("".join(self._text).strip())
+            self._text = None
+        elif tag == "tr" and self._cells is not None:
+            self.rows.append(self._cells)
+            self._cells = None
+
+
+def test_html_page_of_the_analysis(analyze_run):
+    _, analysis, html = analyze_run(CHIP)
+    parser = _Rows()
+    parser.feed(html.read_text())
+    by_op = {cells[0]: cells for cells in parser.rows}
+    assert set(by_op) == {r["op"] for r in analysis["ops"]}
+    for r in analysis["ops"]:
+        assert by_op[r["op"]][2] == str(sum(r["calls"].values()))
+        assert by_op[r["op"]][-2] == r["target"]["route"]
+    assert analysis["target"]["verdict"] in html.read_text()
+
+
+def test_cpu_coverage_file_agrees_with_the_live_dispatcher():
+    """The file's reading of PyTorch's yaml (structured delegates, ufunc loops, composites)
+    against the kernels this process's dispatcher actually holds for CPU."""
+    from flagos.coverage.generate import dispatcher_table
+
+    shipped = json.load(open(os.path.join(ROOT, "flagos", "coverage", "cpu.json")))
+    if shipped["torch"] != torch.__version__.split("+")[0]:
+        pytest.skip(f"cpu.json comes from PyTorch {shipped['torch']}; this is {torch.__version__}")
+    live = dispatcher_table("cpu")
+    both = (set(shipped["kernel"]) | set(shipped["no_kernel"])) & (set(live["kernel"]) | set(live["no_kernel"]))
+    assert len(both) > 2500
+    assert set(shipped["kernel"]) & both == set(live["kernel"]) & both
+    assert "aten::cumsum" in live["kernel"] and "aten::_flash_attention_forward" in live["no_kernel"]
+
+
+def test_usage_error_exits_2():
+    proc = flagos_command("analyze", "--chip", CHIP)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no command to analyze: give it after '--'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--chip", "nochip", "--", "python", "x.py"), "unknown chip 'nochip'"),
+    (("--target", "npu", "--", "python", "x.py"), "coverage files ship for cpu, cuda, mps"),
+])
+def test_bad_chip_or_target_exits_2_before_running(args, message, capsys):
+    from flagos.tools.cli import main  # the command's own entry, in this process
+    assert main(["analyze", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_run_without_flagos_gives_no_report(tmp_path, capfd):
+    from flagos.tools.cli import main
+    quiet = tmp_path / "quiet.py"
+    quiet.write_text("print('never imports torch')\n")
+    assert main(["analyze", "--chip", CHIP, "--", sys.executable, str(quiet)]) == 1
+    out, err = capfd.readouterr()
+    assert "left no flagos report" in err and "never imports torch" in out

@@ -1,0 +1,119 @@
+"""`flagos bench` run as a user runs it: statistics, fallback share, peak memory and the ratio
+against plain PyTorch on the CPU, parsed from its JSON; and flagos.tools.bench from Python."""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+import flagos.tools
+from conftest import CHIP, device_mode_only
+from flagos.tools import _models
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_flagos(*args, env=None, pythonpath=()):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    full_env.update(OMP_NUM_THREADS="1", **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [*pythonpath, REPO, full_env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "flagos", *args], env=full_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _param_bytes(spec):
+    model = _models.load(spec).model
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_bench_against_plain_torch(tmp_path):
+    chart = tmp_path / "bench.png"
+    # one op forced to the CPU fallback: the mlp runs 8 ops a step, gelu is 1 of them
+    proc = run_flagos("bench", "mlp", "--chips", "torch-cpu,cpu,sim", "--batch", "2",
+                      "--warmup", "2", "--iters", "5", "--json", "-", "--plot", str(chart),
+                      "--progress", "always", env={"FLAGOS_ROUTE": "aten::gelu=fallback"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(proc.stdout)
+    assert (data["model"], data["batch"], data["iters"], data["base"]) == ("mlp", 2, 5, "torch-cpu")
+    native, cpu, sim = data["results"]
+    assert (native["chip"], native["device"], native["mode"]) == ("torch-cpu", "cpu", None)
+    assert [(r["chip"], r["device"], r["mode"]) for r in (cpu, sim)] == \
+        [("cpu", "flagos:0", "device"), ("sim", "flagos:0", "device")]
+    for row in data["results"]:
+        assert len(row["warmup_ms"]) == 2 and len(row["latencies_ms"]) == 5
+        lat = row["latencies_ms"]
+        assert row["min_ms"] == min(lat) and row["max_ms"] == max(lat)
+        assert row["p50_ms"] == pytest.approx(statistics.median(lat))
+        assert row["min_ms"] <= row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"] <= row["max_ms"]
+        assert row["mean_ms"] == pytest.approx(statistics.fmean(lat))
+        assert row["std_ms"] == pytest.approx(statistics.stdev(lat))
+        assert row["throughput_per_s"] == pytest.approx(2 * 5 / (sum(lat) / 1e3))
+        assert row["ratio"] == pytest.approx(row["p50_ms"] / native["p50_ms"])
+        # every chip computed what plain PyTorch computed
+        assert row["output_checksum"] == pytest.approx(native["output_checksum"],
+                                                       rel=1e-4, abs=1e-4)
+    assert native["ratio"] == 1.0
+    assert native["fallback"] is None and native["peak_memory_bytes"] is None
+    for row in (cpu, sim):
+        fallback = row["fallback"]
+        assert fallback["ops"] == ["aten::gelu"]
+        assert (fallback["calls"], fallback["fallback_calls"]) == (5 * 8, 5)
+        assert fallback["call_share"] == pytest.approx(1 / 8) and 0 < fallback["time_share"] <= 1
+    # sim's weights stay on the device while it is measured; the cpu chip's memory is the
+    # host's, not tracked, and not reported as 0
+    assert sim["peak_memory_bytes"] >= _param_bytes("mlp") and cpu["peak_memory_bytes"] is None
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
+    for chip in ("torch-cpu", "cpu", "sim"):
+        assert f"{chip:<12} [##############################] 7/7" in proc.stderr
+
+
+def test_a_chip_that_fails_is_reported_and_the_others_still_run(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_flagos("bench", "mlp", "--chips", f"torch-cpu,{CHIP}", "--warmup", "0",
+                      "--iters", "2", "--json", str(out),
+                      env={"FLAGOS_ROUTE": "aten::gelu=fallback", "FLAGOS_FALLBACK": "error"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    native, chip = json.loads(out.read_text())["results"]
+    assert len(native["latencies_ms"]) == 2 and native["ratio"] == 1.0
+    assert "FallbackError" in chip["error"] and "aten::gelu" in chip["error"]
+    assert chip["error"].startswith(f"chip {CHIP}: ") and "latencies_ms" not in chip
+    table = proc.stdout.splitlines()
+    assert any(line.split()[:2] == [CHIP, "failed"] for line in table)
+    assert any(line.startswith(f"error: chip {CHIP}: FallbackError") for line in table)
+
+
+def test_plot_without_matplotlib_names_the_fix(tmp_path):
+    # a matplotlib that cannot be imported, first on the path
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib')\n")
+    proc = run_flagos("bench", "mlp", "--chips", "torch-cpu", "--plot", str(tmp_path / "x.png"),
+                      pythonpath=[str(tmp_path)])
+    assert proc.returncode == 2
+    assert "pip install 'flagos[plot]'" in proc.stderr and not (tmp_path / "x.png").exists()
+
+
+def test_usage_errors():
+    proc = run_flagos("bench", "resnet9000", "--iters", "1")
+    assert proc.returncode == 2 and "unknown model 'resnet9000'" in proc.stderr
+    assert "mlp, cnn, bert, unet, ddpm" in proc.stderr
+    with pytest.raises(ValueError, match="unknown chip 'gpu'.*torch-cpu"):
+        flagos.tools.bench("mlp", chips="torch-cpu,gpu")
+    with pytest.raises(ValueError, match="unknown dtype 'half-ish'"):
+        flagos.tools.bench("mlp", dtype="half-ish")
+    with pytest.raises(ValueError, match="does not exist"):
+        flagos.tools.bench("missing_file.py:build")
+
+
+@device_mode_only
+def test_python_api_runs_the_active_chip_here():
+    data = flagos.tools.bench("cnn", chips=[CHIP, "torch-cpu"], batch=2, warmup=1, iters=3,
+                              dtype="float16" if CHIP == "sim" else "float32")
+    chip, native = data["results"]
+    assert (chip["chip"], data["base"], chip["ratio"]) == (CHIP, CHIP, 1.0)
+    assert chip["device"] == "flagos:0" and len(chip["latencies_ms"]) == 3
+    assert native["ratio"] == pytest.approx(native["p50_ms"] / chip["p50_ms"])
+    tol = 5e-2 if data["dtype"] == "float16" else 1e-4
+    assert chip["output_checksum"] == pytest.approx(native["output_checksum"], rel=tol, abs=tol)

@@ -1,0 +1,170 @@
+"""`flagos compare` run as a user runs it, and `flagos.compare(...)` from Python: a deliberately
+wrong override kernel on sim is found at the first module that uses its op."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import flagos
+from conftest import CHIP, device_mode_only
+from flagos.tools import _compare
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A user's model file: two transformer-style blocks; the second function also registers, on sim,
+# a GELU kernel that is wrong (ReLU) the way a buggy vendor kernel would be.
+MODEL_FILE = textwrap.dedent('''
+    from collections import OrderedDict
+
+    import torch
+    from torch import nn
+
+    import flagos
+
+
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.proj = nn.Linear(width, width)
+            self.ffn = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                     nn.Linear(2 * width, width))
+
+        def forward(self, x):
+            x = x + self.proj(self.norm(x))
+            return x + self.ffn(x)
+
+
+    def build(batch=2):
+        model = nn.Sequential(OrderedDict(
+            embed=nn.Linear(8, 16), blocks=nn.Sequential(Block(16), Block(16)),
+            head=nn.Linear(16, 4)))
+        return model.eval(), (torch.randn(batch, 8),)
+
+
+    def wrong_gelu(x, *args, **kwargs):
+        return torch.relu(x)
+
+
+    def build_with_wrong_gelu(batch=2):
+        flagos.register_kernel("aten::gelu", wrong_gelu, chip="sim")
+        return build(batch)
+''')
+EXECUTION_ORDER = ["embed#0", "blocks.0.norm#0", "blocks.0.proj#0", "blocks.0.ffn.0#0",
+                   "blocks.0.ffn.1#0", "blocks.0.ffn.2#0", "blocks.0.ffn#0", "blocks.0#0",
+                   "blocks.1.norm#0", "blocks.1.proj#0", "blocks.1.ffn.0#0", "blocks.1.ffn.1#0",
+                   "blocks.1.ffn.2#0", "blocks.1.ffn#0", "blocks.1#0", "blocks#0", "head#0",
+                   "(model)#0"]
+
+
+def run_flagos(*args, env=None):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    full_env.update(OMP_NUM_THREADS="1", **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, full_env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "flagos", *args], env=full_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "user_model.py"
+    path.write_text(MODEL_FILE)
+    return str(path)
+
+
+def test_wrong_kernel_names_the_first_module_that_uses_it(model_file, tmp_path):
+    out = tmp_path / "compare.json"
+    proc = run_flagos("compare", f"{model_file}:build_with_wrong_gelu", "--chip", "sim",
+                      "--ref", "cpu", "--json", str(out))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert (data["chip"], data["ref"], data["passed"]) == ("sim", "cpu", False)
+    assert data["chip_run"]["override_ops"] == ["aten::gelu"]
+    assert data["ref_run"]["override_ops"] == []  # registered for sim only
+    names = [r["name"] for r in data["modules"]]
+    assert names == EXECUTION_ORDER
+    first = data["first_failure"]
+    assert (first["name"], first["module"], first["call"], first["type"]) == \
+        ("blocks.0.ffn.1#0", "blocks.0.ffn.1", 0, "GELU")
+    # GELU vs ReLU on the same inputs: far apart by both measures
+    assert first["cosine"] < 0.99 and first["max_abs_err"] > 1e-3
+    before = data["modules"][:names.index("blocks.0.ffn.1#0")]
+    assert before and all(r["passed"] and r["cosine"] > 0.9999 for r in before)
+    assert "first failing module in execution order: blocks.0.ffn.1 (GELU, call 0)" in proc.stdout
+
+
+def test_same_model_without_the_wrong_kernel_passes(model_file):
+    proc = run_flagos("compare", f"{model_file}:build", "--chip", "sim", "--json", "-")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(proc.stdout)
+    assert (data["chip"], data["ref"], data["passed"], data["failed"]) == \
+        ("sim", "torch-cpu", True, 0)
+    assert [r["name"] for r in data["modules"]] == EXECUTION_ORDER
+    assert data["chip_run"]["override_ops"] == []
+    for row in data["modules"]:  # sim's kernels against plain PyTorch, float32 tolerances
+        assert row["cosine"] > 0.99999 and row["max_abs_err"] < 1e-5, row
+
+
+def _torch_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.GELU(), torch.nn.Linear(12, 3))
+    return model.eval(), torch.randn(5, 6)
+
+
+@device_mode_only
+def test_python_api_in_this_process_catches_nan_on_one_side():
+    model, x = _torch_model()
+    flagos.register_kernel("aten::gelu", lambda t, *a, **k: t * float("nan"), chip=CHIP)
+    try:
+        data = flagos.compare(model, (x,), chip=CHIP, ref="torch-cpu")
+    finally:
+        flagos.unregister_kernel("aten::gelu", chip=CHIP)
+    assert data["passed"] is False and data["chip"] == CHIP
+    first = data["first_failure"]
+    assert first["module"] == "1" and first["reason"].startswith("NaN/inf on one side only")
+    assert first["nonfinite_chip"] == 5 * 12 and first["nonfinite_ref"] == 0
+    # the user's model is not moved or changed by the comparison
+    assert next(model.parameters()).device.type == "cpu"
+    assert flagos.compare(model, (x,), chip=CHIP, ref="torch-cpu")["passed"] is True
+
+
+def test_python_api_runs_another_chip_in_a_child():
+    other = "cpu" if CHIP == "sim" else "sim"
+    model, x = _torch_model()
+    data = flagos.compare(model, {"input": x}, chip=other, ref="torch-cpu", upcast=True)
+    assert data["passed"] is True and (data["chip"], data["ref_dtype"]) == (other, "float64")
+    assert [r["name"] for r in data["modules"]] == ["0#0", "1#0", "2#0", "(model)#0"]
+    # against a float64 reference, float32 is off by rounding only
+    assert all(0 < r["max_abs_err"] < 1e-5 for r in data["modules"])
+
+
+def test_verdict_thresholds():
+    ref = torch.linspace(-1, 1, 1000)
+    # cosine < 0.99 alone is not a failure while max abs err stays under 1e-3 (tiny values)
+    tiny = _compare.judge([ref * 1e-4 + 3e-5 * torch.sin(ref * 50)], [ref * 1e-4])
+    assert 0.9 < tiny["cosine"] < 0.99 and tiny["passed"], tiny
+    # both at once is
+    both = _compare.judge([ref + 0.2 * torch.sin(ref * 50)], [ref])
+    assert both["cosine"] < 0.99 and both["max_abs_err"] > 1e-3 and not both["passed"]
+    # cosine below 0.9 alone, max abs err above 1 alone (large values)
+    assert "< 0.9" in _compare.judge([-ref], [ref])["reason"]
+    big = _compare.judge([ref * 1000 + 2], [ref * 1000])
+    assert big["cosine"] > 0.999 and big["reason"] == "max abs err 2 > 1.0"
+    # NaN where the reference has NaN too is agreement; shapes that differ are not
+    both_nan = torch.tensor([float("nan"), 1.0])
+    assert _compare.judge([both_nan], [both_nan.clone()])["passed"]
+    assert "shapes differ" in _compare.judge([ref[:10]], [ref[:11]])["reason"]
+
+
+def test_usage_errors():
+    proc = run_flagos("compare", "no_such_model", "--chip", "sim")
+    assert proc.returncode == 2 and "use one of mlp, cnn, bert, unet, ddpm" in proc.stderr
+    model, x = _torch_model()
+    with pytest.raises(ValueError, match="inputs are needed"):
+        flagos.compare(model)
+    with pytest.raises(ValueError, match="unknown chip 'gpu0'.*torch-cpu"):
+        flagos.compare(model, (x,), chip="gpu0")

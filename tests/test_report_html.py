@@ -1,0 +1,168 @@
+"""`flagos.fallback_report().save("report.html")`: one self-contained page, read back here with
+a real HTML parser and checked against the report's own data."""
+import json
+from html.parser import HTMLParser
+
+import torch
+
+import flagos
+from conftest import CHIP, device_mode_only
+from flagos._report import _short_site
+
+pytestmark = device_mode_only
+
+VOID = {"meta", "br", "img", "input", "link", "hr", "source", "wbr", "col", "area", "base"}
+
+
+class Page(HTMLParser):
+    """What the page holds: op table rows, chart bars, call sites, and every tag's nesting."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.stack, self.problems, self.tags = [], [], []
+        self.headers, self.rows, self.bars, self.sites = [], [], [], {}
+        self.scripts, self.title = [], ""
+        self._cell = self._row = self._site = None
+        self._in = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.tags.append((tag, a))
+        if tag not in VOID:
+            self.stack.append(tag)
+        if tag == "th":
+            self.headers.append(a)
+        elif tag == "tr" and "data-op" in a:
+            self._row = {"op": a["data-op"], "class": a.get("class"), "cells": []}
+        elif tag == "td" and self._row is not None:
+            self._cell = {"attrs": a, "text": ""}
+        elif tag == "rect" and a.get("class") == "bar":
+            self.bars.append(a)
+        elif tag == "li" and "data-site" in a:
+            self._site = a["data-site"]
+            self.sites[self._site] = ""
+        elif tag == "script" or tag == "title" and "svg" not in self.stack:  # the page's title
+            self._in = tag
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.problems.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+        else:
+            self.stack.pop()
+        if tag == "td" and self._cell is not None:
+            self._row["cells"].append(self._cell)
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            self.rows.append(self._row)
+            self._row = None
+        elif tag == "li":
+            self._site = None
+        elif tag == self._in:
+            self._in = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell["text"] += data
+        if self._site is not None:
+            self.sites[self._site] += data
+        if self._in == "script":
+            self.scripts.append(data)
+        elif self._in == "title":
+            self.title += data
+
+
+def _run_model(dev):
+    """A small model with two ops forced to the CPU fallback; its output must match PyTorch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                torch.nn.Linear(32, 4))
+    xs = [torch.randn(8, 16) for _ in range(3)]
+    with torch.no_grad():
+        expected = [model(x).softmax(-1).cumsum(-1) for x in xs]
+        model.to(dev)
+        flagos.set_route("aten::gelu", "fallback")
+        flagos.set_route("aten::cumsum", "fallback")
+        with flagos.track() as report:
+            got = [model(x.to(dev)).softmax(-1).cumsum(-1).cpu() for x in xs]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    return report
+
+
+def test_page_holds_the_report(dev, tmp_path):
+    report = _run_model(dev)
+    data = report.to_dict()
+    path = tmp_path / "report.html"
+    report.save(str(path))
+    page = Page()
+    page.feed(path.read_text())
+    page.close()
+    assert page.problems == [] and page.stack == []  # every element closed where it opened
+    assert page.title == f"flagos fallback report: {CHIP}"
+
+    # the table: one row per op, with the report's route, calls, fallback calls and time
+    rows = {r["op"]: r for r in page.rows}
+    assert set(rows) == {r["op"] for r in data["ops"]}
+    for r in data["ops"]:
+        cells = rows[r["op"]]["cells"]
+        assert cells[0]["text"] == r["op"]
+        assert cells[1]["text"] == "/".join(k for k in ("override", "native", "fallback") if r["calls"][k])
+        assert int(cells[2]["attrs"]["data-value"]) == sum(r["calls"].values()) == int(cells[2]["text"])
+        assert int(cells[3]["attrs"]["data-value"]) == r["calls"]["fallback"]
+        assert int(cells[4]["attrs"]["data-value"]) == r["fallback_ns"]
+        assert cells[4]["text"] == f"{r['fallback_ns'] / 1e6:.2f}"
+        assert cells[8]["text"] == _short_site(r["site"]) and cells[8]["attrs"]["title"] == r["site"]
+        assert rows[r["op"]]["class"] == ("fallback" if r["calls"]["fallback"] else "native")
+    assert rows["aten::gelu"]["cells"][3]["text"] == "3" and rows["aten::cumsum"]["cells"][3]["text"] == "3"
+
+    # sortable by calls and by fallback time, with the page's own script
+    sortable = [h for h in page.headers if h.get("class") == "sortable"]
+    assert len(sortable) == 3 and all(h["data-sort"] == "num" for h in sortable)
+    assert any("aria-sort" in s and "dataset.value" in s for s in page.scripts)
+
+    # the chart: one bar per op that spent time in the fallback, longest first
+    timed = sorted((r for r in data["ops"] if r["fallback_ns"]), key=lambda r: -r["fallback_ns"])
+    assert [b["data-op"] for b in page.bars] == [r["op"] for r in timed]
+    assert {"aten::gelu", "aten::cumsum"} <= {b["data-op"] for b in page.bars}
+    widths = [float(b["width"]) for b in page.bars]
+    assert widths == sorted(widths, reverse=True) and widths[0] == 480.0
+    for b, r in zip(page.bars, timed):
+        assert b["data-ms"] == f"{r['fallback_ns'] / 1e6:.2f}"
+
+    # first call sites: every op listed under the site the report gives it; a fallback's site is
+    # where it first fell back (this file), other ops keep where the process first saw them
+    for r in data["ops"]:
+        assert r["op"] in page.sites[r["site"]]
+    for op in ("aten::gelu", "aten::cumsum"):
+        assert rows[op]["cells"][8]["attrs"]["title"].startswith(__file__ + ":")
+
+    # self-contained: nothing loaded from elsewhere
+    for tag, attrs in page.tags:
+        assert tag not in ("link", "img", "iframe", "object", "embed"), tag
+        assert not (tag == "script" and "src" in attrs)
+        for name in ("src", "href"):
+            assert name not in attrs, (tag, attrs)
+    assert "@import" not in path.read_text() and "url(" not in path.read_text()
+
+
+def test_page_without_fallbacks_says_so(dev, tmp_path):
+    x = torch.randn(4, 4)
+    with flagos.track() as report:
+        y = (x.to(dev) * 2).cpu()
+    torch.testing.assert_close(y, x * 2)
+    report.save(tmp_path / "quiet.htm")  # a path object, and the .htm suffix
+    page = Page()
+    page.feed((tmp_path / "quiet.htm").read_text())
+    assert page.bars == [] and ("p", {"id": "no-fallback"}) in page.tags
+    assert {r["op"] for r in page.rows} == {r["op"] for r in report.to_dict()["ops"]}
+
+
+def test_save_picks_the_format_by_suffix(dev, tmp_path):
+    x = torch.randn(3)
+    flagos.set_route("aten::neg", "fallback")
+    with flagos.track() as report:
+        (-x.to(dev)).cpu()
+    for name in ("report.json", "report.txt"):  # anything but .html/.htm stays JSON, as before
+        report.save(tmp_path / name)
+        assert json.loads((tmp_path / name).read_text()) == json.loads(report.to_json())
+    assert report.op("aten::neg")["calls"]["fallback"] == 1
