@@ -28,23 +28,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def url(host: str, port: int) -> str:
+    """Where a scraper on this machine reaches an exporter bound to host:port."""
+    shown = "127.0.0.1" if host in ("", "0.0.0.0") else f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/metrics"
+
+
 def announce(host: str, port: int, chip: str | None) -> str:
-    """Record this process's exporter; the record goes away when the process exits."""
+    """Record this process's exporter; the record goes away when the process exits (or at
+    `withdraw(path)`). Returns the record's path."""
     folder = directory()
     os.makedirs(folder, mode=0o700, exist_ok=True)
     path = os.path.join(folder, f"{os.getpid()}.json")
-    shown = "127.0.0.1" if host in ("", "0.0.0.0") else host
-    record = {"pid": os.getpid(), "host": host, "port": port,
-              "url": f"http://{shown}:{port}/metrics", "chip": chip}
+    record = {"pid": os.getpid(), "host": host, "port": port, "url": url(host, port), "chip": chip}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(record, f)
     os.replace(tmp, path)
-    atexit.register(_remove, path)
+    atexit.register(withdraw, path)
     return path
 
 
-def _remove(path: str) -> None:
+def withdraw(path: str) -> None:
+    """Remove an announcement (the exporter stopped)."""
     try:
         os.remove(path)
     except FileNotFoundError:
@@ -71,5 +77,5 @@ def running() -> list[dict]:
         if _alive(int(record.get("pid", -1))):
             found.append(record)
         else:
-            _remove(path)
+            withdraw(path)
     return sorted(found, key=lambda r: r["pid"])

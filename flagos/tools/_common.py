@@ -40,3 +40,18 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise ArgumentTypeError(f"{text} is negative")
     return value
+
+
+def format_bytes(n: int | None) -> str:
+    """1536 -> '1.5 KiB'; None -> '-'."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def format_share(x: float | None) -> str:
+    """0.231 -> '23.1%'; None -> '-'."""
+    return "-" if x is None else f"{100 * x:.1f}%"

@@ -1,0 +1,62 @@
+"""`flagos devices`: one row per device of every available chip, as JSON, CSV and a table."""
+import csv
+import io
+
+import flagos
+from flagos.tools.cli import main
+from flagos_cli import run_flagos, run_json
+
+# three sim devices, the last one in a failed state
+SIM = {"FLAGOS_SIM_DEVICES": "3", "FLAGOS_SIM_MEMORY": "48M",
+       "FLAGOS_SIM_DTYPES": "float32,float16,bfloat16", "FLAGOS_SIM_FAIL_DEVICE": "2"}
+
+
+def test_json_has_one_row_per_device_and_names_the_failed_one():
+    rows = run_json("devices", env=SIM, returncode=1)  # 1: a device is in a failed state
+    by_device = {(r["chip"], r["index"]): r for r in rows}
+    assert sorted(by_device) == [("cpu", 0), ("sim", 0), ("sim", 1), ("sim", 2)]
+
+    host = next(d for d in flagos.list_devices() if d.chip == "cpu")
+    cpu = by_device[("cpu", 0)]
+    assert (cpu["name"], cpu["memory_total"], cpu["native_dtypes"], cpu["mode"], cpu["status"]) == \
+        (host.name, host.total_memory, list(host.native_dtypes), "device", "ok")
+    assert 0 < cpu["memory_used"] < cpu["memory_total"]
+
+    for i in (0, 1):
+        assert by_device[("sim", i)] == {
+            "chip": "sim", "index": i, "name": f"flagos sim device {i}", "memory_used": 0,
+            "memory_total": 48 * 2**20, "native_dtypes": ["float32", "float16", "bfloat16"],
+            "mode": "device", "status": "ok"}
+    failed = by_device[("sim", 2)]
+    assert failed["status"].startswith("error: DeviceError") and "SIM_ERROR_DEVICE_LOST" in failed["status"]
+    assert failed["memory_total"] is None
+
+
+def test_csv_has_the_same_rows():
+    proc = run_flagos("devices", "--csv", env=SIM)
+    assert proc.returncode == 1, proc.stderr
+    rows = list(csv.DictReader(io.StringIO(proc.stdout)))
+    assert list(rows[0]) == ["chip", "index", "name", "memory_used", "memory_total",
+                             "native_dtypes", "mode", "status"]
+    sim = [r for r in rows if r["chip"] == "sim"]
+    assert [r["index"] for r in sim] == ["0", "1", "2"]
+    assert sim[1]["memory_total"] == str(48 * 2**20) and sim[1]["native_dtypes"] == "float32 float16 bfloat16"
+    assert sim[2]["memory_total"] == "" and "SIM_ERROR_DEVICE_LOST" in sim[2]["status"]
+    assert rows[0]["chip"] == "cpu" and int(rows[0]["memory_total"]) > 0
+
+
+def test_table_and_usage_errors(capsys):
+    assert main(["devices"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["CHIP", "INDEX", "NAME"]
+    expected = flagos.tools.devices()
+    assert len(lines) == 2 + len(expected)
+    for line, row in zip(lines[2:], expected):
+        assert line.startswith(f"{row['chip']:<4}  {row['index']}") and row["name"] in line
+    try:
+        main(["devices", "--json", "--csv"])
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("--json with --csv was accepted")
+    assert "not allowed with argument" in capsys.readouterr().err

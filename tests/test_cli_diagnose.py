@@ -1,0 +1,135 @@
+"""`flagos diagnose`: every chip and adapter with its status and reason, a smoke test per
+available chip, a verdict; broken adapters and a failed device are reported while every other
+chip is still diagnosed."""
+import platform
+import re
+import subprocess
+
+import pytest
+import torch
+
+import flagos
+from conftest import CHIP
+from flagos.tools.cli import main
+from flagos_cli import ROOT, run_flagos, run_json
+
+CHECKS = ["activate", "allocate", "copy round trip", "matmul vs CPU", "float16", "bfloat16"]
+
+
+def guide_adapter() -> str:
+    """The complete example adapter of docs/adapters.md (a working adapter to break)."""
+    text = (ROOT / "docs" / "adapters.md").read_text()
+    return next(b for b in re.findall(r"```c\n(.*?)```", text, re.S) if "flagos_adapter_get(void)\n{" in b)
+
+
+def build(folder, name: str, source: str, *link: str) -> None:
+    src = folder / f"{name}.c"
+    src.write_text(source)
+    subprocess.run(["cc", "-std=c11", "-w", "-fPIC", "-shared", f"-I{ROOT / 'csrc' / 'include'}",
+                    str(src), "-o", str(folder / f"libflagos_{name}_adapter.so"), *link], check=True)
+
+
+@pytest.fixture(scope="module")
+def broken_adapters(tmp_path_factory):
+    """Three adapters that cannot load, each for another reason."""
+    folder = tmp_path_factory.mktemp("adapters")
+    source = guide_adapter()
+    init = "static int32_t toy_init(flagos_status *st) { return ok(st); }"
+    assert init in source
+    build(folder, "future", source.replace(".abi_major = FLAGOS_ADAPTER_ABI_MAJOR,",
+                                           ".abi_major = FLAGOS_ADAPTER_ABI_MAJOR + 1,"))
+    calls_vendor = "int vendor_runtime_init(void);\n" + source.replace(
+        init, "static int32_t toy_init(flagos_status *st) { vendor_runtime_init(); return ok(st); }")
+    build(folder, "nosymbol", calls_vendor)  # the symbol is nowhere
+    runtime = folder / "runtime"
+    runtime.mkdir()
+    (runtime / "vendor.c").write_text("int vendor_runtime_init(void) { return 0; }\n")
+    subprocess.run(["cc", "-fPIC", "-shared", str(runtime / "vendor.c"), "-o",
+                    str(runtime / "libtoyvendor.so")], check=True)
+    build(folder, "nodriver", calls_vendor, f"-L{runtime}", "-ltoyvendor")
+    (runtime / "libtoyvendor.so").unlink()  # the vendor's runtime library is not installed
+    return folder
+
+
+def test_broken_adapters_and_a_failed_device_are_reported_with_every_other_chip(broken_adapters):
+    env = {"FLAGOS_ADAPTER_PATH": str(broken_adapters), "FLAGOS_SIM_FAIL_DEVICE": "1"}
+    found = run_json("diagnose", env=env, returncode=1)
+    chips = {c["chip"]: c for c in found["chips"]}
+
+    assert {n: (chips[n]["status"], chips[n]["problem"]) for n in ("future", "nosymbol", "nodriver")} == {
+        "future": ("broken", "abi_mismatch"), "nosymbol": ("broken", "missing_symbol"),
+        "nodriver": ("broken", "driver_missing")}
+    assert "ABI 2.0" in chips["future"]["reason"] and "libflagos_future_adapter.so" in chips["future"]["reason"]
+    assert "undefined symbol: vendor_runtime_init" in chips["nosymbol"]["reason"]
+    assert "libtoyvendor.so" in chips["nodriver"]["reason"]
+    for vendor_chip in ("npu", "mlu", "musa"):  # not installed here: unavailable, not broken
+        assert chips[vendor_chip]["status"] == "unavailable" and chips[vendor_chip]["problem"] == "package_missing"
+    assert chips["cuda"]["status"] == ("available" if torch.cuda.is_available() else "unavailable")
+
+    # the other chips are still diagnosed in full
+    assert (chips["cpu"]["status"], chips["sim"]["status"]) == ("available", "available")
+    assert chips["sim"]["versions"] == {"adapter_abi": "%d.%d" % flagos._C.load_adapter(
+        chips["sim"]["source"]).abi} and chips["sim"]["device_count"] == 2
+    smoke = {r["chip"]: r for r in found["smoke"]}
+    assert sorted(smoke) == ["cpu", "sim"]
+    assert [c["name"] for c in smoke["cpu"]["checks"]] == CHECKS
+    assert smoke["cpu"]["verdict"] == "ok" and all(c["level"] == "OK" for c in smoke["cpu"]["checks"])
+    # sim's second device is in a failed state: the round trip through it fails, the rest passes
+    sim_checks = {c["name"]: c for c in smoke["sim"]["checks"]}
+    assert sim_checks["copy round trip"]["level"] == "FAIL"
+    assert "SIM_ERROR_DEVICE_LOST" in sim_checks["copy round trip"]["detail"]
+    assert sim_checks["matmul vs CPU"]["level"] == "OK" and sim_checks["float16"]["level"] == "OK"
+    assert sim_checks["bfloat16"]["level"] == "WARN" and "CPU fallback" in sim_checks["bfloat16"]["detail"]
+    devices = {(d["chip"], d["index"]): d["status"] for d in found["devices"]}
+    assert devices[("cpu", 0)] == devices[("sim", 0)] == "ok" and "SIM_ERROR_DEVICE_LOST" in devices[("sim", 1)]
+
+    assert found["verdict"]["level"] == "fail"
+    for problem in ("future is broken (ABI mismatch)", "nosymbol is broken (missing symbol)",
+                    "sim:1 error", "smoke test failed on sim", "ready: cpu"):
+        assert problem in found["verdict"]["text"], problem
+    assert found["versions"]["torch"] == torch.__version__
+    assert found["versions"]["python"] == platform.python_version()
+    assert found["environment"]["FLAGOS_ADAPTER_PATH"] == str(broken_adapters)
+    first = found["adapter_path"][0]
+    assert (first["folder"], first["source"]) == (str(broken_adapters), "FLAGOS_ADAPTER_PATH")
+    assert first["libraries"] == ["libflagos_future_adapter.so", "libflagos_nodriver_adapter.so",
+                                  "libflagos_nosymbol_adapter.so"]
+    assert found["adapter_path"][-1]["libraries"] == ["libflagos_sim_adapter.so"]
+    assert "chip future: ABI mismatch" in found["bug_report"]
+
+
+def test_text_report_of_the_test_chip():
+    proc = run_flagos("diagnose", "--chip", CHIP)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    section = out.split(f"Smoke test: {CHIP}\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    marks = {line[8:].split("  ")[0].strip(): line[:8].strip() for line in section}
+    assert list(marks) == CHECKS
+    expected_bf16 = "[WARN]" if CHIP == "sim" else "[OK]"
+    assert marks == {**{c: "[OK]" for c in CHECKS}, "bfloat16": expected_bf16}
+    verdict = "OK with warnings on sim; ready: sim" if CHIP == "sim" else "OK: ready: cpu"
+    assert f"Verdict: {verdict}" in out
+    block = out.split("Bug report (paste this):\n```\n", 1)[1].split("\n```", 1)[0]
+    assert block.startswith(f"flagos {flagos.__version__}, torch {torch.__version__}")
+    assert f"smoke {CHIP}: {'warn' if CHIP == 'sim' else 'ok'}" in block
+
+
+def test_python_function_keeps_this_process_as_it_is():
+    before = flagos.info()
+    found = flagos.tools.diagnose(chip=CHIP)  # this process is active: the test runs in a child
+    assert flagos.info() == before
+    assert [c["chip"] for c in found["chips"]] == [CHIP]
+    (smoke,) = found["smoke"]
+    assert smoke["chip"] == CHIP and smoke["verdict"] in ("ok", "warn")
+    assert [c["name"] for c in smoke["checks"]] == CHECKS
+
+
+def test_unknown_chip_is_a_usage_error_and_bad_settings_fail(monkeypatch, capsys):
+    assert main(["diagnose", "--chip", "nosuchchip"]) == 2
+    assert "unknown chip 'nosuchchip'; flagos knows: " in capsys.readouterr().err
+
+    monkeypatch.setenv("FLAGOS_FALLBACK", "sometimes")
+    assert main(["diagnose", "--chip", "mps", "--no-smoke", "--json"]) == 1
+    out = capsys.readouterr().out
+    assert "FLAGOS_FALLBACK='sometimes' is not valid; use one of: allow, warn, error" in out
+    assert "mps is not available" in out

@@ -1,0 +1,80 @@
+"""`flagos top`: every device, and the programs that export flagos metrics with their fallback
+share. This test process is such a program: it runs a model and serves its metrics."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import flagos
+from conftest import CHIP, device_mode_only
+from flagos.tools.cli import main
+from flagos_cli import run_json, run_workload
+
+pytestmark = device_mode_only
+
+
+@pytest.fixture
+def watched(tmp_path, monkeypatch):
+    """This process running a model with its exporter announced in a private runtime dir,
+    plus two records top must cope with: a program that has ended, one that does not answer."""
+    monkeypatch.setenv("FLAGOS_RUNTIME_DIR", str(tmp_path))
+    exporter = flagos.metrics.start_http_server(0)
+    model, held = run_workload()  # model alive: its weights stay on the device
+    folder = tmp_path / "exporters"
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True).stdout.strip()
+    (folder / f"{ended}.json").write_text(json.dumps(
+        {"pid": int(ended), "host": "127.0.0.1", "port": 1, "url": "http://127.0.0.1:1/metrics", "chip": "cpu"}))
+    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (folder / f"{silent.pid}.json").write_text(json.dumps(
+        {"pid": silent.pid, "host": "127.0.0.1", "port": 1, "url": "http://127.0.0.1:1/metrics", "chip": "cpu"}))
+    yield {"env": {"FLAGOS_RUNTIME_DIR": str(tmp_path)}, "model": model, "held": held, "ended": int(ended),
+           "silent": silent.pid, "folder": folder}
+    silent.kill()
+    silent.wait()
+    exporter.stop()
+
+
+def test_once_json_shows_devices_and_the_programs_fallback_share(watched):
+    view = run_json("top", "--once", env=watched["env"])
+    report = flagos.fallback_report().to_dict()["totals"]
+
+    rows = {p["pid"]: p for p in view["processes"]}
+    assert sorted(rows) == sorted([os.getpid(), watched["silent"]])  # the ended one is gone
+    assert not (watched["folder"] / f"{watched['ended']}.json").exists()
+    assert rows[watched["silent"]]["status"].startswith("error:")
+
+    me = rows[os.getpid()]
+    assert (me["chip"], me["mode"], me["version"], me["status"]) == (CHIP, "device", flagos.__version__, "ok")
+    assert me["calls"] == report["calls"] and me["fallback_calls"] == report["calls_by_route"]["fallback"] >= 1
+    assert me["fallback_share"] == pytest.approx(report["fallback_call_share"])
+    assert me["fallback_seconds"] == pytest.approx(report["fallback_s"], abs=1e-6)
+    if CHIP == "sim":
+        assert me["memory_used"] >= watched["held"]
+
+    devices = {(d["chip"], d["index"]): d for d in view["devices"]}
+    assert ("cpu", 0) in devices and ("sim", 0) in devices and ("sim", 1) in devices
+    assert 0.0 <= devices[("cpu", 0)]["utilization"] <= 1.0
+    assert devices[("sim", 0)]["utilization"] is None  # sim exposes none
+    assert all(d["memory_total"] > 0 and d["status"] == "ok" for d in view["devices"])
+
+
+def test_refreshing_view_and_usage_errors(watched, capsys):
+    assert main(["top", "--interval", "0.1", "--count", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("flagos top ") == 2 and "every 0.1 s" in out
+    share = flagos.fallback_report().to_dict()["totals"]["fallback_call_share"]
+    mine = [line for line in out.splitlines() if line.startswith(f"{os.getpid()} ")]
+    assert len(mine) == 2 and all(f"{100 * share:.1f}%" in line for line in mine)
+
+    assert main(["top", "--interval", "0.1", "--count", "2", "--json"]) == 0
+    frames = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(frames) == 2 and all(f["devices"] for f in frames)
+
+    for bad in (["--interval", "0"], ["--count", "0"]):
+        with pytest.raises(SystemExit) as info:
+            main(["top", *bad])
+        assert info.value.code == 2
+    assert "must be" in capsys.readouterr().err
