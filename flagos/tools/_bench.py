@@ -19,7 +19,7 @@ import time
 import torch
 
 from . import _childrun, _models
-from ._common import format_table, non_negative_int, positive_int, write_json
+from ._common import format_bytes, format_table, non_negative_int, positive_int, write_json
 
 DEFAULT_CHIPS = (_childrun.REFERENCE, "auto")
 _PROGRESS = ("auto", "always", "never")
@@ -187,15 +187,6 @@ def bench(model: str, chips=DEFAULT_CHIPS, batch: int = 1, warmup: int = 3, iter
 
 # ---- output ------------------------------------------------------------------------------
 
-def _bytes(n) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
 def _share(row, key) -> str:
     return "-" if not row.get("fallback") else f"{100 * row['fallback'][key]:.1f}%"
 
@@ -211,7 +202,7 @@ def format_results(data: dict) -> str:
             continue
         rows.append([r["chip"]] + [f"{r[k]:.3f}" for k in
                                    ("min_ms", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "std_ms")]
-                    + [f"{r['throughput_per_s']:.1f}", _bytes(r["peak_memory_bytes"]),
+                    + [f"{r['throughput_per_s']:.1f}", format_bytes(r["peak_memory_bytes"]),
                        _share(r, "call_share"), _share(r, "time_share"),
                        "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"])
     head = (f"bench {data['model']}: batch {data['batch']}, {data['dtype']}, "
