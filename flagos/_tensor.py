@@ -20,6 +20,13 @@ class FlagosTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
     __torch_dispatch__ = classmethod(_C.dispatch)
 
+    # -- parameters: a module's parameter on flagos is a FlagosTensor marked `_is_param` (PyTorch's
+    # rule for tensor subclasses), so `type(param)` is FlagosTensor. Libraries rebuild parameters
+    # with `type(param)(tensor, requires_grad=...)` (accelerate's set_module_tensor_to_device, its
+    # offload hooks): that means nn.Parameter(tensor, requires_grad) here, as on every device.
+    def __new__(cls, data=None, requires_grad=True):
+        return torch.nn.Parameter(data, requires_grad)
+
     # -- `.data = other`: PyTorch swaps the TensorImpl's metadata but not the Python object's
     # payload, which would keep the old values under the new shape.
     @property
@@ -28,9 +35,11 @@ class FlagosTensor(torch.Tensor):
 
     @data.setter
     def data(self, new):
+        if not isinstance(new, FlagosTensor):
+            take_memory_of(self, new)  # PyTorch refuses set_data across flagos and other devices
+            return
         torch._C.TensorBase.data.__set__(self, new)
-        if isinstance(new, FlagosTensor):
-            self._payload = new._payload
+        self._payload = new._payload
 
     # -- host views of the values, as on every PyTorch device -------------
     def tolist(self):
@@ -132,3 +141,36 @@ def copy_math_bits(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 def payload(tensor: torch.Tensor) -> torch.Tensor:
     """The chip's own tensor behind a flagos tensor (the tensor itself otherwise)."""
     return tensor._payload if isinstance(tensor, FlagosTensor) else tensor
+
+
+def take_memory_of(target: torch.Tensor, new: torch.Tensor) -> None:
+    """`target.data = new` where one of them is on flagos and the other is not.
+
+    PyTorch's set_data accepts only pairs its shallow-copy list calls compatible (CPU, CUDA, MPS,
+    HIP, XPU, HPU among themselves), never a PrivateUse1 tensor with another device. Swapping the
+    whole tensor object (torch.utils.swap_tensors) does work: target becomes an alias of new's
+    memory, keeping its identity (dicts keyed by the parameter, optimizer references), its
+    requires_grad, its parameter-ness and its attributes, as `.data =` keeps them.
+    """
+    is_param = isinstance(target, torch.nn.Parameter)
+    requires_grad = target.requires_grad
+    grad = target._grad
+    with torch.no_grad():
+        alias = new.detach()  # shares new's memory; the swap leaves `new` itself untouched
+    if isinstance(alias, FlagosTensor):
+        alias.requires_grad_(requires_grad)
+        if is_param:
+            alias._is_param = True
+    elif is_param:  # back to a plain device: a real nn.Parameter again
+        alias = torch.nn.Parameter(alias, requires_grad)
+    else:
+        alias.requires_grad_(requires_grad)
+    for key, value in vars(target).items():
+        if key not in ("_payload", "_is_param"):
+            setattr(alias, key, value)
+    if grad is not None:
+        target._grad = None  # a held grad counts as a use of the tensor and blocks the swap
+    torch.utils.swap_tensors(target, alias)
+    if grad is not None:
+        with torch.no_grad():
+            target._grad = grad.to(target.device)  # the gradient follows, as module.to() moves it
