@@ -66,6 +66,18 @@ class FlagosTensor(torch.Tensor):
             return payload.untyped_storage()
         return torch.Tensor.untyped_storage(self)
 
+    def data_ptr(self) -> int:
+        # PyTorch answers 0 for a wrapper that owns no memory; libraries that key tensors by
+        # data_ptr() (accelerate's tied-weights map when it dispatches a model) would take every
+        # flagos tensor for the same one. The address is the payload's (an adapter buffer's
+        # handle on C-ABI chips), as a CUDA tensor's is its device address.
+        payload = self._payload
+        if torch.compiler.is_compiling():
+            return torch.Tensor.data_ptr(self)
+        if isinstance(payload, torch.Tensor):
+            return payload.data_ptr()
+        return payload.handle + self.storage_offset() * self.element_size()
+
     def __deepcopy__(self, memo):
         # torch.Tensor.__deepcopy__ would deep-copy the payload object too (an adapter buffer
         # cannot be pickled, a chip tensor would be copied twice): clone once instead.
