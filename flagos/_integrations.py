@@ -68,15 +68,6 @@ def _accelerate_state(module) -> None:
     cls.default_device = property(default_device)
 
 
-# Modules that bind accelerate's get_max_memory under their own name at import.
-_MAX_MEMORY_USERS = (
-    ("accelerate.utils", "get_max_memory"),
-    ("transformers.integrations.accelerate", "accelerate_max_memory"),
-    ("diffusers.pipelines.pipeline_loading_utils", "get_max_memory"),
-    ("diffusers.models.model_loading_utils", "get_max_memory"),
-)
-
-
 def _accelerate_modeling(module) -> None:
     original = module.get_max_memory
     if getattr(original, "_flagos", False):
@@ -92,10 +83,19 @@ def _accelerate_modeling(module) -> None:
     get_max_memory.__doc__ = original.__doc__
     get_max_memory.__wrapped__ = original
     module.get_max_memory = get_max_memory
-    for name, attr in _MAX_MEMORY_USERS:
-        user = sys.modules.get(name)
-        if user is not None and getattr(user, attr, None) is original:
-            setattr(user, attr, get_max_memory)
+    _rebind(original, get_max_memory)
+
+
+def _rebind(original, replacement) -> None:
+    """Modules that imported `original` by name before activation (transformers, Diffusers,
+    a script's own `from accelerate.utils import get_max_memory`) get `replacement`.
+    Imported after, they find the replacement where they import it from."""
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict):
+            continue
+        for key in [k for k, v in names.items() if v is original]:
+            names[key] = replacement
 
 
 def _flagos_max_memory(state, max_memory, to_bytes) -> dict:
