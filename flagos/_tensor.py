@@ -182,7 +182,17 @@ def take_memory_of(target: torch.Tensor, new: torch.Tensor) -> None:
             setattr(alias, key, value)
     if grad is not None:
         target._grad = None  # a held grad counts as a use of the tensor and blocks the swap
-    torch.utils.swap_tensors(target, alias)
+    try:
+        torch.utils.swap_tensors(target, alias)
+    except RuntimeError as e:
+        target._grad = grad
+        raise RuntimeError(
+            f"`tensor.data = other` from {target.device} to {new.device}: PyTorch refuses set_data "
+            f"between flagos and another device, so flagos swaps the tensor object instead, and "
+            f"that needs the tensor to have no other owner ({e}). Release what still holds it "
+            f"(an autograd graph from a forward pass with gradients: run it under torch.no_grad() "
+            f"or del its output; a torch.compile'd function: compile after moving), or move the "
+            f"module with module.to(device).") from e
     if grad is not None:
         with torch.no_grad():
             target._grad = grad.to(target.device)  # the gradient follows, as module.to() moves it

@@ -61,6 +61,19 @@ def test_gradient_follows_the_data(dev):
     assert p.grad.device == dev and p.grad.tolist() == [2.0, 2.0, 2.0]
 
 
+def test_tensor_held_by_a_graph_gets_a_clear_error(dev):
+    p = torch.nn.Parameter(torch.ones(3))
+    (p * p).sum().backward()
+    p.grad = None
+    out = (p * p).sum()  # the graph saves p: another owner of the tensor
+    with pytest.raises(RuntimeError, match="no other owner.*torch.no_grad"):
+        p.data = torch.zeros(3, device=dev)
+    assert p.device.type == "cpu" and p.tolist() == [1.0, 1.0, 1.0]  # unchanged
+    del out
+    p.data = torch.zeros(3, device=dev)
+    assert p.device == dev
+
+
 def test_other_incompatible_pairs_keep_pytorchs_error():
     dense = torch.ones(2, 2)
     with pytest.raises(RuntimeError, match="incompatible tensor type"):
