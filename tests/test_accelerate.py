@@ -79,6 +79,32 @@ def test_accelerator_training_matches_cpu(dev, fresh_state):
     assert all(p.device == dev for p in model.parameters())
 
 
+def test_accelerator_bf16_mixed_precision_matches_cpu(dev, fresh_state):
+    """accelerate's bf16 autocast on flagos is bit-identical to accelerate's bf16 on the host."""
+    from accelerate.state import AcceleratorState
+
+    results = []
+    for cpu in (True, False):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = accelerate.Accelerator(mixed_precision="bf16", cpu=cpu)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        dtypes = []
+        model[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+        model, optimizer = accelerator.prepare(model, optimizer)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).to(accelerator.device)
+        y = model(x)
+        accelerator.backward(y.sum())
+        optimizer.step()
+        results.append((y.detach().cpu(), [p.detach().cpu() for p in model.parameters()]))
+        assert dtypes == [torch.bfloat16] and accelerator.device == (torch.device("cpu") if cpu else dev)
+    (y_cpu, params_cpu), (y_flagos, params_flagos) = results
+    torch.testing.assert_close(y_flagos, y_cpu, rtol=0, atol=0)
+    for a, b in zip(params_flagos, params_cpu):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_get_max_memory_lists_flagos_devices_with_their_free_memory():
     from accelerate.utils import get_max_memory
 
@@ -129,6 +155,19 @@ def test_transformers_device_map_auto_from_local_checkpoint(dev, tmp_path, max_m
         close(model(IDS.to(dev)).logits, expected)
         generated = model.generate(IDS.to(dev), max_new_tokens=4, do_sample=False)
         assert generated.tolist() == reference.generate(IDS, max_new_tokens=4, do_sample=False).tolist()
+
+
+@pytest.mark.skipif(CHIP != "sim", reason="needs a chip with two devices (sim has two)")
+def test_device_map_auto_spreads_over_two_flagos_devices(tmp_path):
+    reference = gpt2()
+    expected = cpu_logits(reference)
+    reference.save_pretrained(tmp_path)
+    model = transformers.GPT2LMHeadModel.from_pretrained(
+        tmp_path, device_map="auto", max_memory={0: 80_000, 1: 10**6, "cpu": 10**6}).eval()
+    assert set(model.hf_device_map.values()) == {0, 1}
+    assert model.transformer.h[0].attn.c_attn.weight.device == torch.device("flagos", 1)
+    with torch.no_grad():
+        close(model(IDS.to(flagos.device())).logits, expected)
 
 
 def test_accelerate_imported_before_activation_finds_flagos():
