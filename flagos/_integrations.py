@@ -20,7 +20,7 @@ activation. Either order works.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.util
+import logging
 import sys
 import threading
 
@@ -28,6 +28,7 @@ import torch
 
 from . import _runtime
 
+log = logging.getLogger("flagos")
 _lock = threading.Lock()
 _done: set[str] = set()
 
@@ -35,7 +36,11 @@ _done: set[str] = set()
 # ---- Diffusers ----------------------------------------------------------------
 
 def _diffusers_torch_utils(module) -> None:
-    module.TorchDeviceBackend._detect_device_type.cache_clear()
+    # The cache sits on TorchDeviceBackend in recent Diffusers, on get_device itself before.
+    backend = getattr(module, "TorchDeviceBackend", None)
+    for detect in (getattr(backend, "_detect_device_type", None), module.get_device):
+        if hasattr(detect, "cache_clear"):
+            detect.cache_clear()
     if getattr(module, "torch_device", None) == "cpu":
         module.torch_device = module.get_device()
 
@@ -132,7 +137,11 @@ def _patch(name: str, module) -> None:
         if name in _done:
             return
         _done.add(name)
-    _PATCHES[name](module)
+    try:
+        _PATCHES[name](module)
+    except (AttributeError, TypeError) as e:  # another version of the library: never break its import
+        log.warning("flagos could not answer %s's device detection (%s: %s); pass "
+                    "flagos.device() to it explicitly", name, type(e).__name__, e)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
