@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-import flagos
 from conftest import CHIP, device_mode_only, run_python
 from models import ddpm_pipeline, run_ddpm
 
