@@ -12,6 +12,9 @@ Neither library is edited. While flagos owns the device (device mode):
   `get_max_memory()` lists the flagos devices by index, as accelerate lists GPUs, with their free
   memory from `torch.flagos.mem_get_info` (an index means the current accelerator to PyTorch:
   `torch.device(0)` is flagos:0).
+- safetensors checks device names in Rust against the ones it knows, so
+  `safetensors.torch.load_file(path, device="flagos")` (Diffusers' group offloading to disk)
+  loads to the host and moves the tensors to flagos.
 
 A library imported after activation is answered the moment its module is imported (an import
 hook runs the patch right after the module's own code); one imported before is answered at
@@ -124,11 +127,32 @@ def _flagos_max_memory(state, max_memory, to_bytes) -> dict:
     return {k: out[k] for k in devices + [k for k in ("cpu", "disk") if k in out]}
 
 
+# ---- safetensors ---------------------------------------------------------------
+
+def _is_flagos(device) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "flagos"
+
+
+def _safetensors_torch(module) -> None:
+    original = module.load_file
+
+    def load_file(filename, device="cpu", **kwargs):
+        if not _is_flagos(device):
+            return original(filename, device, **kwargs)
+        return {k: v.to(device) for k, v in original(filename, "cpu", **kwargs).items()}
+
+    load_file.__doc__ = original.__doc__
+    load_file.__wrapped__ = original
+    module.load_file = load_file
+    _rebind(original, load_file)
+
+
 _PATCHES = {
     "diffusers.utils.torch_utils": _diffusers_torch_utils,
     "diffusers.pipelines.pipeline_utils": _diffusers_pipeline_utils,
     "accelerate.state": _accelerate_state,
     "accelerate.utils.modeling": _accelerate_modeling,
+    "safetensors.torch": _safetensors_torch,
 }
 
 

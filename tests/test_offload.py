@@ -103,7 +103,7 @@ STREAMS_REFUSED = ("flagos has no stream-capable backend yet, so Diffusers refus
                    "('requires an onload device whose backend implements streams')")
 
 
-def _enable(pipe, mode, device):
+def _enable(pipe, mode, device, folder=None):
     if mode == "model":
         pipe.enable_model_cpu_offload(device=device)
     elif mode == "sequential":
@@ -112,6 +112,9 @@ def _enable(pipe, mode, device):
         pipe.enable_group_offload(onload_device=device, offload_type="block_level", num_blocks_per_group=1)
     elif mode == "group-leaf":
         pipe.enable_group_offload(onload_device=device, offload_type="leaf_level")
+    elif mode == "group-disk":  # the weights wait in safetensors files, loaded to flagos
+        pipe.enable_group_offload(onload_device=device, offload_type="block_level",
+                                  num_blocks_per_group=1, offload_to_disk_path=str(folder))
     elif mode == "group-stream":
         try:
             pipe.enable_group_offload(onload_device=device, offload_type="block_level",
@@ -122,11 +125,12 @@ def _enable(pipe, mode, device):
             pytest.xfail(STREAMS_REFUSED)
 
 
-@pytest.mark.parametrize("mode", ["model", "sequential", "group-block", "group-leaf", "group-stream"])
-def test_ddpm_offload_matches_cpu(dev, mode):
+@pytest.mark.parametrize("mode", ["model", "sequential", "group-block", "group-leaf", "group-disk",
+                                  "group-stream"])
+def test_ddpm_offload_matches_cpu(dev, mode, tmp_path):
     expected = run_ddpm(ddpm_pipeline(), steps=2)
     pipe = ddpm_pipeline()
-    _enable(pipe, mode, dev)
+    _enable(pipe, mode, dev, tmp_path)
     seen = []
     hook = pipe.unet.conv_in.register_forward_pre_hook(lambda m, args: seen.append(args[0].device))
     images = run_ddpm(pipe, steps=2)
