@@ -34,6 +34,7 @@ from . import _runtime
 log = logging.getLogger("flagos")
 _lock = threading.Lock()
 _done: set[str] = set()
+_replaced: dict = {}  # id(original function) -> (original, replacement), until _rebind() runs
 
 
 # ---- Diffusers ----------------------------------------------------------------
@@ -91,19 +92,24 @@ def _accelerate_modeling(module) -> None:
     get_max_memory.__doc__ = original.__doc__
     get_max_memory.__wrapped__ = original
     module.get_max_memory = get_max_memory
-    _rebind(original, get_max_memory)
+    _replaced[id(original)] = (original, get_max_memory)
 
 
-def _rebind(original, replacement) -> None:
-    """Modules that imported `original` by name before activation (transformers, Diffusers,
-    a script's own `from accelerate.utils import get_max_memory`) get `replacement`.
-    Imported after, they find the replacement where they import it from."""
+def _rebind() -> None:
+    """Modules that imported a replaced function by name before activation (transformers,
+    Diffusers, a script's own `from accelerate.utils import get_max_memory`) get its
+    replacement. Modules imported later find the replacement where they import it from."""
+    if not _replaced:
+        return
     for module in list(sys.modules.values()):
         names = getattr(module, "__dict__", None)
         if not isinstance(names, dict):
             continue
-        for key in [k for k, v in names.items() if v is original]:
-            names[key] = replacement
+        for key, value in list(names.items()):
+            pair = _replaced.get(id(value))
+            if pair is not None and pair[0] is value:
+                names[key] = pair[1]
+    _replaced.clear()
 
 
 def _flagos_max_memory(state, max_memory, to_bytes) -> dict:
@@ -144,7 +150,7 @@ def _safetensors_torch(module) -> None:
     load_file.__doc__ = original.__doc__
     load_file.__wrapped__ = original
     module.load_file = load_file
-    _rebind(original, load_file)
+    _replaced[id(original)] = (original, load_file)
 
 
 _PATCHES = {
@@ -194,6 +200,7 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             def exec_module(self, module):
                 real.exec_module(module)
                 _patch(fullname, module)
+                _replaced.clear()  # imported just now: nothing else holds the originals yet
 
             def __getattr__(self, name):  # get_source, is_package, resource readers, ...
                 return getattr(real, name)
@@ -213,3 +220,4 @@ def install() -> None:
         module = sys.modules.get(name)
         if module is not None:
             _patch(name, module)
+    _rebind()  # only what was imported before activation can hold the originals
