@@ -136,7 +136,10 @@ def _flagos_max_memory(state, max_memory, to_bytes) -> dict:
 # ---- safetensors ---------------------------------------------------------------
 
 def _is_flagos(device) -> bool:
-    return isinstance(device, (str, torch.device)) and torch.device(device).type == "flagos"
+    try:
+        return isinstance(device, (str, torch.device)) and torch.device(device).type == "flagos"
+    except RuntimeError:  # not a device name at all: safetensors says so in its own words
+        return False
 
 
 def _safetensors_torch(module) -> None:
@@ -174,7 +177,7 @@ def _patch(name: str, module) -> None:
                     "flagos.device() to it explicitly", name, type(e).__name__, e)
 
 
-class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for the modules above, wraps the real loader so the patch runs
     right after the module's own code, before anything can import names from it."""
 
