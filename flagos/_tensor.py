@@ -10,6 +10,7 @@ sees through the wrapper with `__tensor_flatten__`.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 
@@ -180,19 +181,24 @@ def take_memory_of(target: torch.Tensor, new: torch.Tensor) -> None:
     for key, value in vars(target).items():
         if key not in ("_payload", "_is_param"):
             setattr(alias, key, value)
-    if grad is not None:
-        target._grad = None  # a held grad counts as a use of the tensor and blocks the swap
-    try:
-        torch.utils.swap_tensors(target, alias)
-    except RuntimeError as e:
-        target._grad = grad
+    if not swappable(target):
         raise RuntimeError(
             f"`tensor.data = other` from {target.device} to {new.device}: PyTorch refuses set_data "
             f"between flagos and another device, so flagos swaps the tensor object instead, and "
-            f"that needs the tensor to have no other owner ({e}). Release what still holds it "
-            f"(an autograd graph from a forward pass with gradients: run it under torch.no_grad() "
-            f"or del its output; a torch.compile'd function: compile after moving), or move the "
-            f"module with module.to(device).") from e
+            f"that needs the tensor to have no other owner. Release what still holds it (an "
+            f"autograd graph from a forward pass with gradients: run it under torch.no_grad() or "
+            f"del its output; a weak reference, e.g. from torch.compile: compile after moving), "
+            f"or move the module with module.to(device).")
+    if grad is not None:
+        target._grad = None  # a held grad counts as a use of the tensor and blocks the swap
+    torch.utils.swap_tensors(target, alias)
     if grad is not None:
         with torch.no_grad():
             target._grad = grad.to(target.device)  # the gradient follows, as module.to() moves it
+
+
+def swappable(tensor: torch.Tensor) -> bool:
+    """Whether torch.utils.swap_tensors can swap `tensor` and leave nothing behind that still
+    uses the old one: no weak references, and no owner but its Python object (a live autograd
+    graph owns the parameters it used; swap_tensors would let it go on and fail at backward)."""
+    return not weakref.getweakrefs(tensor) and tensor._use_count() == 1

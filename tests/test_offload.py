@@ -53,6 +53,38 @@ def test_buffer_and_frozen_parameter_keep_their_kind(dev):
     assert frozen.tolist() == [3.0, 3.0]
 
 
+def test_module_moved_off_flagos_keeps_its_parameter_objects(dev):
+    """An optimizer built on flagos keeps stepping the module after model.cpu(), as with CUDA."""
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 2)
+    model = torch.nn.Linear(3, 2)
+    model.load_state_dict(reference.state_dict())
+    model.to(dev)
+    params = list(model.parameters())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for m, device in ((reference, "cpu"), (model, dev)):
+        m(torch.ones(1, 3, device=device)).sum().backward()
+    model.cpu()
+    assert all(p is q for p, q in zip(model.parameters(), params))
+    assert all(type(p) is torch.nn.Parameter and p.grad.device.type == "cpu" for p in params)
+    for optimizer in optimizers:
+        optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+    model.to(dev)
+    assert all(p is q for p, q in zip(model.parameters(), params)) and params[0].device == dev
+
+
+def test_module_held_by_a_graph_still_moves_off_flagos(dev):
+    """A forward pass with gradients holds the parameters: module.cpu() then makes new
+    Parameters (PyTorch's way for tensors it cannot move in place) rather than failing."""
+    model = torch.nn.Linear(3, 2).to(dev)
+    out = model(torch.ones(1, 3, device=dev)).sum()
+    model.cpu()
+    assert model.weight.device.type == "cpu" and type(model.weight) is torch.nn.Parameter
+    out.backward()  # the graph still runs on the flagos parameters it saved
+
+
 def test_gradient_follows_the_data(dev):
     p = torch.nn.Parameter(torch.ones(3))
     (p * 2).sum().backward()
