@@ -2,11 +2,15 @@
 
     python examples/diffusers_pipeline.py [--device auto|cpu|cuda|...] [--steps 25] [--out ddpm.png]
                                           [--dtype float32|float16|bfloat16]
+                                          [--offload model|sequential|group]
 
 The UNet is built from a small config with seeded random weights (no downloads), so the image
 is noise-shaped; what matters is that the same script runs on every chip and the report says
 which aten ops ran where. The run is compared with plain PyTorch on CPU; with --dtype float16 or
 bfloat16 both runs use autocast (torch.autocast("flagos") follows the payload device's policy).
+With --offload the weights rest on the host and Diffusers moves them to flagos as they are
+needed: a whole model at a time (model), each layer's weights for its own forward (sequential),
+or one block of layers at a time (group).
 """
 from __future__ import annotations
 
@@ -34,10 +38,24 @@ def build_pipeline(seed: int) -> DDPMPipeline:
     return pipe
 
 
-def generate(pipe: DDPMPipeline, steps: int, seed: int, dtype: torch.dtype) -> tuple[np.ndarray, float]:
+def place(pipe: DDPMPipeline, device: torch.device, offload: str | None) -> DDPMPipeline:
+    """Move the pipeline to `device`, or let Diffusers offload it to the host between uses."""
+    if offload is None:
+        return pipe.to(device)
+    if offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    elif offload == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    else:
+        pipe.enable_group_offload(onload_device=device, offload_type="block_level", num_blocks_per_group=1)
+    return pipe
+
+
+def generate(pipe: DDPMPipeline, device: torch.device, steps: int, seed: int,
+             dtype: torch.dtype) -> tuple[np.ndarray, float]:
     generator = torch.Generator("cpu").manual_seed(seed)
     start = time.perf_counter()
-    with torch.autocast(pipe.device.type, dtype=dtype, enabled=dtype != torch.float32):
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
         images = pipe(batch_size=1, generator=generator, num_inference_steps=steps,
                       output_type="np").images
     return images, time.perf_counter() - start
@@ -45,6 +63,7 @@ def generate(pipe: DDPMPipeline, steps: int, seed: int, dtype: torch.dtype) -> t
 
 # How far flagos may be from plain CPU: float32 is exact in practice; half precision gets the
 # FlagGems tolerances (the two runs use the same casting policy, so they agree far closer).
+OFFLOAD_MODES = ("model", "sequential", "group")
 TOLERANCE = {"float32": 1e-3, "float16": 1e-3 * 10, "bfloat16": 1.6e-2 * 10}
 
 
@@ -56,6 +75,8 @@ def main() -> None:
     parser.add_argument("--out", default="ddpm.png", help="where to save the image")
     parser.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE),
                         help="float16/bfloat16: run the pipeline under autocast")
+    parser.add_argument("--offload", default=None, choices=OFFLOAD_MODES,
+                        help="keep the weights on the host and move them to the chip as needed")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
 
@@ -63,14 +84,15 @@ def main() -> None:
     print(f"flagos {info['version']} on chip {info['chip']} ({info['mode']} mode, "
           f"{info['devices'][0]}), torch {info['torch']}")
 
-    reference, ref_s = generate(build_pipeline(args.seed), args.steps, args.seed, dtype)
+    reference, ref_s = generate(build_pipeline(args.seed), torch.device("cpu"), args.steps, args.seed, dtype)
     flagos.reset_report()
-    pipe = build_pipeline(args.seed).to(flagos.device())
-    images, run_s = generate(pipe, args.steps, args.seed, dtype)
+    pipe = place(build_pipeline(args.seed), flagos.device(), args.offload)
+    images, run_s = generate(pipe, flagos.device(), args.steps, args.seed, dtype)
 
     Image.fromarray((images[0] * 255).round().astype("uint8")).save(args.out)
     diff = float(np.abs(images - reference).max())
-    print(f"{args.steps} steps on {flagos.device()} ({args.dtype}): {run_s:.2f} s (plain CPU: {ref_s:.2f} s); "
+    offload = f", {args.offload} offload" if args.offload else ""
+    print(f"{args.steps} steps on {flagos.device()} ({args.dtype}{offload}): {run_s:.2f} s (plain CPU: {ref_s:.2f} s); "
           f"max |flagos - cpu| = {diff:.2e}; image saved to {args.out}")
     print(flagos.fallback_report())
     if diff > TOLERANCE[args.dtype]:

@@ -241,6 +241,10 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
         _routes.set_active_chip(chip.name)
         _routes.load_env()
         _active = state
+        if mode == "device":  # libraries that asked before, or will ask, which device exists
+            from . import _integrations, _offload
+            _offload.install()
+            _integrations.install()
         # At `import torch` (autoload) no backward can have run yet, and a probe would deadlock:
         # the engine's thread would import torch modules while `import torch` holds the lock.
         if mode == "device" and not _autoloading:

@@ -10,6 +10,7 @@ sees through the wrapper with `__tensor_flatten__`.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 
@@ -20,6 +21,13 @@ class FlagosTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
     __torch_dispatch__ = classmethod(_C.dispatch)
 
+    # -- parameters: a module's parameter on flagos is a FlagosTensor marked `_is_param` (PyTorch's
+    # rule for tensor subclasses), so `type(param)` is FlagosTensor. Libraries rebuild parameters
+    # with `type(param)(tensor, requires_grad=...)` (accelerate's set_module_tensor_to_device, its
+    # offload hooks): that means nn.Parameter(tensor, requires_grad) here, as on every device.
+    def __new__(cls, data=None, requires_grad=True):
+        return torch.nn.Parameter(data, requires_grad)
+
     # -- `.data = other`: PyTorch swaps the TensorImpl's metadata but not the Python object's
     # payload, which would keep the old values under the new shape.
     @property
@@ -28,9 +36,11 @@ class FlagosTensor(torch.Tensor):
 
     @data.setter
     def data(self, new):
+        if not isinstance(new, FlagosTensor):
+            take_memory_of(self, new)  # PyTorch refuses set_data across flagos and other devices
+            return
         torch._C.TensorBase.data.__set__(self, new)
-        if isinstance(new, FlagosTensor):
-            self._payload = new._payload
+        self._payload = new._payload
 
     # -- host views of the values, as on every PyTorch device -------------
     def tolist(self):
@@ -56,6 +66,18 @@ class FlagosTensor(torch.Tensor):
         if isinstance(payload, torch.Tensor) and not torch.compiler.is_compiling():
             return payload.untyped_storage()
         return torch.Tensor.untyped_storage(self)
+
+    def data_ptr(self) -> int:
+        # PyTorch answers 0 for a wrapper that owns no memory; libraries that key tensors by
+        # data_ptr() (accelerate's tied-weights map when it dispatches a model) would take every
+        # flagos tensor for the same one. The address is the payload's (an adapter buffer's
+        # handle on C-ABI chips), as a CUDA tensor's is its device address.
+        payload = self._payload
+        if torch.compiler.is_compiling():
+            return torch.Tensor.data_ptr(self)
+        if isinstance(payload, torch.Tensor):
+            return payload.data_ptr()
+        return payload.handle + self.storage_offset() * self.element_size()
 
     def __deepcopy__(self, memo):
         # torch.Tensor.__deepcopy__ would deep-copy the payload object too (an adapter buffer
@@ -132,3 +154,51 @@ def copy_math_bits(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 def payload(tensor: torch.Tensor) -> torch.Tensor:
     """The chip's own tensor behind a flagos tensor (the tensor itself otherwise)."""
     return tensor._payload if isinstance(tensor, FlagosTensor) else tensor
+
+
+def take_memory_of(target: torch.Tensor, new: torch.Tensor) -> None:
+    """`target.data = new` where one of them is on flagos and the other is not.
+
+    PyTorch's set_data accepts only pairs its shallow-copy list calls compatible (CPU, CUDA, MPS,
+    HIP, XPU, HPU among themselves), never a PrivateUse1 tensor with another device. Swapping the
+    whole tensor object (torch.utils.swap_tensors) does work: target becomes an alias of new's
+    memory, keeping its identity (dicts keyed by the parameter, optimizer references), its
+    requires_grad, its parameter-ness and its attributes, as `.data =` keeps them.
+    """
+    is_param = isinstance(target, torch.nn.Parameter)
+    requires_grad = target.requires_grad
+    grad = target._grad
+    with torch.no_grad():
+        alias = new.detach()  # shares new's memory; the swap leaves `new` itself untouched
+    if isinstance(alias, FlagosTensor):
+        alias.requires_grad_(requires_grad)
+        if is_param:
+            alias._is_param = True
+    elif is_param:  # back to a plain device: a real nn.Parameter again
+        alias = torch.nn.Parameter(alias, requires_grad)
+    else:
+        alias.requires_grad_(requires_grad)
+    for key, value in vars(target).items():
+        if key not in ("_payload", "_is_param"):
+            setattr(alias, key, value)
+    if not swappable(target):
+        raise RuntimeError(
+            f"`tensor.data = other` from {target.device} to {new.device}: PyTorch refuses set_data "
+            f"between flagos and another device, so flagos swaps the tensor object instead, and "
+            f"that needs the tensor to have no other owner. Release what still holds it (an "
+            f"autograd graph from a forward pass with gradients: run it under torch.no_grad() or "
+            f"del its output; a weak reference, e.g. from torch.compile: compile after moving), "
+            f"or move the module with module.to(device).")
+    if grad is not None:
+        target._grad = None  # a held grad counts as a use of the tensor and blocks the swap
+    torch.utils.swap_tensors(target, alias)
+    if grad is not None:
+        with torch.no_grad():
+            target._grad = grad.to(target.device)  # the gradient follows, as module.to() moves it
+
+
+def swappable(tensor: torch.Tensor) -> bool:
+    """Whether torch.utils.swap_tensors can swap `tensor` and leave nothing behind that still
+    uses the old one: no weak references, and no owner but its Python object (a live autograd
+    graph owns the parameters it used; swap_tensors would let it go on and fail at backward)."""
+    return not weakref.getweakrefs(tensor) and tensor._use_count() == 1

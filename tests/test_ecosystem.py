@@ -74,3 +74,17 @@ def test_pinned_dataloader_batches_move_with_non_blocking(dev):
     pinned = t.pin_memory()
     assert pinned.device.type == "cpu" and pinned.data_ptr() != t.data_ptr()  # a copy, as pinning
     assert pinned.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_safetensors_load_file_onto_flagos(dev, tmp_path):
+    """safetensors checks device names against its own list; flagos loads through the host."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    tensors = {"w": torch.randn(3, 4), "i": torch.arange(5)}
+    path = tmp_path / "t.safetensors"
+    safetensors_torch.save_file(tensors, str(path))
+    for device in (dev, "flagos", str(dev)):
+        loaded = safetensors_torch.load_file(str(path), device=device)
+        assert {k: v.device for k, v in loaded.items()} == {"w": dev, "i": dev}
+        for key, value in tensors.items():
+            torch.testing.assert_close(loaded[key].cpu(), value)
+    assert safetensors_torch.load_file(str(path))["w"].device.type == "cpu"

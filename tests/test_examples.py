@@ -75,3 +75,21 @@ def test_transformers_generate_example(chip):
     assert "generated on flagos:0: 'the chip runs" in proc.stdout
     line = next(l for l in proc.stdout.splitlines() if l.startswith("max |loss difference|"))
     assert float(line.split("= ")[1]) <= 1e-3
+
+
+@device_mode_only
+@pytest.mark.parametrize("chip,offload", [("cpu", "model"), ("sim", "sequential"), ("cpu", "group")])
+def test_diffusers_pipeline_example_with_offload(tmp_path, chip, offload):
+    """The main job with its weights offloaded to the host matches plain CPU (the example exits
+    non-zero otherwise), and the report shows the UNet's ops ran on flagos."""
+    image = tmp_path / "ddpm.png"
+    proc = run_python(f"""
+        import runpy, sys
+        sys.argv = ["diffusers_pipeline.py", "--device", "{chip}", "--steps", "1", "--offload",
+                    "{offload}", "--out", r"{image}"]
+        runpy.run_path(r"{ROOT / 'examples' / 'diffusers_pipeline.py'}", run_name="__main__")
+    """, env={"FLAGOS_FALLBACK": "allow"})
+    line = next(l for l in proc.stdout.splitlines() if "max |flagos - cpu|" in l)
+    assert f"(float32, {offload} offload)" in line
+    assert float(line.split("max |flagos - cpu| = ")[1].split(";")[0]) <= 1e-3
+    assert "aten::convolution" in proc.stdout and image.stat().st_size > 0

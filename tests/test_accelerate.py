@@ -1,0 +1,187 @@
+"""accelerate on flagos: its default device, the device memory it plans with, its dispatch and
+offload hooks, and transformers' device_map="auto", each compared with plain CPU.
+Runs on the suite's chip (cpu, and sim with FLAGOS_TEST_CHIP=sim)."""
+import os
+
+import pytest
+import torch
+
+import flagos
+from conftest import CHIP, device_mode_only, run_python
+
+pytestmark = device_mode_only
+accelerate = pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def fresh_state():
+    """accelerate keeps one process-wide state: start and leave it empty."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert not PartialState._shared_state
+
+
+def gpt2(seed: int = 0):
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+IDS = torch.arange(10).reshape(1, 10) % 64
+
+
+def cpu_logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual.detach().cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_partial_state_and_accelerator_pick_flagos(dev, fresh_state):
+    assert accelerate.PartialState().device == dev
+    accelerator = accelerate.Accelerator()
+    assert accelerator.device == dev
+
+
+def test_accelerator_training_matches_cpu(dev, fresh_state):
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+
+    def train(model, loader, step):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer, loader = step(model, optimizer, loader)
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            yield x.device, loss.item()
+            optimizer.zero_grad()
+            backward(loss)
+            optimizer.step()
+
+    torch.manual_seed(1)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    model.load_state_dict(reference.state_dict())
+    backward = torch.Tensor.backward
+    expected = [loss for _, loss in train(reference, torch.utils.data.DataLoader(data, batch_size=4),
+                                          lambda *a: a)]
+    accelerator = accelerate.Accelerator()
+    backward = accelerator.backward
+    seen = list(train(model, torch.utils.data.DataLoader(data, batch_size=4), accelerator.prepare))
+    assert all(device == dev for device, _ in seen)  # batches placed on flagos by accelerate
+    assert [loss for _, loss in seen] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert all(p.device == dev for p in model.parameters())
+
+
+def test_accelerator_bf16_mixed_precision_matches_cpu(dev, fresh_state):
+    """accelerate's bf16 autocast on flagos is bit-identical to accelerate's bf16 on the host."""
+    from accelerate.state import AcceleratorState
+
+    results = []
+    for cpu in (True, False):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = accelerate.Accelerator(mixed_precision="bf16", cpu=cpu)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        dtypes = []
+        model[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+        model, optimizer = accelerator.prepare(model, optimizer)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).to(accelerator.device)
+        y = model(x)
+        accelerator.backward(y.sum())
+        optimizer.step()
+        results.append((y.detach().cpu(), [p.detach().cpu() for p in model.parameters()]))
+        assert dtypes == [torch.bfloat16] and accelerator.device == (torch.device("cpu") if cpu else dev)
+    (y_cpu, params_cpu), (y_flagos, params_flagos) = results
+    torch.testing.assert_close(y_flagos, y_cpu, rtol=0, atol=0)
+    for a, b in zip(params_flagos, params_cpu):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_get_max_memory_lists_flagos_devices_with_their_free_memory():
+    from accelerate.utils import get_max_memory
+
+    memory = get_max_memory()
+    count = torch.flagos.device_count()
+    assert list(memory) == [*range(count), "cpu"]
+    for index in range(count):
+        free = torch.flagos.mem_get_info(index)[0]
+        assert memory[index] == pytest.approx(free, rel=0.05)  # the cpu chip's host memory moves
+    assert get_max_memory({0: "1MB", "cpu": "2MB"}) == {0: 10**6, "cpu": 2 * 10**6}
+    with pytest.raises(ValueError, match=f"flagos has {count} device"):
+        get_max_memory({count + 3: 100, "cpu": 100})
+
+
+def test_infer_auto_device_map_and_dispatch_match_cpu(dev):
+    model = gpt2()
+    expected = cpu_logits(model)
+    device_map = accelerate.infer_auto_device_map(model, max_memory={0: 60_000, "cpu": 10**7})
+    assert 0 in device_map.values() and "cpu" in device_map.values()  # split: flagos, then host
+    accelerate.dispatch_model(model, device_map=device_map)
+    assert model.transformer.wte.weight.device == dev
+    close(model(IDS.to(dev)).logits, expected)
+
+
+def test_cpu_offload_and_disk_offload_match_cpu(dev, tmp_path):
+    model = gpt2()
+    expected = cpu_logits(model)
+    accelerate.cpu_offload(model, execution_device=dev)
+    with torch.no_grad():
+        close(model(IDS).logits, expected)
+    model = gpt2()
+    accelerate.disk_offload(model, str(tmp_path), execution_device=dev)
+    with torch.no_grad():
+        close(model(IDS).logits, expected)
+
+
+@pytest.mark.parametrize("max_memory", [None, {0: 80_000, "cpu": 10**7}], ids=["on-flagos", "split"])
+def test_transformers_device_map_auto_from_local_checkpoint(dev, tmp_path, max_memory):
+    reference = gpt2()
+    expected = cpu_logits(reference)
+    reference.save_pretrained(tmp_path)
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, device_map="auto",
+                                                         max_memory=max_memory).eval()
+    assert model.transformer.wte.weight.device == dev
+    if max_memory is not None:  # the blocks that did not fit wait on the host
+        assert "cpu" in model.hf_device_map.values()
+    with torch.no_grad():
+        close(model(IDS.to(dev)).logits, expected)
+        generated = model.generate(IDS.to(dev), max_new_tokens=4, do_sample=False)
+        assert generated.tolist() == reference.generate(IDS, max_new_tokens=4, do_sample=False).tolist()
+
+
+@pytest.mark.skipif(CHIP != "sim", reason="needs a chip with two devices (sim has two)")
+def test_device_map_auto_spreads_over_two_flagos_devices(tmp_path):
+    reference = gpt2()
+    expected = cpu_logits(reference)
+    reference.save_pretrained(tmp_path)
+    model = transformers.GPT2LMHeadModel.from_pretrained(
+        tmp_path, device_map="auto", max_memory={0: 80_000, 1: 10**6, "cpu": 10**6}).eval()
+    assert set(model.hf_device_map.values()) == {0, 1}
+    assert model.transformer.h[0].attn.c_attn.weight.device == torch.device("flagos", 1)
+    with torch.no_grad():
+        close(model(IDS.to(flagos.device())).logits, expected)
+
+
+def test_accelerate_imported_before_activation_finds_flagos():
+    proc = run_python(f"""
+        import accelerate, transformers.integrations.accelerate as hf
+        from accelerate.utils import get_max_memory
+        import flagos
+        flagos.activate({CHIP!r})
+        print("device", accelerate.PartialState().device)
+        print("memory", sorted(k for k in get_max_memory() if isinstance(k, int)))
+        print("transformers", sorted(k for k in hf.get_max_memory() if isinstance(k, int)))
+    """, env={"FLAGOS_FALLBACK": "allow",
+              "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    count = torch.flagos.device_count()
+    assert "device flagos:0" in proc.stdout
+    assert f"memory {list(range(count))}" in proc.stdout
+    assert f"transformers {list(range(count))}" in proc.stdout

@@ -1,0 +1,268 @@
+"""CPU offloading onto flagos: `.data` across flagos and the host, parameters rebuilt by type,
+and every Diffusers offload mode, each pipeline compared with the same pipeline on plain CPU.
+Runs on the suite's chip (cpu, and sim with FLAGOS_TEST_CHIP=sim)."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import CHIP, device_mode_only, run_python
+from models import ddpm_pipeline, run_ddpm
+
+pytestmark = device_mode_only
+
+
+# ---- `.data =` across flagos and the host -------------------------------------------------
+
+def test_cpu_parameter_takes_flagos_data_and_back(dev):
+    lin = torch.nn.Linear(3, 2)
+    weight = lin.weight
+    weight.note = "kept"  # libraries tag parameters (accelerate, Diffusers): tags survive
+    optimizer = torch.optim.SGD(lin.parameters(), lr=0.1)
+    values = torch.randn(2, 3)
+    moved = values.to(dev)
+
+    weight.data = moved
+    assert lin.weight is weight and weight.device == dev
+    assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad and weight.note == "kept"
+    assert weight in set(lin.parameters())
+    torch.testing.assert_close(weight.cpu(), values)
+    with torch.no_grad():
+        moved.add_(1)  # `.data = t` aliases t's memory, as on one device
+    torch.testing.assert_close(weight.cpu(), values + 1)
+
+    weight.data = weight.data.to("cpu")
+    assert lin.weight is weight and weight.device.type == "cpu"
+    assert type(weight) is torch.nn.Parameter and weight.requires_grad and weight.note == "kept"
+    torch.testing.assert_close(weight, values + 1)
+    # the optimizer still holds the same object and steps it, on the host as before
+    lin(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    torch.testing.assert_close(weight, values + 1 - 0.1 * torch.ones(2, 1).expand(2, 3))
+
+
+def test_buffer_and_frozen_parameter_keep_their_kind(dev):
+    buffer = torch.arange(4.0)
+    buffer.data = buffer.data.to(dev)
+    assert buffer.device == dev and not isinstance(buffer, torch.nn.Parameter)
+    assert not buffer.requires_grad and buffer.tolist() == [0.0, 1.0, 2.0, 3.0]
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    frozen.data = torch.full((2,), 3.0, device=dev)
+    assert isinstance(frozen, torch.nn.Parameter) and not frozen.requires_grad
+    frozen.data = frozen.data.cpu()
+    assert type(frozen) is torch.nn.Parameter and not frozen.requires_grad
+    assert frozen.tolist() == [3.0, 3.0]
+
+
+def test_module_moved_off_flagos_keeps_its_parameter_objects(dev):
+    """An optimizer built on flagos keeps stepping the module after model.cpu(), as with CUDA."""
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 2)
+    model = torch.nn.Linear(3, 2)
+    model.load_state_dict(reference.state_dict())
+    model.to(dev)
+    params = list(model.parameters())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for m, device in ((reference, "cpu"), (model, dev)):
+        m(torch.ones(1, 3, device=device)).sum().backward()
+    model.cpu()
+    assert all(p is q for p, q in zip(model.parameters(), params))
+    assert all(type(p) is torch.nn.Parameter and p.grad.device.type == "cpu" for p in params)
+    for optimizer in optimizers:
+        optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+    model.to(dev)
+    assert all(p is q for p, q in zip(model.parameters(), params)) and params[0].device == dev
+
+
+def test_module_held_by_a_graph_still_moves_off_flagos(dev):
+    """A forward pass with gradients holds the parameters: module.cpu() then makes new
+    Parameters (PyTorch's way for tensors it cannot move in place) rather than failing."""
+    model = torch.nn.Linear(3, 2).to(dev)
+    out = model(torch.ones(1, 3, device=dev)).sum()
+    model.cpu()
+    assert model.weight.device.type == "cpu" and type(model.weight) is torch.nn.Parameter
+    out.backward()  # the graph still runs on the flagos parameters it saved
+
+
+def test_gradient_follows_the_data(dev):
+    p = torch.nn.Parameter(torch.ones(3))
+    (p * 2).sum().backward()
+    p.data = p.data.to(dev)
+    assert p.grad.device == dev and p.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_tensor_held_by_a_graph_gets_a_clear_error(dev):
+    p = torch.nn.Parameter(torch.ones(3))
+    (p * p).sum().backward()
+    p.grad = None
+    out = (p * p).sum()  # the graph saves p: another owner of the tensor
+    with pytest.raises(RuntimeError, match="no other owner.*torch.no_grad"):
+        p.data = torch.zeros(3, device=dev)
+    assert p.device.type == "cpu" and p.tolist() == [1.0, 1.0, 1.0]  # unchanged
+    del out
+    p.data = torch.zeros(3, device=dev)
+    assert p.device == dev
+
+
+def test_other_incompatible_pairs_keep_pytorchs_error():
+    dense = torch.ones(2, 2)
+    with pytest.raises(RuntimeError, match="incompatible tensor type"):
+        dense.data = torch.ones(2, 2).to_sparse()
+
+
+def test_parameter_rebuilt_by_its_type(dev):
+    """accelerate rebuilds parameters with type(param)(value, requires_grad=...)."""
+    lin = torch.nn.Linear(2, 2).to(dev)
+    cls = type(lin.weight)
+    back = cls(lin.weight.detach().cpu(), requires_grad=False)
+    assert type(back) is torch.nn.Parameter and not back.requires_grad
+    on_flagos = cls(torch.ones(2, device=dev))
+    assert isinstance(on_flagos, torch.nn.Parameter) and on_flagos.requires_grad
+    assert on_flagos.device == dev
+
+
+def test_data_ptr_tells_flagos_tensors_apart(dev):
+    a, b = torch.ones(4, device=dev), torch.ones(4, device=dev)
+    assert a.data_ptr() != b.data_ptr()
+    assert a[1:].data_ptr() == a.data_ptr() + a.element_size()
+    assert a.view(2, 2).data_ptr() == a.data_ptr()
+
+
+# ---- Diffusers offloading, compared with plain CPU ----------------------------------------
+
+STREAMS_REFUSED = ("flagos has no stream-capable backend yet, so Diffusers refuses use_stream=True "
+                   "('requires an onload device whose backend implements streams')")
+
+
+def _enable(pipe, mode, device, folder=None):
+    if mode == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    elif mode == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    elif mode == "group-block":
+        pipe.enable_group_offload(onload_device=device, offload_type="block_level", num_blocks_per_group=1)
+    elif mode == "group-leaf":
+        pipe.enable_group_offload(onload_device=device, offload_type="leaf_level")
+    elif mode == "group-disk":  # the weights wait in safetensors files, loaded to flagos
+        pipe.enable_group_offload(onload_device=device, offload_type="block_level",
+                                  num_blocks_per_group=1, offload_to_disk_path=str(folder))
+    elif mode == "group-stream":
+        try:
+            pipe.enable_group_offload(onload_device=device, offload_type="block_level",
+                                      num_blocks_per_group=1, use_stream=True)
+        except ValueError as e:
+            if "streams" not in str(e):
+                raise
+            pytest.xfail(STREAMS_REFUSED)
+
+
+@pytest.mark.parametrize("mode", ["model", "sequential", "group-block", "group-leaf", "group-disk",
+                                  "group-stream"])
+def test_ddpm_offload_matches_cpu(dev, mode, tmp_path):
+    expected = run_ddpm(ddpm_pipeline(), steps=2)
+    pipe = ddpm_pipeline()
+    _enable(pipe, mode, dev, tmp_path)
+    seen = []
+    hook = pipe.unet.conv_in.register_forward_pre_hook(lambda m, args: seen.append(args[0].device))
+    images = run_ddpm(pipe, steps=2)
+    hook.remove()
+    assert seen and all(d == dev for d in seen)  # the UNet really ran on flagos
+    np.testing.assert_allclose(images, expected, atol=1e-5, rtol=0)
+    if mode in ("model", "group-block", "group-leaf"):  # the weights rest on the host again
+        params = list(pipe.unet.parameters())
+        assert all(p.device.type == "cpu" and type(p) is torch.nn.Parameter for p in params)
+
+
+def tiny_stable_diffusion(seed: int = 0):
+    """Text encoder, UNet and VAE of a Stable Diffusion pipeline, tiny and seeded."""
+    from diffusers import (AutoencoderKL, DDIMScheduler, StableDiffusionPipeline,
+                           UNet2DConditionModel)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "a", "photo", "of", "red", "chip"]
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=16,
+        norm_num_groups=4, attention_head_dim=4)
+    vae = AutoencoderKL(block_out_channels=(8,), in_channels=3, out_channels=3, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+                        norm_num_groups=4, sample_size=16)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(words), hidden_size=16, intermediate_size=32, num_attention_heads=2,
+        num_hidden_layers=1, max_position_embeddings=8, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    vocab = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    vocab.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=vocab, unk_token="[UNK]", pad_token="[PAD]",
+                                        model_max_length=8)
+    pipe = StableDiffusionPipeline(
+        unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        scheduler=DDIMScheduler(num_train_timesteps=100, clip_sample=False, set_alpha_to_one=False,
+                                steps_offset=1),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_stable_diffusion(pipe):
+    generator = torch.Generator("cpu").manual_seed(0)
+    return pipe("a photo of a red chip", num_inference_steps=2, height=16, width=16,
+                guidance_scale=2.0, generator=generator, output_type="np").images
+
+
+@pytest.mark.parametrize("mode", ["model", "sequential", "group-leaf"])
+def test_stable_diffusion_offload_matches_cpu(dev, mode):
+    """Three models handed over in turn (text encoder -> UNet -> VAE)."""
+    expected = run_stable_diffusion(tiny_stable_diffusion())
+    pipe = tiny_stable_diffusion()
+    _enable(pipe, mode, dev)
+    assert pipe._execution_device == dev
+    np.testing.assert_allclose(run_stable_diffusion(pipe), expected, atol=1e-5, rtol=0)
+
+
+# ---- activation order ---------------------------------------------------------------------
+
+def test_enable_model_cpu_offload_without_device_finds_flagos(dev):
+    """Diffusers' own accelerator detection, in whatever order this suite imported it."""
+    from diffusers.utils.torch_utils import get_device
+
+    assert get_device() == "flagos"
+    expected = run_ddpm(ddpm_pipeline(), steps=1)
+    pipe = ddpm_pipeline()
+    pipe.enable_model_cpu_offload()
+    assert pipe._offload_device == dev
+    np.testing.assert_allclose(run_ddpm(pipe, steps=1), expected, atol=1e-5, rtol=0)
+
+
+ORDER_CHECK = """
+import sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+from models import ddpm_pipeline, run_ddpm
+expected = run_ddpm(ddpm_pipeline(), steps=1)
+pipe = ddpm_pipeline()
+pipe.enable_model_cpu_offload()  # no device given: Diffusers' own accelerator detection
+assert str(pipe._offload_device) == "flagos:0", pipe._offload_device
+np.testing.assert_allclose(run_ddpm(pipe, steps=1), expected, atol=1e-5, rtol=0)
+from diffusers.utils.torch_utils import get_device
+print("accelerator", get_device())
+"""
+
+
+@pytest.mark.parametrize("order", ["diffusers-first", "autoload"])
+def test_enable_model_cpu_offload_finds_flagos_when_diffusers_came_first(order):
+    """Diffusers caches its accelerator when `diffusers.pipelines` is imported: imported before
+    activation it cached "cpu", which activation clears."""
+    import os
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {"FLAGOS_FALLBACK": "allow", "PYTHONPATH": os.path.dirname(tests)}
+    if order == "diffusers-first":
+        code = f"import diffusers.pipelines, flagos\nflagos.activate({CHIP!r})\n"
+    else:  # FLAGOS_DEVICE: activation at `import torch`, before Diffusers
+        code = "import torch, diffusers.pipelines\n"
+        env["FLAGOS_DEVICE"] = CHIP
+    proc = run_python(code + ORDER_CHECK.format(tests=tests), env=env)
+    assert "accelerator flagos" in proc.stdout
