@@ -10,7 +10,6 @@ from collections import OrderedDict
 import torch
 
 from . import _runtime
-from ._generator import FlagosGenerator as Generator  # noqa: F401  (torch.flagos.Generator)
 from ._streams import (Event, Stream, StreamContext, current_stream, default_stream,  # noqa: F401
                        set_stream, stream)
 

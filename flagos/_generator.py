@@ -37,9 +37,9 @@ def _flagos_index(device) -> int | None:
 class FlagosGenerator(_TORCH_GENERATOR):
     """The generator of flagos:N: the chip's own generator, reporting the flagos device."""
 
-    def __new__(cls, index: int = 0):
+    def __new__(cls, index: int | None = None):
         state = _runtime.active()
-        state.chip_index(index)
+        index = state.chip_index(state.current if index is None else index)
         self = super().__new__(cls, device=state.chip.torch_device(index))
         self._flagos_device = torch.device("flagos", index)
         return self

@@ -36,9 +36,14 @@ _engine = None                            # the engine of the active chip (built
 _engine_chip = None
 
 
+_DEVICE_TYPE: list[int] = []
+
+
 def _device_type() -> int:
     """PyTorch's number for the PrivateUse1 device type, as torch.Stream stores it."""
-    return torch.Stream(torch.device("flagos", 0)).device_type
+    if not _DEVICE_TYPE:
+        _DEVICE_TYPE.append(torch.Stream(torch.device("flagos", 0)).device_type)
+    return _DEVICE_TYPE[0]
 
 
 def _index(device=None) -> int:
@@ -253,7 +258,8 @@ def default_stream(device=None) -> Stream:
 def current_stream(device=None) -> Stream:
     """The stream of `device` (default: the current device) that work goes to now."""
     index = _index(device)
-    return _current.get(index) or default_stream(index)
+    stream = _current.get(index)
+    return default_stream(index) if stream is None else stream
 
 
 def _as_flagos_stream(stream) -> Stream:
