@@ -846,15 +846,13 @@ static PyObject *adapter_event_create(AdapterObject *self, PyObject *args)
 typedef int32_t (*handle_call)(int32_t, uint64_t, flagos_status *);
 
 /* The calls (device, handle) -> status: destroy, set_stream, synchronize. */
-static PyObject *on_handle(AdapterObject *self, PyObject *args, size_t offset, const char *name)
+static PyObject *on_handle(AdapterObject *self, PyObject *args, handle_call fn, const char *name)
 {
     int device;
     unsigned long long handle;
     flagos_status st = {0};
-    if (!PyArg_ParseTuple(args, "iK", &device, &handle) || need_streams(self) < 0)
+    if (!PyArg_ParseTuple(args, "iK", &device, &handle))
         return NULL;
-    handle_call fn;
-    memcpy(&fn, (const char *)self->api + offset, sizeof(fn));
     if (adapter_check(self, fn(device, (uint64_t)handle, &st), name, device, &st) < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -863,7 +861,10 @@ static PyObject *on_handle(AdapterObject *self, PyObject *args, size_t offset, c
 #define ON_HANDLE(f)                                                                  \
     static PyObject *adapter_##f(AdapterObject *self, PyObject *args)                 \
     {                                                                                 \
-        return on_handle(self, args, offsetof(flagos_adapter, f), #f);                \
+        /* a 1.0 table ends before these fields: never read them without the group */ \
+        if (need_streams(self) < 0)                                                   \
+            return NULL;                                                              \
+        return on_handle(self, args, self->api->f, #f);                               \
     }
 ON_HANDLE(stream_destroy)
 ON_HANDLE(set_stream)

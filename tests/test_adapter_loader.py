@@ -44,6 +44,9 @@ def test_adapter_built_for_abi_1_0_loads_and_runs_synchronously(tmp_path):
     lib = build(tmp_path, "old", source)
     adapter = load(str(lib))
     assert adapter.abi == (1, 0) and adapter.has_streams is False
+    for call, args in (("stream_create", (0, 0)), ("stream_destroy", (0, 1)), ("event_query", (0, 1))):
+        with pytest.raises(RuntimeError, match="chip adapter toy has no stream/event entries"):
+            getattr(adapter, call)(*args)
     proc = run_python("""
         import torch, flagos
         flagos.activate("old")
