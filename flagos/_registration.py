@@ -169,10 +169,11 @@ def _runtime_state():
 
 
 def _install_runtime(device_module) -> None:
-    """torch.Generator for the flagos device, flagos streams and the torch.accelerator API."""
+    """torch.Generator, torch.Stream and torch.Event for the flagos device, and the
+    torch.accelerator API."""
     from . import _generator, _routes, _streams
     _generator.install()
-    _streams.reset()
+    _streams.install()
     _routes.register_kernel("aten::record_stream", _record_stream)
     if _saved_accelerator:
         return
@@ -186,7 +187,7 @@ def release() -> None:
     """Undo _install_runtime (deactivation): PyTorch's own functions come back."""
     from . import _generator, _routes, _streams
     _generator.uninstall()
-    _streams.reset()
+    _streams.uninstall()
     _routes.unregister_kernel("aten::record_stream")
     for name, fn in _saved_accelerator.items():
         setattr(torch._C, name, fn)

@@ -14,6 +14,8 @@ engines, chosen by the chip:
   ordered as issued, so a stream is complete once its calls return; synchronizing waits for
   the whole device, and an event's time is the host's clock after that wait.
 
+While flagos is the device, `torch.Stream(...)` and `torch.Event(...)` for the flagos device
+(or for no device: the current accelerator) build these, as `torch.cuda`'s would on CUDA.
 The current stream of each device is one for the whole process (not one per thread).
 """
 from __future__ import annotations
@@ -27,6 +29,8 @@ import torch
 
 from . import _runtime
 
+_TORCH_STREAM, _TORCH_EVENT = torch.Stream, torch.Event   # PyTorch's own types
+_saved: dict[str, type] = {}                              # torch.Stream/Event before install()
 _lock = threading.RLock()
 _ids = itertools.count(1)                 # stream_id of flagos streams; 0 is the default
 _streams = weakref.WeakValueDictionary()  # (device index, stream_id) -> Stream
@@ -42,7 +46,7 @@ _DEVICE_TYPE: list[int] = []
 def _device_type() -> int:
     """PyTorch's number for the PrivateUse1 device type, as torch.Stream stores it."""
     if not _DEVICE_TYPE:
-        _DEVICE_TYPE.append(torch.Stream(torch.device("flagos", 0)).device_type)
+        _DEVICE_TYPE.append(_TORCH_STREAM(torch.device("flagos", 0)).device_type)
     return _DEVICE_TYPE[0]
 
 
@@ -170,7 +174,7 @@ def uses_adapter_streams() -> bool:
 
 # ---- Stream ---------------------------------------------------------------------
 
-class Stream(torch.Stream):
+class Stream(_TORCH_STREAM):
     """An in-order queue of work on a flagos device (see the module docstring for what that
     means on each chip). `Stream(device=None, priority=0)`; usable as a context manager."""
 
@@ -181,7 +185,7 @@ class Stream(torch.Stream):
 
     @classmethod
     def _make(cls, index: int, stream_id: int, handle: int, priority: int, owned: bool):
-        self = torch.Stream.__new__(cls, stream_id=stream_id, device_index=index,
+        self = _TORCH_STREAM.__new__(cls, stream_id=stream_id, device_index=index,
                                     device_type=_device_type())
         self._index, self._handle, self._priority = index, handle, priority
         self._engine = engine() if owned else None   # who destroys the handle
@@ -227,7 +231,7 @@ class Stream(torch.Stream):
         return False
 
     def __eq__(self, other):
-        return isinstance(other, torch.Stream) and (other.device_type, other.device_index,
+        return isinstance(other, _TORCH_STREAM) and (other.device_type, other.device_index,
                                                     other.stream_id) == (
             self.device_type, self.device_index, self.stream_id)
 
@@ -265,7 +269,7 @@ def current_stream(device=None) -> Stream:
 def _as_flagos_stream(stream) -> Stream:
     if isinstance(stream, Stream):
         return stream
-    if not isinstance(stream, torch.Stream) or stream.device.type != "flagos":
+    if not isinstance(stream, _TORCH_STREAM) or stream.device.type != "flagos":
         raise TypeError(f"expected a stream of the flagos device (torch.flagos.Stream), got "
                         f"{stream!r}")
     if stream.stream_id == 0:
@@ -314,7 +318,7 @@ def stream(stream) -> StreamContext:
 
 # ---- Event ----------------------------------------------------------------------
 
-class Event(torch.Event):
+class Event(_TORCH_EVENT):
     """A point in a flagos stream: record, wait, query, synchronize, elapsed_time."""
 
     def __new__(cls, device=None, *, enable_timing: bool = False, blocking: bool = False,
@@ -323,7 +327,7 @@ class Event(torch.Event):
             raise ValueError("interprocess events are not supported on flagos; create the "
                              "event with interprocess=False")
         index = _index(device)
-        self = torch.Event.__new__(cls, torch.device("flagos", index), enable_timing=enable_timing,
+        self = _TORCH_EVENT.__new__(cls, torch.device("flagos", index), enable_timing=enable_timing,
                                    blocking=blocking)
         self._index, self._timing, self._handle, self._engine = index, bool(enable_timing), None, None
         return self
@@ -372,6 +376,68 @@ class Event(torch.Event):
                 self._engine.event_destroy(self._index, self._handle)
             except Exception:  # at interpreter exit the adapter may be gone already
                 pass
+
+
+# ---- torch.Stream(...) and torch.Event(...) on the flagos device -------------------
+
+def _routes_to_flagos(device) -> bool:
+    """Whether a torch.Stream/torch.Event device argument means the flagos device (no device,
+    or an index, means the current accelerator, as in PyTorch)."""
+    if device is None or isinstance(device, int):
+        accelerator = torch.accelerator.current_accelerator()
+        return accelerator is not None and accelerator.type == "flagos"
+    return torch.device(device).type == "flagos"
+
+
+class _RoutingMeta(type):
+    """Metaclass of the installed torch.Stream and torch.Event: construction for the flagos
+    device makes flagos's own object (PyTorch's Python device guard would give stream 0 every
+    time, and an event that records nothing and refuses synchronize()); everything else is
+    PyTorch's, and every stream or event stays an instance of torch.Stream / torch.Event."""
+
+    def __call__(cls, *args, **kwargs):
+        if cls not in _ROUTES:  # a subclass made after install builds as before
+            return super().__call__(*args, **kwargs)
+        original, ours = _ROUTES[cls]
+        device = args[0] if args else kwargs.get("device")
+        if "stream_id" in kwargs or not _routes_to_flagos(device):  # stream_id: a known stream
+            return original(*args, **kwargs)
+        return ours(*args, **kwargs)
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, _ROUTES[cls][0]) if cls in _ROUTES else super().__instancecheck__(obj)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return issubclass(sub, _ROUTES[cls][0]) if cls in _ROUTES else super().__subclasscheck__(sub)
+
+
+class _RoutedStream(_TORCH_STREAM, metaclass=_RoutingMeta):
+    __doc__ = _TORCH_STREAM.__doc__
+
+
+class _RoutedEvent(_TORCH_EVENT, metaclass=_RoutingMeta):
+    __doc__ = _TORCH_EVENT.__doc__
+
+
+_ROUTES = {_RoutedStream: (_TORCH_STREAM, Stream), _RoutedEvent: (_TORCH_EVENT, Event)}
+for _routed in (_RoutedStream, _RoutedEvent):
+    _routed.__module__, _routed.__qualname__ = "torch", _routed.__name__[len("_Routed"):]
+    _routed.__name__ = _routed.__qualname__
+
+
+def install() -> None:
+    """Make torch.Stream and torch.Event build flagos streams and events for the flagos device."""
+    if not _saved:
+        _saved.update(Stream=torch.Stream, Event=torch.Event)
+        torch.Stream, torch.Event = _RoutedStream, _RoutedEvent
+    reset()
+
+
+def uninstall() -> None:
+    if _saved:
+        torch.Stream, torch.Event = _saved["Stream"], _saved["Event"]
+        _saved.clear()
+    reset()
 
 
 # ---- what tensors need of streams -----------------------------------------------

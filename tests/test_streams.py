@@ -112,9 +112,12 @@ def test_torch_accelerator_streams_and_devices(dev):
         assert torch.accelerator.current_stream() is s and torch.flagos.current_stream() is s
     finally:
         torch.accelerator.set_stream(torch.flagos.default_stream())
-    # torch.Stream(device="flagos") is PyTorch's own object for the default stream
-    torch.accelerator.set_stream(torch.Stream(device=dev))
-    assert torch.flagos.current_stream().stream_id == 0
+    # a PyTorch stream object naming a flagos stream by its ids means that stream
+    torch.accelerator.set_stream(s)
+    plain = torch.Stream(stream_id=0, device_index=0, device_type=s.device_type)
+    assert type(plain) is not torch.flagos.Stream
+    torch.accelerator.set_stream(plain)
+    assert torch.flagos.current_stream() == torch.flagos.default_stream()
     torch.accelerator.synchronize()
     torch.accelerator.synchronize(dev)
     last = torch.accelerator.device_count() - 1
@@ -151,6 +154,24 @@ def test_torch_accelerator_memory_matches_torch_flagos(dev):
         assert torch.accelerator.max_memory_allocated() >= base + 1024 * 256 * 4
         torch.accelerator.reset_peak_memory_stats()
         assert torch.accelerator.max_memory_allocated() == base
+
+
+def test_torch_stream_and_event_make_flagos_ones(dev):
+    """PyTorch-generic code (torch.Stream(), torch.Event(device), as transformers writes it)
+    gets working flagos streams and events; other devices get PyTorch's own."""
+    for s in (torch.Stream(), torch.Stream(device=dev, priority=-1), torch.Stream(dev)):
+        assert type(s) is torch.flagos.Stream and isinstance(s, torch.Stream) and s.device == dev
+    with torch.Stream(dev) as s:
+        assert torch.accelerator.current_stream() is s
+    start, end = torch.Event(dev, enable_timing=True), torch.Event(device=dev, enable_timing=True)
+    assert type(start) is torch.flagos.Event and isinstance(start, torch.Event)
+    start.record()
+    end.record()
+    end.synchronize()  # PyTorch's own event on a Python backend refuses this
+    assert start.elapsed_time(end) >= 0
+    cpu_stream, cpu_event = torch.Stream(device="cpu"), torch.Event(device="cpu")
+    assert type(cpu_stream) is torch._C.Stream and cpu_stream.device.type == "cpu"
+    assert type(cpu_event) is torch._C.Event and isinstance(cpu_event, torch.Event)
 
 
 def test_record_stream_on_a_flagos_tensor(dev):
@@ -198,10 +219,14 @@ def test_release_gives_torch_accelerator_back():
         import torch, flagos
         from flagos import _registration
         original = torch._C._accelerator_synchronizeDevice
+        stream_type, event_type = torch.Stream, torch.Event
         flagos.activate("cpu")
         torch.accelerator.synchronize()
+        assert type(torch.Stream()) is torch.flagos.Stream
         _registration.release()
         assert torch._C._accelerator_synchronizeDevice is original
+        assert (torch.Stream, torch.Event) == (stream_type, event_type)
+        assert torch.Stream(flagos.device()).stream_id == 0  # PyTorch's own again
         try:
             torch.accelerator.synchronize()
         except RuntimeError as e:
