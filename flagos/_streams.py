@@ -112,47 +112,18 @@ class _Synchronous:
 
 
 class _Adapter:
-    """Adapter chips with the ABI 1.1 stream/event entries: every call goes to the adapter."""
+    """Adapter chips with the ABI 1.1 stream/event entries: every call is the adapter's own
+    (flagos._C.Adapter has a method of the same name and arguments for each)."""
 
     def __init__(self, adapter):
         self.adapter = adapter
 
-    def stream_create(self, index, priority):
-        return self.adapter.stream_create(index, priority)
-
-    def stream_destroy(self, index, handle):
-        self.adapter.stream_destroy(index, handle)
-
-    def set_stream(self, index, handle):
-        self.adapter.set_stream(index, handle)
-
-    def stream_synchronize(self, index, handle):
-        self.adapter.stream_synchronize(index, handle)
-
-    def stream_query(self, index, handle):
-        return self.adapter.stream_query(index, handle)
-
-    def stream_wait_event(self, index, stream, event):
-        self.adapter.stream_wait_event(index, stream, event)
+    def __getattr__(self, name):
+        return getattr(self.adapter, name)
 
     def event_create(self, index, timing):
         from . import _C
         return self.adapter.event_create(index, _C.ADAPTER_EVENT_TIMING if timing else 0)
-
-    def event_destroy(self, index, handle):
-        self.adapter.event_destroy(index, handle)
-
-    def event_record(self, index, handle, stream):
-        self.adapter.event_record(index, handle, stream)
-
-    def event_synchronize(self, index, handle):
-        self.adapter.event_synchronize(index, handle)
-
-    def event_query(self, index, handle):
-        return self.adapter.event_query(index, handle)
-
-    def event_elapsed_ms(self, index, start, end):
-        return self.adapter.event_elapsed_ms(index, start, end)
 
 
 def engine():
@@ -162,7 +133,8 @@ def engine():
     if _engine_chip is not chip:
         from .chips.adapter import AdapterChip
         adapter = chip.adapter if isinstance(chip, AdapterChip) else None
-        _engine = _Adapter(adapter) if adapter is not None and adapter.has_streams else _Synchronous(chip)
+        has_streams = adapter is not None and adapter.has_streams
+        _engine = _Adapter(adapter) if has_streams else _Synchronous(chip)
         _engine_chip = chip
     return _engine
 
@@ -327,9 +299,10 @@ class Event(_TORCH_EVENT):
             raise ValueError("interprocess events are not supported on flagos; create the "
                              "event with interprocess=False")
         index = _index(device)
-        self = _TORCH_EVENT.__new__(cls, torch.device("flagos", index), enable_timing=enable_timing,
-                                   blocking=blocking)
-        self._index, self._timing, self._handle, self._engine = index, bool(enable_timing), None, None
+        self = _TORCH_EVENT.__new__(cls, torch.device("flagos", index),
+                                    enable_timing=enable_timing, blocking=blocking)
+        self._index, self._timing = index, bool(enable_timing)
+        self._handle = self._engine = None   # created at the first record(), on its device
         return self
 
     def __init__(self, *args, **kwargs):
