@@ -792,6 +792,162 @@ static PyObject *adapter_run_kernel(AdapterObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* ---- streams and events (ABI 1.1; only when the adapter fills them) -------- */
+
+static int need_streams(AdapterObject *self)
+{
+    if (self->has_streams)
+        return 0;
+    PyErr_Format(PyExc_RuntimeError, "chip adapter %s has no stream/event entries (adapter ABI "
+                 "1.1): its devices run synchronously; check Adapter.has_streams first",
+                 self->api->name);
+    return -1;
+}
+
+/* The result of a call that returns a new handle: 0 is not one (the default stream, or
+ * nothing), so a "success" with 0 breaks the ABI. */
+static PyObject *new_handle(AdapterObject *self, int32_t rc, const char *call, int device,
+                            const flagos_status *st, uint64_t handle)
+{
+    if (adapter_check(self, rc, call, device, st) < 0)
+        return NULL;
+    if (handle == 0) {
+        broken_answer(self, "%s() on device %d returned success and handle 0", call, device);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(handle);
+}
+
+/* stream_create(device, priority) -> stream handle */
+static PyObject *adapter_stream_create(AdapterObject *self, PyObject *args)
+{
+    int device, priority;
+    flagos_stream stream = 0;
+    flagos_status st = {0};
+    if (!PyArg_ParseTuple(args, "ii", &device, &priority) || need_streams(self) < 0)
+        return NULL;
+    int32_t rc = self->api->stream_create(device, priority, &stream, &st);
+    return new_handle(self, rc, "stream_create", device, &st, stream);
+}
+
+/* event_create(device, flags) -> event handle */
+static PyObject *adapter_event_create(AdapterObject *self, PyObject *args)
+{
+    int device;
+    unsigned int flags;
+    flagos_event event = 0;
+    flagos_status st = {0};
+    if (!PyArg_ParseTuple(args, "iI", &device, &flags) || need_streams(self) < 0)
+        return NULL;
+    int32_t rc = self->api->event_create(device, (uint32_t)flags, &event, &st);
+    return new_handle(self, rc, "event_create", device, &st, event);
+}
+
+typedef int32_t (*handle_call)(int32_t, uint64_t, flagos_status *);
+
+/* The calls (device, handle) -> status: destroy, set_stream, synchronize. */
+static PyObject *on_handle(AdapterObject *self, PyObject *args, handle_call fn, const char *name)
+{
+    int device;
+    unsigned long long handle;
+    flagos_status st = {0};
+    if (!PyArg_ParseTuple(args, "iK", &device, &handle))
+        return NULL;
+    if (adapter_check(self, fn(device, (uint64_t)handle, &st), name, device, &st) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+#define ON_HANDLE(f)                                                                  \
+    static PyObject *adapter_##f(AdapterObject *self, PyObject *args)                 \
+    {                                                                                 \
+        /* a 1.0 table ends before these fields: never read them without the group */ \
+        if (need_streams(self) < 0)                                                   \
+            return NULL;                                                              \
+        return on_handle(self, args, self->api->f, #f);                               \
+    }
+ON_HANDLE(stream_destroy)
+ON_HANDLE(set_stream)
+ON_HANDLE(stream_synchronize)
+ON_HANDLE(event_destroy)
+ON_HANDLE(event_synchronize)
+#undef ON_HANDLE
+
+typedef int32_t (*query_call)(int32_t, uint64_t, int32_t *, flagos_status *);
+
+static PyObject *query(AdapterObject *self, PyObject *args, int events)
+{
+    int device;
+    unsigned long long handle;
+    int32_t done = 0;
+    flagos_status st = {0};
+    if (!PyArg_ParseTuple(args, "iK", &device, &handle) || need_streams(self) < 0)
+        return NULL;
+    query_call fn = events ? self->api->event_query : self->api->stream_query;
+    if (adapter_check(self, fn(device, (uint64_t)handle, &done, &st),
+                      events ? "event_query" : "stream_query", device, &st) < 0)
+        return NULL;
+    return PyBool_FromLong(done != 0);
+}
+
+/* stream_query(device, stream) / event_query(device, event) -> whether the work is done */
+static PyObject *adapter_stream_query(AdapterObject *self, PyObject *args)
+{
+    return query(self, args, 0);
+}
+
+static PyObject *adapter_event_query(AdapterObject *self, PyObject *args)
+{
+    return query(self, args, 1);
+}
+
+/* stream_wait_event(device, stream, event) / event_record(device, event, stream) */
+static PyObject *adapter_stream_wait_event(AdapterObject *self, PyObject *args)
+{
+    int device;
+    unsigned long long stream, event;
+    flagos_status st = {0};
+    if (!PyArg_ParseTuple(args, "iKK", &device, &stream, &event) || need_streams(self) < 0)
+        return NULL;
+    int32_t rc = self->api->stream_wait_event(device, (flagos_stream)stream, (flagos_event)event, &st);
+    if (adapter_check(self, rc, "stream_wait_event", device, &st) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *adapter_event_record(AdapterObject *self, PyObject *args)
+{
+    int device;
+    unsigned long long event, stream;
+    flagos_status st = {0};
+    if (!PyArg_ParseTuple(args, "iKK", &device, &event, &stream) || need_streams(self) < 0)
+        return NULL;
+    int32_t rc = self->api->event_record(device, (flagos_event)event, (flagos_stream)stream, &st);
+    if (adapter_check(self, rc, "event_record", device, &st) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* event_elapsed_ms(device, start, end) -> milliseconds between two completed timing events */
+static PyObject *adapter_event_elapsed_ms(AdapterObject *self, PyObject *args)
+{
+    int device;
+    unsigned long long start, end;
+    double ms = 0.0;
+    flagos_status st = {0};
+    if (!PyArg_ParseTuple(args, "iKK", &device, &start, &end) || need_streams(self) < 0)
+        return NULL;
+    int32_t rc = self->api->event_elapsed_ms(device, (flagos_event)start, (flagos_event)end, &ms, &st);
+    if (adapter_check(self, rc, "event_elapsed_ms", device, &st) < 0)
+        return NULL;
+    return PyFloat_FromDouble(ms);
+}
+
+static PyObject *adapter_get_has_streams(AdapterObject *self, void *Py_UNUSED(c))
+{
+    return PyBool_FromLong(self->has_streams);
+}
+
 static PyObject *adapter_get_name(AdapterObject *self, void *Py_UNUSED(c))
 {
     return PyUnicode_FromString(self->api->name);
@@ -817,6 +973,8 @@ static PyGetSetDef adapter_getset[] = {
     {"vendor", (getter)adapter_get_vendor, NULL, "vendor", NULL},
     {"abi", (getter)adapter_get_abi, NULL, "(major, minor) the adapter was built for", NULL},
     {"path", (getter)adapter_get_path, NULL, "the shared library", NULL},
+    {"has_streams", (getter)adapter_get_has_streams, NULL,
+     "whether it fills the stream/event entries (ABI 1.1); without them it runs synchronously", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -834,6 +992,27 @@ static PyMethodDef adapter_methods[] = {
      "alloc_tensor(device, sizes, strides | None, itemsize) -> Buffer, the layout checked first"},
     {"run_kernel", (PyCFunction)adapter_run_kernel, METH_VARARGS,
      "run_kernel(index, device, inputs, outputs, scalars, ints)"},
+    {"stream_create", (PyCFunction)adapter_stream_create, METH_VARARGS,
+     "stream_create(device, priority) -> stream handle"},
+    {"stream_destroy", (PyCFunction)adapter_stream_destroy, METH_VARARGS, "stream_destroy(device, stream)"},
+    {"set_stream", (PyCFunction)adapter_set_stream, METH_VARARGS,
+     "set_stream(device, stream): where the device's work goes from now on (0: default)"},
+    {"stream_synchronize", (PyCFunction)adapter_stream_synchronize, METH_VARARGS,
+     "stream_synchronize(device, stream)"},
+    {"stream_query", (PyCFunction)adapter_stream_query, METH_VARARGS,
+     "stream_query(device, stream) -> bool"},
+    {"stream_wait_event", (PyCFunction)adapter_stream_wait_event, METH_VARARGS,
+     "stream_wait_event(device, stream, event)"},
+    {"event_create", (PyCFunction)adapter_event_create, METH_VARARGS,
+     "event_create(device, flags) -> event handle"},
+    {"event_destroy", (PyCFunction)adapter_event_destroy, METH_VARARGS, "event_destroy(device, event)"},
+    {"event_record", (PyCFunction)adapter_event_record, METH_VARARGS,
+     "event_record(device, event, stream)"},
+    {"event_synchronize", (PyCFunction)adapter_event_synchronize, METH_VARARGS,
+     "event_synchronize(device, event)"},
+    {"event_query", (PyCFunction)adapter_event_query, METH_VARARGS, "event_query(device, event) -> bool"},
+    {"event_elapsed_ms", (PyCFunction)adapter_event_elapsed_ms, METH_VARARGS,
+     "event_elapsed_ms(device, start, end) -> float"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -857,6 +1036,40 @@ static const struct { const char *name; size_t offset; } required[] = {
     REQ(copy_h2d), REQ(copy_d2h), REQ(copy_d2d), REQ(synchronize), REQ(error_name),
 #undef REQ
 };
+
+/* The optional stream/event entries of ABI 1.1: all of them or none. */
+static const struct { const char *name; size_t offset; } stream_group[] = {
+#define OPT(f) {#f, offsetof(flagos_adapter, f)}
+    OPT(stream_create), OPT(stream_destroy), OPT(set_stream), OPT(stream_synchronize),
+    OPT(stream_query), OPT(stream_wait_event), OPT(event_create), OPT(event_destroy),
+    OPT(event_record), OPT(event_synchronize), OPT(event_query), OPT(event_elapsed_ms),
+#undef OPT
+};
+#define SIZE_1_1 (offsetof(flagos_adapter, event_elapsed_ms) + sizeof(void (*)(void)))
+#define N_STREAM_ENTRIES (sizeof(stream_group) / sizeof(stream_group[0]))
+static const char *missing_entry = "";
+
+/* Sets *has to whether the table fills the stream group; -1 (missing_entry set) when it
+ * fills only part of it. A table too short to hold the group has none of it. */
+static int stream_entries(const flagos_adapter *api, int *has)
+{
+    size_t filled = 0;
+    *has = 0;
+    if (api->struct_size < SIZE_1_1)
+        return 0;
+    for (size_t i = 0; i < N_STREAM_ENTRIES; i++) {
+        void *fn;
+        memcpy(&fn, (const char *)api + stream_group[i].offset, sizeof(fn));
+        if (fn != NULL)
+            filled++;
+        else
+            missing_entry = stream_group[i].name;
+    }
+    if (filled != 0 && filled != N_STREAM_ENTRIES)
+        return -1;
+    *has = filled == N_STREAM_ENTRIES;
+    return 0;
+}
 
 static PyObject *load_error(PyObject *path, const char *fmt, ...)
 {
@@ -912,10 +1125,20 @@ PyObject *flagos_load_adapter(PyObject *Py_UNUSED(module), PyObject *path_obj)
         dlclose(lib);
         goto done;
     }
-    size_t needed = offsetof(flagos_adapter, kernels) + sizeof(api->kernels);
+    /* A table must hold every field of the minor it claims (1.0's at least); fields of later
+     * minors than flagos knows are never read. */
+    unsigned minor = api->abi_minor < FLAGOS_ADAPTER_ABI_MINOR ? api->abi_minor : FLAGOS_ADAPTER_ABI_MINOR;
+    size_t needed = minor >= 1 ? SIZE_1_1 : FLAGOS_ADAPTER_SIZE_1_0;
     if (api->struct_size < needed) {
-        load_error(path, "its adapter table is %zu bytes, shorter than ABI %d.0 requires (%zu)",
-                   api->struct_size, FLAGOS_ADAPTER_ABI_MAJOR, needed);
+        load_error(path, "its adapter table is %zu bytes, shorter than ABI %d.%u requires (%zu)",
+                   api->struct_size, FLAGOS_ADAPTER_ABI_MAJOR, minor, needed);
+        dlclose(lib);
+        goto done;
+    }
+    int has_streams = 0;
+    if (stream_entries(api, &has_streams) < 0) {
+        load_error(path, "it fills some of the optional stream/event entries but not '%s'; fill "
+                   "all of them or none (see the ABI 1.1 section of adapter.h)", missing_entry);
         dlclose(lib);
         goto done;
     }
@@ -958,6 +1181,7 @@ PyObject *flagos_load_adapter(PyObject *Py_UNUSED(module), PyObject *path_obj)
     }
     a->library = lib;
     a->api = api;
+    a->has_streams = has_streams;
     a->path = Py_NewRef(path);
     for (int i = 0; i < MAX_ADAPTERS; i++) {
         if (open_adapters[i] == NULL) {
@@ -980,7 +1204,8 @@ int flagos_adapter_types_ready(PyObject *module)
         PyModule_AddObjectRef(module, "Adapter", (PyObject *)&Adapter_Type) < 0)
         return -1;
     return PyModule_AddIntConstant(module, "ADAPTER_ABI_MAJOR", FLAGOS_ADAPTER_ABI_MAJOR) < 0 ||
-                   PyModule_AddIntConstant(module, "ADAPTER_ABI_MINOR", FLAGOS_ADAPTER_ABI_MINOR) < 0
+                   PyModule_AddIntConstant(module, "ADAPTER_ABI_MINOR", FLAGOS_ADAPTER_ABI_MINOR) < 0 ||
+                   PyModule_AddIntConstant(module, "ADAPTER_EVENT_TIMING", FLAGOS_EVENT_TIMING) < 0
                ? -1
                : 0;
 }

@@ -12,6 +12,7 @@ typedef struct {
     PyObject_HEAD
     void *library;              /* dlopen handle, closed with the object */
     const flagos_adapter *api;  /* the adapter's static table */
+    int has_streams;            /* it fills the ABI 1.1 stream/event entries */
     PyObject *path;
 } AdapterObject;
 

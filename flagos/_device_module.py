@@ -5,9 +5,13 @@ allocator on the cuda chip and the host on the cpu chip.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from . import _runtime
+from ._streams import (Event, Stream, StreamContext, current_stream, default_stream,  # noqa: F401
+                       set_stream, stream)
 
 
 def _index(device=None) -> int:
@@ -83,6 +87,30 @@ def memory_reserved(device=None) -> int:
 def reset_peak_memory_stats(device=None) -> None:
     state = _runtime.active()
     state.chip.reset_peak_memory_stats(state.chip_index(_index(device)))
+
+
+def max_memory_reserved(device=None) -> int:
+    """Peak of memory_reserved(): the chip's own figure where it keeps one; otherwise the best
+    lower bound flagos has (the reserved bytes now, or the peak of allocated bytes)."""
+    state = _runtime.active()
+    index = state.chip_index(_index(device))
+    own = getattr(state.chip, "_mem", None)   # torch-native chips: torch.<chip>'s figure
+    peak = own("max_memory_reserved", index, None) if own else None
+    if peak is not None:
+        return int(peak)
+    return max(state.chip.memory_reserved(index), state.chip.max_memory_allocated(index))
+
+
+def memory_stats(device=None) -> "OrderedDict[str, int]":
+    """The allocator statistics every chip reports, under PyTorch's key names (the subset of
+    torch.cuda.memory_stats() that flagos can answer on every chip)."""
+    index = _index(device)
+    allocated, peak = memory_allocated(index), max_memory_allocated(index)
+    reserved, reserved_peak = memory_reserved(index), max_memory_reserved(index)
+    return OrderedDict([
+        ("allocated_bytes.all.current", allocated), ("allocated_bytes.all.peak", peak),
+        ("reserved_bytes.all.current", reserved), ("reserved_bytes.all.peak", reserved_peak),
+    ])
 
 
 def empty_cache() -> None:

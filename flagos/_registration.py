@@ -47,10 +47,14 @@ def slot_owner() -> str | None:
 
 def claim(device_module) -> None:
     """Rename PrivateUse1 to flagos and register what PyTorch expects of a backend."""
-    global _factory_lib, _copy_lib
     owner = slot_owner()
-    if owner == NAME:
-        return
+    if owner != NAME:
+        _register(owner, device_module)
+    _install_runtime(device_module)
+
+
+def _register(owner, device_module) -> None:
+    global _factory_lib, _copy_lib
     if owner is not None:
         raise ConfigError(
             f"PyTorch's PrivateUse1 device slot is already taken by '{owner}' (a vendor "
@@ -102,3 +106,94 @@ def _restore_storage(storage, location: str):
 
 def _copy_from(src, dst, non_blocking=False):
     return _C.dispatch_factory(torch.ops.aten.copy_.default, dst, src, non_blocking)
+
+
+# ---- what a Python backend cannot register: generators, streams, torch.accelerator ----------
+
+_saved_accelerator: dict[str, object] = {}
+
+
+def _accelerator_functions(dm) -> dict:
+    """PyTorch's torch.accelerator reads these torch._C functions at each call; for a Python
+    backend they raise (synchronize, device capability) or hit an internal assert (every
+    memory statistic: the flagos allocator is not a c10 DeviceAllocator)."""
+    from . import _streams
+
+    def exchange_device(index: int) -> int:
+        previous = dm.current_device()
+        if index >= 0 and index != previous:
+            dm.set_device(index)
+        return previous
+
+    def set_device_index(index: int) -> None:
+        if index >= 0:  # -1 means "no device", as on CUDA
+            dm.set_device(index)
+
+    def device_stats(index: int) -> dict:
+        stats = {}
+        for key, value in dm.memory_stats(index).items():
+            group, pool, stat = key.split(".")
+            stats.setdefault(group, {}).setdefault(pool, {})[stat] = value
+        return stats
+
+    def device_capability(index: int) -> dict:
+        # The dtypes a flagos tensor can hold: every adapter dtype on an adapter chip (what
+        # the chip cannot compute in falls back), the payload device's own on the others.
+        from .chips.adapter import DTYPE_NAMES, AdapterChip
+        chip = _runtime_state().chip
+        names = DTYPE_NAMES if isinstance(chip, AdapterChip) else chip.native_dtypes
+        return {"supported_dtypes": {getattr(torch, n) for n in names}}
+
+    return {
+        "_accelerator_synchronizeDevice": lambda index: dm.synchronize(index),
+        "_accelerator_getDeviceIndex": dm.current_device,
+        "_accelerator_setDeviceIndex": set_device_index,
+        "_accelerator_exchangeDevice": exchange_device,
+        "_accelerator_maybeExchangeDevice": exchange_device,
+        "_accelerator_getStream": lambda index: _streams.current_stream(index),
+        "_accelerator_setStream": _streams.set_stream,
+        "_accelerator_getDeviceCapability": device_capability,
+        "_accelerator_isAllocatorInitialized": lambda: True,
+        "_accelerator_emptyCache": dm.empty_cache,
+        "_accelerator_emptyHostCache": lambda: None,  # flagos keeps no pinned-memory cache
+        "_accelerator_getDeviceStats": device_stats,
+        "_accelerator_resetPeakStats": lambda index: dm.reset_peak_memory_stats(index),
+        "_accelerator_resetAccumulatedStats": lambda index: None,  # no accumulated counters
+        "_accelerator_getMemoryInfo": lambda index: dm.mem_get_info(index),
+    }
+
+
+def _runtime_state():
+    from . import _runtime
+    return _runtime.active()
+
+
+def _install_runtime(device_module) -> None:
+    """torch.Generator, torch.Stream and torch.Event for the flagos device, and the
+    torch.accelerator API."""
+    from . import _generator, _routes, _streams
+    _generator.install()
+    _streams.install()
+    _routes.register_kernel("aten::record_stream", _record_stream)
+    if _saved_accelerator:
+        return
+    for name, fn in _accelerator_functions(device_module).items():
+        if hasattr(torch._C, name):  # an older PyTorch has fewer of them
+            _saved_accelerator[name] = getattr(torch._C, name)
+            setattr(torch._C, name, fn)
+
+
+def release() -> None:
+    """Undo _install_runtime (deactivation): PyTorch's own functions come back."""
+    from . import _generator, _routes, _streams
+    _generator.uninstall()
+    _streams.uninstall()
+    _routes.unregister_kernel("aten::record_stream")
+    for name, fn in _saved_accelerator.items():
+        setattr(torch._C, name, fn)
+    _saved_accelerator.clear()
+
+
+def _record_stream(tensor, stream) -> None:
+    from . import _streams
+    _streams.record_stream(tensor, stream)

@@ -318,6 +318,8 @@ def deactivate() -> None:
                               "registration lasts for the life of the process")
         _active.native_mode.__exit__(None, None, None)
         _C.deconfigure()
+        from . import _registration
+        _registration.release()  # torch.Generator and torch.accelerator back to PyTorch's own
         _active = None
 
 

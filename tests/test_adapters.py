@@ -15,6 +15,7 @@ pytestmark = device_mode_only
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 INCLUDE = ROOT / "csrc" / "include"
+MAJOR, MINOR = _C.ADAPTER_ABI_MAJOR, _C.ADAPTER_ABI_MINOR
 
 
 def guide_example() -> str:
@@ -74,8 +75,8 @@ def test_wrong_abi_major(tmp_path):
                                      ".abi_major = FLAGOS_ADAPTER_ABI_MAJOR + 1,")
     lib = build(tmp_path, "future", source)
     with pytest.raises(flagos.errors.AdapterError,
-                       match=rf"{re.escape(str(lib))}: it was built for adapter ABI 2\.0, and this "
-                             r"flagos speaks 1\.0; rebuild it"):
+                       match=rf"{re.escape(str(lib))}: it was built for adapter ABI {MAJOR + 1}\."
+                             rf"{MINOR}, and this flagos speaks {MAJOR}\.{MINOR}; rebuild it"):
         load(str(lib))
 
 
@@ -108,7 +109,7 @@ def test_auto_moves_past_a_broken_adapter(tmp_path):
         print("CHIP", flagos.activate("auto")["chip"])
     """, env={"FLAGOS_ADAPTER_PATH": str(tmp_path)})
     assert "CHIP cpu" in proc.stdout
-    assert "chip future skipped" in proc.stderr and "adapter ABI 2.0" in proc.stderr
+    assert "chip future skipped" in proc.stderr and f"adapter ABI {MAJOR + 1}.{MINOR}" in proc.stderr
     named = run_python("""
         import flagos
         try:
@@ -116,7 +117,7 @@ def test_auto_moves_past_a_broken_adapter(tmp_path):
         except flagos.errors.AdapterError as e:
             print("ERR", e)
     """, env={"FLAGOS_ADAPTER_PATH": str(tmp_path)})
-    assert "ERR cannot use chip adapter" in named.stdout and "ABI 2.0" in named.stdout
+    assert "ERR cannot use chip adapter" in named.stdout and f"ABI {MAJOR + 1}.{MINOR}" in named.stdout
 
 
 def test_missing_adapter_names_the_search_path():
@@ -133,7 +134,8 @@ def test_missing_adapter_names_the_search_path():
 def test_abi_constants_match_the_header():
     header = (INCLUDE / "flagos" / "adapter.h").read_text()
     major = int(re.search(r"#define FLAGOS_ADAPTER_ABI_MAJOR (\d+)", header).group(1))
-    assert _C.ADAPTER_ABI_MAJOR == major
+    minor = int(re.search(r"#define FLAGOS_ADAPTER_ABI_MINOR (\d+)", header).group(1))
+    assert (_C.ADAPTER_ABI_MAJOR, _C.ADAPTER_ABI_MINOR) == (major, minor) == (1, 1)
     assert os.path.isfile(ROOT / "flagos" / "adapters" / "libflagos_sim_adapter.so")
 
 

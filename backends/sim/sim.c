@@ -5,6 +5,12 @@
  * like hardware does: out of memory past its capacity, and, for tests, on the Nth
  * allocation (FLAGOS_SIM_FAIL_ALLOC_AT) or with a device in a sticky failed state
  * (FLAGOS_SIM_FAIL_DEVICE). Kernels for a subset of aten live in kernels.c.
+ *
+ * Streams and events (adapter ABI 1.1) are real handles with the ABI's checks, but sim runs
+ * all work synchronously, on the calling thread: a stream is complete as soon as a call
+ * returns, and an event's timestamp is taken when it is recorded. sim counts the calls of
+ * each stream/event entry and the copies each stream received, and exports them
+ * (flagos_sim_calls, flagos_sim_stream_copies) so tests can see that flagos used them.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <ctype.h>
@@ -14,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <uthash.h>
 
 #include "sim_internal.h"
@@ -35,7 +42,29 @@ typedef struct sim_device {
     uint64_t allocated;
     uint64_t peak;
     int failed; /* sticky: every later call on this device fails */
+    flagos_stream current; /* where work goes (set_stream); 0: the default stream */
+    uint64_t default_copies;
 } sim_device;
+
+/* A stream or an event: one handle space for both, never reused. */
+typedef struct sim_object {
+    uint64_t handle; /* key */
+    int32_t device;
+    int is_event;
+    uint32_t flags;      /* events: FLAGOS_EVENT_TIMING */
+    int recorded;        /* events */
+    struct timespec when; /* events: when recorded */
+    uint64_t copies;     /* streams: copies issued on it */
+    UT_hash_handle hh;
+} sim_object;
+
+/* The entries whose calls sim counts, in the order of sim.calls[]. */
+static const char *const counted[] = {
+    "stream_create", "stream_destroy", "set_stream", "stream_synchronize", "stream_query",
+    "stream_wait_event", "event_create", "event_destroy", "event_record", "event_synchronize",
+    "event_query", "event_elapsed_ms",
+};
+enum { N_COUNTED = sizeof(counted) / sizeof(counted[0]) };
 
 static struct {
     pthread_mutex_t lock;
@@ -48,6 +77,8 @@ static struct {
     uint64_t alloc_calls;
     uint64_t fail_alloc_at; /* 0: never */
     uint64_t native_dtypes;
+    sim_object *objects;
+    uint64_t calls[N_COUNTED];
 } sim = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* ---- status ------------------------------------------------------------ */
@@ -202,6 +233,11 @@ static void free_all(void)
         HASH_DEL(sim.allocations, a);
         free(a->memory);
         free(a);
+    }
+    sim_object *o, *otmp;
+    HASH_ITER(hh, sim.objects, o, otmp) {
+        HASH_DEL(sim.objects, o);
+        free(o);
     }
 }
 
@@ -411,6 +447,19 @@ static int32_t sim_empty_cache(int32_t device, flagos_status *status)
 
 /* ---- copies ------------------------------------------------------------ */
 
+/* Caller holds the lock; the device is valid. A copy is work of the device's current stream. */
+static void count_copy(int32_t device)
+{
+    flagos_stream current = sim.devices[device].current;
+    sim_object *o = NULL;
+    if (current != 0)
+        HASH_FIND(hh, sim.objects, &current, sizeof(current), o);
+    if (o != NULL)
+        o->copies++;
+    else
+        sim.devices[device].default_copies++;
+}
+
 static int32_t range_check(const sim_allocation *a, uint64_t offset, uint64_t nbytes,
                            flagos_status *status)
 {
@@ -433,6 +482,7 @@ static int32_t sim_copy_h2d(int32_t device, flagos_buffer dst, uint64_t dst_offs
     else if ((rc = range_check(a, dst_offset, nbytes, status)) == SIM_SUCCESS) {
         if (nbytes)
             memcpy((char *)a->memory + dst_offset, src, nbytes);
+        count_copy(device);
         rc = sim_ok(status);
     }
     pthread_mutex_unlock(&sim.lock);
@@ -450,6 +500,7 @@ static int32_t sim_copy_d2h(int32_t device, void *dst, flagos_buffer src, uint64
     else if ((rc = range_check(a, src_offset, nbytes, status)) == SIM_SUCCESS) {
         if (nbytes)
             memcpy(dst, (const char *)a->memory + src_offset, nbytes);
+        count_copy(device);
         rc = sim_ok(status);
     }
     pthread_mutex_unlock(&sim.lock);
@@ -470,6 +521,7 @@ static int32_t sim_copy_d2d(int32_t dst_device, flagos_buffer dst, uint64_t dst_
              (rc = range_check(s, src_offset, nbytes, status)) == SIM_SUCCESS) {
         if (nbytes)
             memmove((char *)d->memory + dst_offset, (const char *)s->memory + src_offset, nbytes);
+        count_copy(dst_device);
         rc = sim_ok(status);
     }
     pthread_mutex_unlock(&sim.lock);
@@ -482,6 +534,242 @@ static int32_t sim_synchronize(int32_t device, flagos_status *status)
     int32_t rc = check_device(device, status); /* work is synchronous: nothing to wait for */
     pthread_mutex_unlock(&sim.lock);
     return rc == SIM_SUCCESS ? sim_ok(status) : rc;
+}
+
+/* ---- streams and events (synchronous) ------------------------------------ */
+
+enum {
+    C_STREAM_CREATE, C_STREAM_DESTROY, C_SET_STREAM, C_STREAM_SYNCHRONIZE, C_STREAM_QUERY,
+    C_STREAM_WAIT_EVENT, C_EVENT_CREATE, C_EVENT_DESTROY, C_EVENT_RECORD, C_EVENT_SYNCHRONIZE,
+    C_EVENT_QUERY, C_EVENT_ELAPSED_MS,
+};
+
+/* Caller holds the lock: count the call, check the device. */
+static int32_t enter(int which, int32_t device, flagos_status *status)
+{
+    sim.calls[which]++;
+    return check_device(device, status);
+}
+
+/* Caller holds the lock. The stream or event `handle` of `device` (NULL and a failed status
+ * when there is none); a stream of 0 is the default stream and gives NULL with success. */
+static sim_object *lookup(int32_t device, uint64_t handle, int is_event, flagos_status *status)
+{
+    sim_object *o = NULL;
+    if (!is_event && handle == 0) {
+        sim_ok(status);
+        return NULL;
+    }
+    HASH_FIND(hh, sim.objects, &handle, sizeof(handle), o);
+    if (o == NULL || o->device != device || o->is_event != is_event) {
+        sim_fail(status, SIM_ERROR_INVALID_HANDLE, "%s %llu is not a live %s of sim device %d",
+                 is_event ? "event" : "stream", (unsigned long long)handle,
+                 is_event ? "event" : "stream", device);
+        return NULL;
+    }
+    sim_ok(status);
+    return o;
+}
+
+static int32_t new_object(int which, int32_t device, int is_event, uint32_t flags,
+                          uint64_t *handle, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = enter(which, device, status);
+    if (rc == SIM_SUCCESS) {
+        sim_object *o = calloc(1, sizeof(*o));
+        if (o == NULL) {
+            rc = sim_fail(status, SIM_ERROR_OUT_OF_MEMORY, "host memory behind sim ran out");
+        } else {
+            o->handle = sim.next_handle++; /* shared with buffers: never 0, never reused */
+            o->device = device;
+            o->is_event = is_event;
+            o->flags = flags;
+            HASH_ADD(hh, sim.objects, handle, sizeof(o->handle), o);
+            *handle = o->handle;
+            rc = sim_ok(status);
+        }
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+static int32_t destroy_object(int which, int32_t device, uint64_t handle, int is_event,
+                              flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = enter(which, device, status);
+    if (rc == SIM_SUCCESS && !is_event && handle == 0)
+        rc = sim_fail(status, SIM_ERROR_INVALID_HANDLE, "the default stream cannot be destroyed");
+    if (rc == SIM_SUCCESS) {
+        sim_object *o = lookup(device, handle, is_event, status);
+        if (o == NULL) {
+            rc = status->code;
+        } else if (!is_event && sim.devices[device].current == handle) {
+            rc = sim_fail(status, SIM_ERROR_INVALID_VALUE, "stream %llu is the current stream "
+                          "of sim device %d; set another first", (unsigned long long)handle, device);
+        } else {
+            HASH_DEL(sim.objects, o);
+            free(o);
+        }
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+/* The calls that only check their handle: work is synchronous, so nothing is pending. */
+static int32_t check_object(int which, int32_t device, uint64_t handle, int is_event,
+                            int32_t *done, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = enter(which, device, status);
+    if (rc == SIM_SUCCESS && lookup(device, handle, is_event, status) == NULL && status->code != 0)
+        rc = status->code;
+    if (rc == SIM_SUCCESS && done != NULL)
+        *done = 1;
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+static int32_t sim_stream_create(int32_t device, int32_t priority, flagos_stream *stream,
+                                 flagos_status *status)
+{
+    (void)priority; /* one queue runs everything in order, whatever its priority */
+    return new_object(C_STREAM_CREATE, device, 0, 0, stream, status);
+}
+
+static int32_t sim_stream_destroy(int32_t device, flagos_stream stream, flagos_status *status)
+{
+    return destroy_object(C_STREAM_DESTROY, device, stream, 0, status);
+}
+
+static int32_t sim_set_stream(int32_t device, flagos_stream stream, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = enter(C_SET_STREAM, device, status);
+    if (rc == SIM_SUCCESS && lookup(device, stream, 0, status) == NULL && status->code != 0)
+        rc = status->code;
+    if (rc == SIM_SUCCESS)
+        sim.devices[device].current = stream;
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+static int32_t sim_stream_synchronize(int32_t device, flagos_stream stream, flagos_status *status)
+{
+    return check_object(C_STREAM_SYNCHRONIZE, device, stream, 0, NULL, status);
+}
+
+static int32_t sim_stream_query(int32_t device, flagos_stream stream, int32_t *done,
+                                flagos_status *status)
+{
+    return check_object(C_STREAM_QUERY, device, stream, 0, done, status);
+}
+
+static int32_t sim_stream_wait_event(int32_t device, flagos_stream stream, flagos_event event,
+                                     flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = enter(C_STREAM_WAIT_EVENT, device, status);
+    if (rc == SIM_SUCCESS && lookup(device, stream, 0, status) == NULL && status->code != 0)
+        rc = status->code;
+    if (rc == SIM_SUCCESS && lookup(device, event, 1, status) == NULL)
+        rc = status->code;
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+static int32_t sim_event_create(int32_t device, uint32_t flags, flagos_event *event,
+                                flagos_status *status)
+{
+    return new_object(C_EVENT_CREATE, device, 1, flags, event, status);
+}
+
+static int32_t sim_event_destroy(int32_t device, flagos_event event, flagos_status *status)
+{
+    return destroy_object(C_EVENT_DESTROY, device, event, 1, status);
+}
+
+static int32_t sim_event_record(int32_t device, flagos_event event, flagos_stream stream,
+                                flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = enter(C_EVENT_RECORD, device, status);
+    sim_object *o = NULL;
+    if (rc == SIM_SUCCESS && lookup(device, stream, 0, status) == NULL && status->code != 0)
+        rc = status->code;
+    if (rc == SIM_SUCCESS && (o = lookup(device, event, 1, status)) == NULL)
+        rc = status->code;
+    if (rc == SIM_SUCCESS) {
+        clock_gettime(CLOCK_MONOTONIC, &o->when); /* the stream's work is already done */
+        o->recorded = 1;
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+static int32_t sim_event_synchronize(int32_t device, flagos_event event, flagos_status *status)
+{
+    return check_object(C_EVENT_SYNCHRONIZE, device, event, 1, NULL, status);
+}
+
+static int32_t sim_event_query(int32_t device, flagos_event event, int32_t *done,
+                               flagos_status *status)
+{
+    return check_object(C_EVENT_QUERY, device, event, 1, done, status);
+}
+
+static int32_t sim_event_elapsed_ms(int32_t device, flagos_event start, flagos_event end,
+                                    double *ms, flagos_status *status)
+{
+    pthread_mutex_lock(&sim.lock);
+    int32_t rc = enter(C_EVENT_ELAPSED_MS, device, status);
+    sim_object *a = NULL, *b = NULL;
+    if (rc == SIM_SUCCESS && ((a = lookup(device, start, 1, status)) == NULL ||
+                              (b = lookup(device, end, 1, status)) == NULL))
+        rc = status->code;
+    if (rc == SIM_SUCCESS && !((a->flags & b->flags) & FLAGOS_EVENT_TIMING))
+        rc = sim_fail(status, SIM_ERROR_INVALID_VALUE, "both events must be created with timing "
+                      "enabled (FLAGOS_EVENT_TIMING)");
+    else if (rc == SIM_SUCCESS && !(a->recorded && b->recorded))
+        rc = sim_fail(status, SIM_ERROR_INVALID_VALUE, "both events must be recorded before "
+                      "the time between them is asked");
+    if (rc == SIM_SUCCESS)
+        *ms = (double)(b->when.tv_sec - a->when.tv_sec) * 1e3 +
+              (double)(b->when.tv_nsec - a->when.tv_nsec) / 1e6;
+    pthread_mutex_unlock(&sim.lock);
+    return rc;
+}
+
+/* For tests (read with ctypes): how often flagos called a stream/event entry, by name
+ * ("stream_create"); 0 for a name sim does not count. */
+uint64_t flagos_sim_calls(const char *entry)
+{
+    uint64_t n = 0;
+    pthread_mutex_lock(&sim.lock);
+    for (int i = 0; i < N_COUNTED; i++)
+        if (entry != NULL && strcmp(entry, counted[i]) == 0)
+            n = sim.calls[i];
+    pthread_mutex_unlock(&sim.lock);
+    return n;
+}
+
+/* For tests: copies made while `stream` was the current stream of `device` (0: default). */
+uint64_t flagos_sim_stream_copies(int32_t device, uint64_t stream)
+{
+    uint64_t n = 0;
+    pthread_mutex_lock(&sim.lock);
+    if (device >= 0 && device < sim.n_devices) {
+        sim_object *o = NULL;
+        if (stream != 0)
+            HASH_FIND(hh, sim.objects, &stream, sizeof(stream), o);
+        if (stream == 0)
+            n = sim.devices[device].default_copies;
+        else if (o != NULL && !o->is_event)
+            n = o->copies;
+    }
+    pthread_mutex_unlock(&sim.lock);
+    return n;
 }
 
 /* ---- the adapter table ------------------------------------------------- */
@@ -508,6 +796,18 @@ static flagos_adapter sim_adapter = {
     .error_name = sim_error_name,
     .out_of_memory_code = SIM_ERROR_OUT_OF_MEMORY,
     .device_lost_code = SIM_ERROR_DEVICE_LOST,
+    .stream_create = sim_stream_create,
+    .stream_destroy = sim_stream_destroy,
+    .set_stream = sim_set_stream,
+    .stream_synchronize = sim_stream_synchronize,
+    .stream_query = sim_stream_query,
+    .stream_wait_event = sim_stream_wait_event,
+    .event_create = sim_event_create,
+    .event_destroy = sim_event_destroy,
+    .event_record = sim_event_record,
+    .event_synchronize = sim_event_synchronize,
+    .event_query = sim_event_query,
+    .event_elapsed_ms = sim_event_elapsed_ms,
 };
 
 const flagos_adapter *flagos_adapter_get(void)

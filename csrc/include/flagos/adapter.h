@@ -34,6 +34,10 @@
  *  - a kernel table entry without an op name or function, a NULL required entry point, a
  *    table without a name: the library is refused at load with flagos.AdapterError.
  *  - init() failing: the library is refused at load with the code, name and message.
+ *  - a table whose abi_minor is 1 or more but whose struct_size does not cover the fields of
+ *    that minor, or with only some of the optional stream/event entries: refused at load.
+ *  - stream_create() or event_create() returning success with handle 0: flagos.AdapterError
+ *    for that call (nothing is kept, nothing destroyed).
  *
  * docs/adapters.md is the guide to writing one; backends/sim is the reference adapter.
  */
@@ -48,7 +52,7 @@ extern "C" {
 #endif
 
 #define FLAGOS_ADAPTER_ABI_MAJOR 1
-#define FLAGOS_ADAPTER_ABI_MINOR 0
+#define FLAGOS_ADAPTER_ABI_MINOR 1
 #define FLAGOS_ADAPTER_ENTRY "flagos_adapter_get"
 
 #define FLAGOS_MAX_DIMS 8
@@ -173,6 +177,16 @@ typedef struct flagos_kernel {
     uint64_t dtypes;                     /* FLAGOS_DTYPE_BIT mask the kernel accepts */
 } flagos_kernel;
 
+/* ---- streams and events (ABI 1.1) ---------------------------------------- */
+
+/* Opaque handle of one stream of one device; 0 is the device's default stream (it always
+ * exists and is never created or destroyed). */
+typedef uint64_t flagos_stream;
+/* Opaque handle of one event; 0 is never a valid event. */
+typedef uint64_t flagos_event;
+
+#define FLAGOS_EVENT_TIMING 1u                    /* event_create flag: record a timestamp */
+
 /* ---- the adapter table --------------------------------------------------- */
 
 typedef struct flagos_adapter {
@@ -212,7 +226,49 @@ typedef struct flagos_adapter {
 
     int32_t n_kernels;
     const flagos_kernel *kernels;
+
+    /* ---- ABI 1.1: streams and events, optional ---------------------------------------
+     * Fill all of them or none (a table with some of them is refused at load). Without
+     * them, or in an adapter built for 1.0, flagos runs every device synchronously: streams
+     * and events still exist for PyTorch code, and synchronize() is the only wait.
+     *
+     * set_stream() makes `stream` the stream of `device` that the work flagos issues from
+     * then on goes to (copies and kernels), until the next set_stream(); 0 is the default
+     * stream. Work on one stream runs in order; work on two streams may overlap. Copies
+     * to and from the host complete before they return (the host pointer is valid only
+     * during the call) but are ordered after the earlier work of the stream. free() may be
+     * called while queued work still uses the buffer: keep the memory until that work is
+     * done. stream_destroy() is never called for 0, nor for the current stream (flagos
+     * sets the default stream first).
+     *
+     * An event marks a point in one stream: event_record() captures the work queued so far
+     * on `stream`; event_query() and stream_query() set *done to 1 when the work is
+     * complete (an event never recorded is complete); event_elapsed_ms() gives the time
+     * between two completed events created with FLAGOS_EVENT_TIMING. stream_wait_event()
+     * makes later work on `stream` wait for the event without blocking the host. */
+    int32_t (*stream_create)(int32_t device, int32_t priority, flagos_stream *stream,
+                             flagos_status *status);
+    int32_t (*stream_destroy)(int32_t device, flagos_stream stream, flagos_status *status);
+    int32_t (*set_stream)(int32_t device, flagos_stream stream, flagos_status *status);
+    int32_t (*stream_synchronize)(int32_t device, flagos_stream stream, flagos_status *status);
+    int32_t (*stream_query)(int32_t device, flagos_stream stream, int32_t *done,
+                            flagos_status *status);
+    int32_t (*stream_wait_event)(int32_t device, flagos_stream stream, flagos_event event,
+                                 flagos_status *status);
+    int32_t (*event_create)(int32_t device, uint32_t flags, flagos_event *event,
+                            flagos_status *status);
+    int32_t (*event_destroy)(int32_t device, flagos_event event, flagos_status *status);
+    int32_t (*event_record)(int32_t device, flagos_event event, flagos_stream stream,
+                            flagos_status *status);
+    int32_t (*event_synchronize)(int32_t device, flagos_event event, flagos_status *status);
+    int32_t (*event_query)(int32_t device, flagos_event event, int32_t *done,
+                           flagos_status *status);
+    int32_t (*event_elapsed_ms)(int32_t device, flagos_event start, flagos_event end,
+                                double *ms, flagos_status *status);
 } flagos_adapter;
+
+/* struct_size of a table built for ABI 1.0 (before the stream and event entries). */
+#define FLAGOS_ADAPTER_SIZE_1_0 (offsetof(flagos_adapter, kernels) + sizeof(const flagos_kernel *))
 
 typedef const flagos_adapter *(*flagos_adapter_get_fn)(void);
 

@@ -1,0 +1,235 @@
+"""Streams, events and the torch.accelerator API on the flagos device. On the cpu chip streams
+order work as the CPU does (synchronously); on sim they are the adapter's own streams and
+events (adapter ABI 1.1), and sim's call counters show flagos used them."""
+import ctypes
+import time
+
+import pytest
+import torch
+
+import flagos
+from conftest import CHIP, assert_close, device_mode_only, run_python
+
+pytestmark = device_mode_only
+
+
+def sim_counters():
+    """sim's own counts of the stream/event calls flagos made (None on other chips)."""
+    if CHIP != "sim":
+        return None
+    lib = ctypes.CDLL(flagos.chips.profile("sim").adapter.path)
+    lib.flagos_sim_calls.restype = ctypes.c_uint64
+    lib.flagos_sim_stream_copies.restype = ctypes.c_uint64
+    lib.flagos_sim_stream_copies.argtypes = (ctypes.c_int32, ctypes.c_uint64)
+    return lib
+
+
+def test_streams_are_torch_streams_of_the_device(dev):
+    s = torch.flagos.Stream()
+    assert isinstance(s, torch.Stream) and s.device == dev and s.stream_id != 0
+    assert s != torch.flagos.default_stream() and s == s
+    assert torch.flagos.default_stream().stream_id == 0
+    assert torch.flagos.current_stream() == torch.flagos.default_stream()
+    s.synchronize()
+    assert s.query() is True
+    assert torch.flagos.Stream(priority=-1).priority == -1
+
+
+def test_stream_context_makes_work_go_to_the_stream_and_gives_cpu_results(dev):
+    counters = sim_counters()
+    before = counters and counters.flagos_sim_calls(b"set_stream")
+    x = torch.randn(16, 8)
+    s = torch.flagos.Stream()
+    with torch.flagos.stream(s) as entered:
+        assert entered is s and torch.flagos.current_stream() is s
+        assert torch.accelerator.current_stream() == s
+        inner = torch.flagos.Stream()
+        with inner:  # nested: the inner stream is current, then the outer one again
+            assert torch.flagos.current_stream() is inner
+        assert torch.flagos.current_stream() is s
+        y = torch.relu(x.to(dev)) * 2
+    assert torch.flagos.current_stream() == torch.flagos.default_stream()
+    s.synchronize()
+    assert torch.equal(y.cpu(), torch.relu(x) * 2)
+    with torch.flagos.stream(None):  # None changes nothing, as on CUDA
+        assert torch.flagos.current_stream() == torch.flagos.default_stream()
+    if counters:
+        assert counters.flagos_sim_calls(b"set_stream") - before == 4  # s, inner, s, default
+        # the host-to-device copy of x was work of stream s
+        assert counters.flagos_sim_stream_copies(0, s._handle) >= 1
+
+
+def test_events_record_wait_query_and_time(dev):
+    counters = sim_counters()
+    before = counters and counters.flagos_sim_calls(b"event_record")
+    start = torch.flagos.Event(enable_timing=True)
+    end = torch.flagos.Event(enable_timing=True)
+    assert isinstance(start, torch.Event) and start.query() is True  # never recorded: complete
+    start.record()
+    t0 = time.perf_counter()
+    x = torch.randn(64, 64, device=dev)
+    y = x @ x
+    time.sleep(0.05)
+    t1 = time.perf_counter()
+    end.record()
+    end.synchronize()
+    assert end.query() is True
+    elapsed = start.elapsed_time(end)
+    assert 45.0 <= elapsed <= (time.perf_counter() - t0) * 1000 + 1, (elapsed, (t1 - t0) * 1000)
+    s = torch.flagos.Stream()
+    s.wait_event(end)
+    s.wait_stream(torch.flagos.current_stream())
+    event = s.record_event()
+    assert isinstance(event, torch.flagos.Event) and event.query()
+    assert_close(y, x.cpu() @ x.cpu(), atol=1e-5, rtol=1e-5)  # sim's mm sums in its own order
+    if counters:
+        assert counters.flagos_sim_calls(b"event_record") - before == 4
+        assert counters.flagos_sim_calls(b"event_elapsed_ms") >= 1
+
+
+def test_event_errors_name_the_fix(dev):
+    plain, timed = torch.flagos.Event(), torch.flagos.Event(enable_timing=True)
+    plain.record()
+    with pytest.raises(ValueError, match="enable_timing=True"):
+        plain.elapsed_time(timed)
+    with pytest.raises(ValueError, match="must be recorded"):
+        timed.elapsed_time(torch.flagos.Event(enable_timing=True))
+    with pytest.raises(ValueError, match="interprocess events are not supported"):
+        torch.flagos.Event(interprocess=True)
+    with pytest.raises(ValueError, match=r"cpu is not a flagos device; use flagos.device\(\)"):
+        torch.flagos.Stream(device="cpu")
+    with pytest.raises(TypeError, match="expected a stream of the flagos device"):
+        torch.flagos.set_stream(torch.Stream(device="cpu"))
+
+
+def test_torch_accelerator_streams_and_devices(dev):
+    assert torch.accelerator.current_accelerator() == torch.device("flagos")
+    assert torch.accelerator.device_count() == torch.flagos.device_count()
+    assert torch.accelerator.current_device_index() == torch.flagos.current_device() == 0
+    s = torch.flagos.Stream()
+    torch.accelerator.set_stream(s)
+    try:
+        assert torch.accelerator.current_stream() is s and torch.flagos.current_stream() is s
+    finally:
+        torch.accelerator.set_stream(torch.flagos.default_stream())
+    # a PyTorch stream object naming a flagos stream by its ids means that stream
+    torch.accelerator.set_stream(s)
+    plain = torch.Stream(stream_id=0, device_index=0, device_type=s.device_type)
+    assert type(plain) is not torch.flagos.Stream
+    torch.accelerator.set_stream(plain)
+    assert torch.flagos.current_stream() == torch.flagos.default_stream()
+    torch.accelerator.synchronize()
+    torch.accelerator.synchronize(dev)
+    last = torch.accelerator.device_count() - 1
+    with torch.accelerator.device_index(last):
+        assert torch.flagos.current_device() == last
+        assert torch.accelerator.current_stream().device == torch.device("flagos", last)
+    assert torch.flagos.current_device() == 0
+    torch.accelerator.set_device_index(last)
+    assert torch.accelerator.current_device_index() == last
+    torch.accelerator.set_device_index(0)
+    caps = torch.accelerator.get_device_capability()
+    assert torch.float32 in caps["supported_dtypes"]
+
+
+def test_torch_accelerator_memory_matches_torch_flagos(dev):
+    torch.accelerator.empty_cache()
+    torch.accelerator.empty_host_cache()
+    torch.accelerator.reset_peak_memory_stats()
+    base = torch.accelerator.memory_allocated()
+    assert base == torch.flagos.memory_allocated()
+    x = torch.empty(1024, 256, device=dev)
+    grown = torch.accelerator.memory_allocated() - base
+    assert torch.accelerator.memory_allocated() == torch.flagos.memory_allocated()
+    assert torch.accelerator.max_memory_allocated() == torch.flagos.max_memory_allocated()
+    assert torch.accelerator.memory_reserved() == torch.flagos.memory_reserved()
+    assert torch.accelerator.max_memory_reserved() >= torch.accelerator.memory_reserved()
+    stats = torch.accelerator.memory_stats()
+    assert stats["allocated_bytes.all.current"] == torch.flagos.memory_allocated()
+    assert tuple(torch.accelerator.get_memory_info()) == torch.flagos.mem_get_info()
+    if CHIP == "sim":  # sim keeps allocator statistics; the cpu chip, like PyTorch's CPU, none
+        assert grown == x.numel() * 4
+        del x
+        assert torch.accelerator.memory_allocated() == base
+        assert torch.accelerator.max_memory_allocated() >= base + 1024 * 256 * 4
+        torch.accelerator.reset_peak_memory_stats()
+        assert torch.accelerator.max_memory_allocated() == base
+
+
+def test_torch_stream_and_event_make_flagos_ones(dev):
+    """PyTorch-generic code (torch.Stream(), torch.Event(device), as transformers writes it)
+    gets working flagos streams and events; other devices get PyTorch's own."""
+    for s in (torch.Stream(), torch.Stream(device=dev, priority=-1), torch.Stream(dev)):
+        assert type(s) is torch.flagos.Stream and isinstance(s, torch.Stream) and s.device == dev
+    with torch.Stream(dev) as s:
+        assert torch.accelerator.current_stream() is s
+    start, end = torch.Event(dev, enable_timing=True), torch.Event(device=dev, enable_timing=True)
+    assert type(start) is torch.flagos.Event and isinstance(start, torch.Event)
+    start.record()
+    end.record()
+    end.synchronize()  # PyTorch's own event on a Python backend refuses this
+    assert start.elapsed_time(end) >= 0
+    cpu_stream, cpu_event = torch.Stream(device="cpu"), torch.Event(device="cpu")
+    assert type(cpu_stream) is torch._C.Stream and cpu_stream.device.type == "cpu"
+    assert type(cpu_event) is torch._C.Event and isinstance(cpu_event, torch.Event)
+
+
+def test_record_stream_on_a_flagos_tensor(dev):
+    s = torch.flagos.Stream()
+    x = torch.ones(4, device=dev)
+    x.record_stream(s)
+    assert x.sum().item() == 4.0
+
+
+def test_sim_uses_the_adapter_streams():
+    if CHIP != "sim":
+        assert not flagos._streams.uses_adapter_streams()  # the cpu chip orders work itself
+        return
+    counters = sim_counters()
+    created, destroyed = (counters.flagos_sim_calls(n) for n in (b"stream_create", b"stream_destroy"))
+    s = torch.flagos.Stream()
+    s.synchronize()
+    s.query()
+    assert counters.flagos_sim_calls(b"stream_create") == created + 1
+    assert counters.flagos_sim_calls(b"stream_synchronize") >= 1
+    assert counters.flagos_sim_calls(b"stream_query") >= 1
+    del s
+    assert counters.flagos_sim_calls(b"stream_destroy") == destroyed + 1
+
+
+def test_diffusers_group_offloading_accepts_flagos_streams(dev):
+    """The stream check of group offloading passes: its onload stream is a flagos stream."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+                                 block_out_channels=(8, 16), norm_num_groups=4,
+                                 down_block_types=("DownBlock2D", "DownBlock2D"),
+                                 up_block_types=("UpBlock2D", "UpBlock2D"))
+    unet.enable_group_offload(onload_device=dev, offload_type="leaf_level", use_stream=True)
+    streams = {hook.group.stream for m in unet.modules() if getattr(m, "_diffusers_hook", None)
+               for hook in m._diffusers_hook.hooks.values() if getattr(hook, "group", None)}
+    streams.discard(None)
+    assert len(streams) == 1
+    (stream,) = streams
+    assert isinstance(stream, torch.flagos.Stream) and stream.device == dev
+
+
+def test_release_gives_torch_accelerator_back():
+    proc = run_python("""
+        import torch, flagos
+        from flagos import _registration
+        original = torch._C._accelerator_synchronizeDevice
+        stream_type, event_type = torch.Stream, torch.Event
+        flagos.activate("cpu")
+        torch.accelerator.synchronize()
+        assert type(torch.Stream()) is torch.flagos.Stream
+        _registration.release()
+        assert torch._C._accelerator_synchronizeDevice is original
+        assert (torch.Stream, torch.Event) == (stream_type, event_type)
+        assert torch.Stream(flagos.device()).stream_id == 0  # PyTorch's own again
+        try:
+            torch.accelerator.synchronize()
+        except RuntimeError as e:
+            print("PYTORCH", e)
+    """)
+    assert "PYTORCH Backend doesn't support synchronizing all streams" in proc.stdout
