@@ -131,10 +131,6 @@ def test_data_ptr_tells_flagos_tensors_apart(dev):
 
 # ---- Diffusers offloading, compared with plain CPU ----------------------------------------
 
-STREAMS_REFUSED = ("flagos has no stream-capable backend yet, so Diffusers refuses use_stream=True "
-                   "('requires an onload device whose backend implements streams')")
-
-
 def _enable(pipe, mode, device, folder=None):
     if mode == "model":
         pipe.enable_model_cpu_offload(device=device)
@@ -147,14 +143,9 @@ def _enable(pipe, mode, device, folder=None):
     elif mode == "group-disk":  # the weights wait in safetensors files, loaded to flagos
         pipe.enable_group_offload(onload_device=device, offload_type="block_level",
                                   num_blocks_per_group=1, offload_to_disk_path=str(folder))
-    elif mode == "group-stream":
-        try:
-            pipe.enable_group_offload(onload_device=device, offload_type="block_level",
-                                      num_blocks_per_group=1, use_stream=True)
-        except ValueError as e:
-            if "streams" not in str(e):
-                raise
-            pytest.xfail(STREAMS_REFUSED)
+    elif mode == "group-stream":  # prefetches the next group on a flagos stream
+        pipe.enable_group_offload(onload_device=device, offload_type="block_level",
+                                  num_blocks_per_group=1, use_stream=True)
 
 
 @pytest.mark.parametrize("mode", ["model", "sequential", "group-block", "group-leaf", "group-disk",
