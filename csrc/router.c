@@ -897,6 +897,18 @@ static PyObject *route_adapter(flagos_state *st, op_entry *e, PyObject *func, Py
     return out;
 }
 
+/* Whether a payload op's result comes from a graph being traced by torch.compile (fake or
+ * functional tensors, subclasses of torch.Tensor) rather than from running the op: traced
+ * ops are not counted, the compiled graph's calls are (flagos/_compile.py). */
+static int is_traced_value(flagos_state *st, PyObject *out)
+{
+    if ((PyTuple_Check(out) || PyList_Check(out)) && PySequence_Fast_GET_SIZE(out) > 0)
+        out = PySequence_Fast_GET_ITEM(out, 0);
+    PyTypeObject *tp = Py_TYPE(out);
+    return tp != (PyTypeObject *)st->tensor_type &&
+           PyObject_TypeCheck(out, (PyTypeObject *)st->tensor_type);
+}
+
 static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, PyObject *kwargs,
                             int from_factory)
 {
@@ -968,7 +980,8 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
     Py_CLEAR(ukwargs);
     if (out == NULL)
         goto not_implemented;
-    e->calls[route]++;
+    if (!is_traced_value(st, out))
+        e->calls[route]++;
     if ((e->flags & OP_RELAYOUT) && flagos_sync_written(st, e, args, kwargs) < 0) {
         Py_DECREF(out);
         goto error;
