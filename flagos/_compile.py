@@ -20,6 +20,7 @@ importing Dynamo and Inductor costs seconds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import threading
 import warnings
@@ -110,8 +111,27 @@ def _prepare(tensor) -> None:
         if _ready:
             return
         _skip_flagos_frames()
+        _register_factories()
         _register_inductor(tensor._payload.device.type)
         _ready = True
+
+
+_factory_lib = None  # keeps the registrations below alive
+
+
+def _register_factories() -> None:
+    """`torch.tensor(data, device=x.device)` in a traced function allocates with the Python
+    key excluded, so it reaches the flagos key with PyTorch's Python dispatcher on. That
+    dispatcher serves only per-op Python kernels (a boxed fallback fails an internal
+    assert there): give the allocation ops their own kernels, the same router entry as
+    the fallback."""
+    global _factory_lib
+    from . import _C
+
+    _factory_lib = torch.library.Library("aten", "IMPL")
+    for name, op in (("empty.memory_format", torch.ops.aten.empty.memory_format),
+                     ("empty_strided", torch.ops.aten.empty_strided.default)):
+        _factory_lib.impl(name, functools.partial(_C.dispatch_factory, op), "PrivateUse1")
 
 
 # ---- Inductor: the flagos device compiled by the payload device's codegen ------

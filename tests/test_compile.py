@@ -36,7 +36,7 @@ def tiny_llama():
 def test_factory_on_the_tensors_device(dev):
     """A graph that makes its own tensor on the input's device (positions, masks)."""
     def add_positions(x):
-        return x * 2 + torch.arange(8, device=x.device)
+        return x * 2 + torch.arange(8, device=x.device) + torch.tensor([0.5], device=x.device)
 
     x = torch.randn(3, 8)
     with warnings.catch_warnings():
@@ -44,6 +44,19 @@ def test_factory_on_the_tensors_device(dev):
         out = torch.compile(add_positions)(x.to(dev))
     assert out.device == dev and isinstance(out, flagos.FlagosTensor)
     assert_close(out.cpu(), add_positions(x), rtol=1.3e-6, atol=1e-6)
+
+
+def test_llama_forward_with_cache_matches_plain_cpu(dev):
+    """The default forward: a DynamicCache made inside the graph (torch.tensor on the device)."""
+    ref = tiny_llama().eval()
+    model = copy.deepcopy(ref).to(dev)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        expected = ref(ids).logits
+        out = torch.compile(model)(ids.to(dev))
+    assert out.logits.device == dev
+    assert_close(out.logits.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_llama_forward_backward_matches_plain_cpu(dev):
