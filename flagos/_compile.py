@@ -27,7 +27,8 @@ import warnings
 
 import torch
 
-_lock = threading.Lock()
+_lock = threading.Lock()                   # the call counter
+_registration_lock = threading.RLock()
 _calls = 0            # calls of compiled flagos graphs since the last reset_report()
 _ready = False        # Dynamo and Inductor know the flagos device
 _warned = False       # the eager-only message was given (once per process)
@@ -52,34 +53,57 @@ def count_call() -> None:
         _calls += 1
 
 
-# ---- the hook: FlagosTensor.__tensor_flatten__ --------------------------------
+# ---- where torch.compile meets flagos ----------------------------------------------
+
+def install(device_module) -> None:
+    """At activation on a torch-native chip, in device mode (cheap: nothing of Dynamo or
+    Inductor is imported here)."""
+    _register_factories()
+    _hook_device_module(device_module)
+
 
 def flatten(tensor):
-    """`__tensor_flatten__` of a flagos tensor: its one inner tensor is the payload. Called by
-    Dynamo and AOTAutograd, so it is where torch.compile first meets flagos."""
+    """`__tensor_flatten__` of a flagos tensor: its one inner tensor is the payload. Dynamo and
+    AOTAutograd call it on every flagos input, so it is where a compilation meets flagos."""
     payload = tensor._payload
-    if isinstance(payload, torch.Tensor):
-        if "torch._dynamo" in sys.modules:
-            if not _ready:
-                _prepare(tensor)
-            # Mark the compilation under way: its graphs are graphs over flagos tensors.
-            context = torch._guards.TracingContext.try_get()
-            if context is not None:
-                context.flagos_graph = True
+    if "torch._dynamo" not in sys.modules:
         return ["_payload"], None
-    if "torch._dynamo" in sys.modules:
-        _refuse_trace(tensor)
+    if not isinstance(payload, torch.Tensor):
+        _refuse_trace()
+    _skip_flagos_frames()
+    _register_inductor()
+    # Mark the compilation under way: its graphs are graphs over flagos tensors.
+    context = torch._guards.TracingContext.try_get()
+    if context is not None:
+        context.flagos_graph = True
     return ["_payload"], None
 
 
-def _refuse_trace(tensor) -> None:
+def _hook_device_module(device_module) -> None:
+    """Inductor asks the device module of a renamed PrivateUse1 for its code generators
+    (`torch.utils.backend_registration._get_custom_mod_func("Scheduling")`) the first time it
+    compiles anything: the moment to register flagos's backend for a graph with no flagos
+    input (`torch.ones(3, device="flagos")`). The answer itself is "none": the backend is
+    registered directly, with the graph pass that PyTorch's path would drop."""
+    previous = device_module.__dict__.get("__getattr__")
+
+    def module_getattr(name):
+        if name == "Scheduling":
+            _register_inductor()
+        if previous is not None:
+            return previous(name)
+        raise AttributeError(f"module 'torch.flagos' has no attribute {name!r}")
+
+    device_module.__getattr__ = module_getattr
+
+
+def _refuse_trace() -> None:
     """A C-ABI chip's tensor met Dynamo: one warning, then Dynamo runs the frame eagerly."""
     global _warned
     from torch._dynamo.exc import Unsupported
     from . import _runtime
 
     _skip_flagos_frames()
-
     state = _runtime.active_or_none()
     chip = state.chip.name if state else "?"
     reason = (f"torch.compile cannot trace tensors on chip '{chip}': it is a C-ABI adapter "
@@ -105,17 +129,6 @@ def _skip_flagos_frames() -> None:
         _skipping = True
 
 
-def _prepare(tensor) -> None:
-    global _ready
-    with _lock:
-        if _ready:
-            return
-        _skip_flagos_frames()
-        _register_factories()
-        _register_inductor(tensor._payload.device.type)
-        _ready = True
-
-
 _factory_lib = None  # keeps the registrations below alive
 
 
@@ -128,6 +141,8 @@ def _register_factories() -> None:
     global _factory_lib
     from . import _C
 
+    if _factory_lib is not None:
+        return
     _factory_lib = torch.library.Library("aten", "IMPL")
     for name, op in (("empty.memory_format", torch.ops.aten.empty.memory_format),
                      ("empty_strided", torch.ops.aten.empty_strided.default)):
@@ -144,7 +159,22 @@ def _pass_id() -> str:
         return "flagos-compile-" + hashlib.sha256(f.read()).hexdigest()[:16]
 
 
-def _register_inductor(payload_type: str) -> None:
+def _register_inductor() -> None:
+    global _ready
+    with _registration_lock:
+        if _ready:  # also true while registering: Inductor's own registration asks again
+            return
+        _ready = True
+        from . import _runtime
+        chip = _runtime.active().chip
+        try:
+            _register_inductor_for("cpu" if chip.payload_is_host else chip.torch_type)
+        except BaseException:
+            _ready = False
+            raise
+
+
+def _register_inductor_for(payload_type: str) -> None:
     from torch._dynamo import device_interface
     from torch._inductor.codegen import common
     from torch._inductor.custom_graph_pass import CustomGraphModulePass

@@ -233,6 +233,9 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
             from . import _autocast, _pinned
             _autocast.register(chip)
             _pinned.register(chip)
+            if not isinstance(chip, AdapterChip):  # torch.compile (C-ABI chips run eagerly)
+                from . import _compile
+                _compile.install(_device_module)
             devices = tuple(torch.device("flagos", i) for i in range(count))
         else:
             devices = tuple(chip.torch_device(i) for i in range(count))

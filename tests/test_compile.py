@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 import flagos
 from flagos import _compile
-from conftest import CHIP, device_mode_only
+from conftest import CHIP, device_mode_only, run_python
 
 pytestmark = device_mode_only
 COMPILES = CHIP == "cpu"  # chips whose flagos tensors hold torch tensors
@@ -44,6 +44,27 @@ def test_factory_on_the_tensors_device(dev):
         out = torch.compile(add_positions)(x.to(dev))
     assert out.device == dev and isinstance(out, flagos.FlagosTensor)
     assert_close(out.cpu(), add_positions(x), rtol=1.3e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_graph_without_flagos_inputs():
+    """Every tensor of the graph is made in it, on flagos; its outputs are flagos tensors. In a
+    fresh process: here Inductor meets flagos before any flagos tensor is traced."""
+    run_python("""
+        import torch, flagos
+        from torch.testing import assert_close
+        flagos.activate("cpu")
+
+        def make():
+            return torch.ones(3, 4, device="flagos").cumsum(1) * 2, torch.arange(4, device="flagos")
+
+        out, positions = torch.compile(make)()
+        assert isinstance(out, flagos.FlagosTensor) and out.device == flagos.device()
+        assert isinstance(positions, flagos.FlagosTensor)
+        assert_close(out.cpu(), torch.ones(3, 4).cumsum(1) * 2)
+        assert_close(positions.cpu(), torch.arange(4))
+        assert flagos.fallback_report().compiled_calls == 1
+    """)
 
 
 def test_llama_forward_with_cache_matches_plain_cpu(dev):
