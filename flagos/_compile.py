@@ -14,8 +14,8 @@ says so once, and the functions it would compile run eagerly, through the router
 Compiled graphs bypass the router, so their ops are not in the report's table: the report
 counts the calls of compiled graphs instead (`compiled_calls()`) and says so.
 
-Everything here is set up on the first trace of a flagos tensor, never at activation:
-importing Dynamo and Inductor costs seconds.
+Activation only registers two allocation kernels and a hook on `torch.flagos`; Dynamo and
+Inductor learn about flagos when a compilation first meets it (importing them costs seconds).
 """
 from __future__ import annotations
 
@@ -238,7 +238,12 @@ def _graph_over_flagos() -> bool:
     from torch._inductor.virtualized import V
 
     context = torch._guards.TracingContext.try_get()
-    return bool(getattr(context, "flagos_graph", False) or V.graph.module.meta.get("flagos_outputs"))
+    return bool(getattr(context, "flagos_graph", False) or _flagos_outputs(V.graph))
+
+
+def _flagos_outputs(graph) -> dict:
+    """Output position -> flagos index, for outputs that `_to_payload_device` moved."""
+    return getattr(graph.module, "meta", {}).get("flagos_outputs", {})
 
 
 def _wrapper_class(base):
@@ -263,7 +268,7 @@ def _wrapper_class(base):
             if not getattr(self, "flagos_graph", False):
                 return super().generate_return(output_refs)
             from torch._inductor.virtualized import V
-            flagos_outputs = V.graph.module.meta.get("flagos_outputs", {})
+            flagos_outputs = _flagos_outputs(V.graph)
             refs = [f"flagos_wrap({ref}, {flagos_outputs[i]})" if i in flagos_outputs else ref
                     for i, ref in enumerate(output_refs)]
             self.wrapper_call.writeline("flagos_count_call()")
