@@ -298,6 +298,35 @@ static int check_foreign_tensor(flagos_state *st, op_entry *e, PyObject *t, Py_s
     return -1;
 }
 
+/* Index of a tensor on the flagos device that is not a flagos tensor, -1 for any other tensor,
+ * -2 on error. Only a graph being traced by torch.compile makes such tensors: its factories
+ * (`torch.arange(n, device=x.device)`) run on fake tensors, which carry the flagos device
+ * without a payload. */
+static int traced_flagos_index(flagos_state *st, PyObject *t)
+{
+    if (!st->device_mode)
+        return -1;
+    PyObject *dev = PyObject_GetAttr(t, fl_names.device);
+    if (dev == NULL)
+        return -2;
+    int i = flagos_device_index(st, dev);
+    Py_DECREF(dev);
+    return i;
+}
+
+/* New reference: the traced tensor t copied to the payload device of flagos:index, a step
+ * of the traced graph that Inductor compiles for the payload device (flagos/_compile.py). */
+static PyObject *to_payload_device(flagos_state *st, PyObject *t, int index)
+{
+    PyObject *kw = Py_BuildValue("{s:O}", "device", PyTuple_GET_ITEM(st->chip_devices, index));
+    if (kw == NULL)
+        return NULL;
+    PyObject *argv[1] = {t};
+    PyObject *out = PyObject_VectorcallDict(st->to_copy, argv, 1, kw);
+    Py_DECREF(kw);
+    return out;
+}
+
 typedef struct unwrap_ctx {
     flagos_state *st;
     op_entry *e;
@@ -325,6 +354,11 @@ static PyObject *unwrap_value(flagos_state *st, op_entry *e, PyObject *v, Py_ssi
     if (PyObject_TypeCheck(v, (PyTypeObject *)st->tensor_type)) {
         if (PyObject_TypeCheck(v, (PyTypeObject *)st->wrapper_type))
             return flagos_payload(st, v);
+        int traced = traced_flagos_index(st, v);
+        if (traced == -2)
+            return NULL;
+        if (traced >= 0)
+            return to_payload_device(st, v, traced);
         if (check && check_foreign_tensor(st, e, v, pos, kwname) < 0)
             return NULL;
         return Py_NewRef(v);
@@ -863,6 +897,18 @@ static PyObject *route_adapter(flagos_state *st, op_entry *e, PyObject *func, Py
     return out;
 }
 
+/* Whether a payload op's result comes from a graph being traced by torch.compile (fake or
+ * functional tensors, subclasses of torch.Tensor) rather than from running the op: traced
+ * ops are not counted, the compiled graph's calls are (flagos/_compile.py). */
+static int is_traced_value(flagos_state *st, PyObject *out)
+{
+    if ((PyTuple_Check(out) || PyList_Check(out)) && PySequence_Fast_GET_SIZE(out) > 0)
+        out = PySequence_Fast_GET_ITEM(out, 0);
+    PyTypeObject *tp = Py_TYPE(out);
+    return tp != (PyTypeObject *)st->tensor_type &&
+           PyObject_TypeCheck(out, (PyTypeObject *)st->tensor_type);
+}
+
 static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, PyObject *kwargs,
                             int from_factory)
 {
@@ -934,7 +980,8 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
     Py_CLEAR(ukwargs);
     if (out == NULL)
         goto not_implemented;
-    e->calls[route]++;
+    if (!is_traced_value(st, out))
+        e->calls[route]++;
     if ((e->flags & OP_RELAYOUT) && flagos_sync_written(st, e, args, kwargs) < 0) {
         Py_DECREF(out);
         goto error;

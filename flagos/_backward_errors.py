@@ -12,6 +12,7 @@ or zeros where a leaf had none): zero them before the next step.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import traceback
 
@@ -28,6 +29,60 @@ _STALE_AFTER = 64                       # backward passes after which an entry i
 def install() -> None:
     _C.set_backward_hooks(on_error, skip)
     _C.set_failed_tasks(len(_failed))
+    _install_engine_check()
+
+
+# ---- backward passes autograd's engine has no queue for ------------------------
+#
+# The engine gives each non-CPU device index a ready queue, sized once, at the first backward
+# of the process, by the largest device count a registered device guard reports. PyTorch's
+# Python device guard for PrivateUse1 reports one device and offers no way to report more,
+# and a guard registered after that first backward is not counted at all. A backward pass
+# that needs a missing queue stops at an internal assert (`device_ready_queues_`) before any
+# op runs; it is raised in the caller's thread, so it can be replaced by an error that says
+# why and what to do.
+
+ENGINE_QUEUE = "device_ready_queues_"
+
+
+class NoEngineQueueError(RuntimeError):
+    """backward() over flagos tensors that autograd's engine cannot schedule."""
+
+
+def engine_queue_message() -> str:
+    from . import _runtime
+    state = _runtime.active_or_none()
+    if state is not None and not state.backward_ok:
+        return ("backward() cannot run on flagos tensors in this process: a backward pass ran "
+                "before flagos was activated, and PyTorch's autograd engine sizes its device "
+                "queues once, at the first backward of a process, so it has none for flagos. "
+                "Activate flagos before the first backward(): call flagos.activate() at the "
+                "start of the program, or set FLAGOS_DEVICE so it activates at `import torch`.")
+    return ("backward() over tensors on flagos:1 or above cannot run: PyTorch's Python device "
+            "guard for PrivateUse1 reports one device, so autograd's engine has a queue for "
+            "flagos:0 only. Train on flagos:0 (flagos.device(0)); to train on another device "
+            "of the chip, make it the first one (CUDA_VISIBLE_DEVICES and the like, "
+            "FLAGOS_SIM_DEVICES on sim). Forward passes and copies work on every flagos device.")
+
+
+def _install_engine_check() -> None:
+    """Wrap the engine's entry (used by backward() and autograd.grad()) once, so its assert
+    on a missing queue reaches the caller as a NoEngineQueueError."""
+    run = torch.autograd._engine_run_backward
+    if getattr(run, "_flagos_checked", False):
+        return
+
+    @functools.wraps(run)
+    def run_backward(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        except RuntimeError as e:
+            if ENGINE_QUEUE not in str(e) or isinstance(e, NoEngineQueueError):
+                raise
+            raise NoEngineQueueError(engine_queue_message()) from None
+
+    run_backward._flagos_checked = True
+    torch.autograd._engine_run_backward = run_backward
 
 
 def on_error(func, args, kwargs, exc):

@@ -23,8 +23,12 @@ class Report:
     same data for tools (`save("report.html")` writes a page with a chart, JSON otherwise).
     """
 
-    def __init__(self, rows: list[dict] | None = None, elapsed_s: float = 0.0, chip: str | None = None):
+    def __init__(self, rows: list[dict] | None = None, elapsed_s: float = 0.0, chip: str | None = None,
+                 compiled_calls: int = 0):
         self.rows = [r for r in (rows or []) if sum(r["calls"].values())]
+        # Calls of torch.compile'd graphs: they run generated code, not routed ops, so
+        # their ops are not in the rows.
+        self.compiled_calls = compiled_calls
         self.rows.sort(key=lambda r: (-r["calls"]["fallback"], -r["fallback_ns"], r["op"]))
         self.elapsed_s = elapsed_s
         self.chip = chip
@@ -62,6 +66,7 @@ class Report:
                                         if self.elapsed_s else 0.0),
                 "bytes_to_host": sum(r["bytes_to_host"] for r in self.rows),
                 "bytes_to_device": sum(r["bytes_to_device"] for r in self.rows),
+                "compiled_graph_calls": self.compiled_calls,
             },
             "ops": [dict(r) for r in self.rows],
         }
@@ -107,6 +112,9 @@ class Report:
             f"calls), {1000 * t['fallback_s']:.2f} ms ({100 * t['fallback_time_share']:.1f}% of "
             f"{self.elapsed_s:.2f} s), {t['bytes_to_host'] / 1e6:.2f} MB to host, "
             f"{t['bytes_to_device'] / 1e6:.2f} MB back")
+        if self.compiled_calls:
+            lines.append(f"compiled graphs: {self.compiled_calls} calls of torch.compile'd graphs "
+                         f"ran as generated code; their ops are not counted in this table")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -137,13 +145,16 @@ def _chip() -> str | None:
 
 def fallback_report() -> Report:
     """Every op routed since activation or the last `reset_report()`."""
-    return Report(_C.table(), time.perf_counter() - _since, _chip())
+    from . import _compile
+    return Report(_C.table(), time.perf_counter() - _since, _chip(), _compile.compiled_calls())
 
 
 def reset_report() -> None:
     """Zero all counters and restart the clock."""
     global _since
+    from . import _compile
     _C.reset_counters()
+    _compile.reset_compiled_calls()
     _since = time.perf_counter()
 
 
@@ -166,13 +177,16 @@ def _diff(after: list[dict], before: list[dict]) -> list[dict]:
 @contextmanager
 def track():
     """`with flagos.track() as report:` — the report of just this scope, filled in at exit."""
+    from . import _compile
     report = Report(chip=_chip())
     before = _C.table()
+    compiled_before = _compile.compiled_calls()
     start = time.perf_counter()
     try:
         yield report
     finally:
-        scoped = Report(_diff(_C.table(), before), time.perf_counter() - start, _chip())
+        scoped = Report(_diff(_C.table(), before), time.perf_counter() - start, _chip(),
+                        _compile.compiled_calls() - compiled_before)
         report.__dict__.update(scoped.__dict__)
 
 

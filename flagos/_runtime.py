@@ -233,6 +233,9 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
             from . import _autocast, _pinned
             _autocast.register(chip)
             _pinned.register(chip)
+            if not isinstance(chip, AdapterChip):  # torch.compile (C-ABI chips run eagerly)
+                from . import _compile
+                _compile.install(_device_module)
             devices = tuple(torch.device("flagos", i) for i in range(count))
         else:
             devices = tuple(chip.torch_device(i) for i in range(count))
@@ -275,7 +278,8 @@ def _probe_backward(state: Active) -> bool:
         x = torch.zeros((), device=state.flagos_devices[0], requires_grad=True)
         (x * 2).backward()
     except RuntimeError as e:
-        if _ENGINE_QUEUE not in str(e):
+        from ._backward_errors import NoEngineQueueError
+        if not isinstance(e, NoEngineQueueError) and _ENGINE_QUEUE not in str(e):
             return True  # another failure (a forced route, say): not the engine's
         log.warning("autograd's engine started before flagos was activated (a backward pass ran "
                     "earlier in this process), so backward() on flagos tensors cannot run: "

@@ -95,9 +95,10 @@ class FlagosTensor(torch.Tensor):
                 setattr(new, key, copy.deepcopy(value, memo))
         return new
 
-    # -- torch.compile: one inner tensor, no extra metadata ---------------
+    # -- torch.compile: one inner tensor, no extra metadata (flagos/_compile.py) --
     def __tensor_flatten__(self):
-        return ["_payload"], None
+        from . import _compile
+        return _compile.flatten(self)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):

@@ -1,0 +1,156 @@
+"""torch.compile over flagos tensors, compared with plain PyTorch eager on the CPU.
+
+On a torch-native chip (cpu) graphs compile through Inductor with the payload device's code
+generator; on a C-ABI chip (sim) torch.compile warns once and the functions run eagerly.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import flagos
+from flagos import _compile
+from conftest import CHIP, device_mode_only, run_python
+
+pytestmark = device_mode_only
+COMPILES = CHIP == "cpu"  # chips whose flagos tensors hold torch tensors
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return LlamaForCausalLM(config)
+
+
+def test_factory_on_the_tensors_device(dev):
+    """A graph that makes its own tensor on the input's device (positions, masks)."""
+    def add_positions(x):
+        return x * 2 + torch.arange(8, device=x.device) + torch.tensor([0.5], device=x.device)
+
+    x = torch.randn(3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # sim's eager-only notice
+        out = torch.compile(add_positions)(x.to(dev))
+    assert out.device == dev and isinstance(out, flagos.FlagosTensor)
+    assert_close(out.cpu(), add_positions(x), rtol=1.3e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_graph_without_flagos_inputs():
+    """Every tensor of the graph is made in it, on flagos; its outputs are flagos tensors. In a
+    fresh process: here Inductor meets flagos before any flagos tensor is traced."""
+    run_python("""
+        import torch, flagos
+        from torch.testing import assert_close
+        flagos.activate("cpu")
+
+        def make():
+            return torch.ones(3, 4, device="flagos").cumsum(1) * 2, torch.arange(4, device="flagos")
+
+        out, positions = torch.compile(make)()
+        assert isinstance(out, flagos.FlagosTensor) and out.device == flagos.device()
+        assert isinstance(positions, flagos.FlagosTensor)
+        assert_close(out.cpu(), torch.ones(3, 4).cumsum(1) * 2)
+        assert_close(positions.cpu(), torch.arange(4))
+        assert flagos.fallback_report().compiled_calls == 1
+    """)
+
+
+def test_llama_forward_with_cache_matches_plain_cpu(dev):
+    """The default forward: a DynamicCache made inside the graph (torch.tensor on the device)."""
+    ref = tiny_llama().eval()
+    model = copy.deepcopy(ref).to(dev)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        expected = ref(ids).logits
+        out = torch.compile(model)(ids.to(dev))
+    assert out.logits.device == dev
+    assert_close(out.logits.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_llama_forward_backward_matches_plain_cpu(dev):
+    ref = tiny_llama()
+    model = copy.deepcopy(ref).to(dev)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref_out = ref(ids, labels=ids, use_cache=False)
+    ref_out.loss.backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        out = torch.compile(model)(ids.to(dev), labels=ids.to(dev), use_cache=False)
+        out.loss.backward()
+    assert out.logits.device == dev
+    assert_close(out.logits.cpu(), ref_out.logits, rtol=1e-5, atol=1e-5)
+    assert_close(out.loss.cpu(), ref_out.loss, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert q.grad is not None and q.grad.device == dev, name
+        assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_report_counts_compiled_graph_calls(dev):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    compiled = torch.compile(copy.deepcopy(ref).to(dev))
+    x = torch.randn(5, 8)
+    xd, xd2 = x.to(dev), (x * 2).to(dev)
+    flagos.reset_report()
+    first = compiled(xd)  # compiles: the ops traced through the router are not counted
+    with flagos.track() as scope:
+        out = compiled(xd)
+        out2 = compiled(xd2)
+    report = flagos.fallback_report()
+    assert_close(first.cpu(), ref(x), rtol=1.3e-6, atol=1e-5)
+    assert_close(out.cpu(), ref(x), rtol=1.3e-6, atol=1e-5)
+    assert_close(out2.cpu(), ref(x * 2), rtol=1.3e-6, atol=1e-5)
+    assert scope.compiled_calls == 2
+    assert report.to_dict()["totals"]["compiled_graph_calls"] == 3
+    assert report.calls() == 0, str(report)  # the graph's ops bypass the router
+    assert "3 calls of torch.compile'd graphs" in str(report) and "not counted" in str(report)
+    flagos.reset_report()
+    assert flagos.fallback_report().compiled_calls == 0
+
+
+@pytest.mark.skipif(COMPILES, reason="only C-ABI chips refuse compilation")
+def test_adapter_chip_warns_once_and_runs_eagerly(dev):
+    _compile._warned = False  # the notice is once per process; this test wants to see it
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = copy.deepcopy(ref).to(dev)
+    x = torch.randn(5, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model)
+        out = compiled(x.to(dev))
+        out.sum().backward()
+        compiled(x.to(dev) * 2)
+        torch.compile(lambda t: t + 1)(x.to(dev))
+    notices = [w for w in caught if "torch.compile cannot trace" in str(w.message)]
+    assert len(notices) == 1, [str(w.message) for w in caught]
+    assert "C-ABI adapter chip" in str(notices[0].message) and "eagerly" in str(notices[0].message)
+    assert_close(out.cpu(), ref(x), rtol=1.3e-6, atol=1e-5)
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p.grad.cpu(), q.grad, rtol=1.3e-6, atol=1e-5)
+    report = flagos.fallback_report()
+    assert report.calls() > 0 and report.compiled_calls == 0  # eager: every op routed
+
+
+@pytest.mark.skipif(COMPILES, reason="only C-ABI chips refuse compilation")
+def test_adapter_chip_fullgraph_names_the_reason(dev):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with pytest.raises(Exception, match="C-ABI adapter chip"):
+            torch.compile(lambda t: t * 2, fullgraph=True)(torch.ones(3, device=dev))
