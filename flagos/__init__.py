@@ -30,7 +30,7 @@ _EXPORTS = {
     "FlagosTensor": "_tensor", "DeviceInfo": "chips.base",
     "ConfigError": "errors", "ChipNotFoundError": "errors", "DeviceError": "errors",
     "DeviceMismatchError": "errors", "FallbackError": "errors", "FallbackWarning": "errors",
-    "AdapterError": "errors",
+    "AdapterError": "errors", "NoEngineQueueError": "errors",
     "compare": "tools._compare",
 }
 
@@ -61,4 +61,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from ._tensor import FlagosTensor
     from .chips.base import DeviceInfo
     from .errors import (AdapterError, ChipNotFoundError, ConfigError, DeviceError,
-                         DeviceMismatchError, FallbackError, FallbackWarning)
+                         DeviceMismatchError, FallbackError, FallbackWarning,
+                         NoEngineQueueError)

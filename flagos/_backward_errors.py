@@ -18,7 +18,7 @@ import traceback
 
 import torch
 
-from . import _C, _schema
+from . import _C, _schema, errors
 
 _lock = threading.Lock()
 _failed: dict[int, BaseException] = {}  # graph task id -> its first error
@@ -45,8 +45,7 @@ def install() -> None:
 ENGINE_QUEUE = "device_ready_queues_"
 
 
-class NoEngineQueueError(RuntimeError):
-    """backward() over flagos tensors that autograd's engine cannot schedule."""
+NoEngineQueueError = errors.NoEngineQueueError
 
 
 def engine_queue_message() -> str:

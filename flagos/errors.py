@@ -37,3 +37,8 @@ class DeviceError(RuntimeError):
         self.code = code
         self.code_name = code_name
         self.hint = hint
+
+
+class NoEngineQueueError(RuntimeError):
+    """backward() over flagos tensors that autograd's engine cannot schedule: a backward ran
+    before activation, or the tensors are on flagos:1 and above (the message says which)."""
