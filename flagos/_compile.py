@@ -69,6 +69,8 @@ def flatten(tensor):
     if "torch._dynamo" not in sys.modules:
         return ["_payload"], None
     if not isinstance(payload, torch.Tensor):
+        if torch._guards.TracingContext.try_get() is None and not torch.compiler.is_compiling():
+            refuse_host_storage()  # a library, not a compilation, asked for the inner tensors
         _refuse_trace()
     _skip_flagos_frames()
     _register_inductor()
@@ -115,6 +117,21 @@ def _refuse_trace() -> None:
                       f"routed and counted as usual); call them uncompiled to skip the attempt.",
                       UserWarning, stacklevel=2)
     raise Unsupported(reason)
+
+
+def refuse_host_storage() -> None:
+    """Libraries that identify storage through `__tensor_flatten__` (huggingface_hub's
+    `save_pretrained`, safetensors) met a C-ABI chip's tensor, which has no inner torch tensor."""
+    from . import _runtime
+
+    state = _runtime.active_or_none()
+    chip = state.chip.name if state else "?"
+    raise RuntimeError(
+        f"flagos tensors on chip '{chip}' hold adapter buffers, not torch tensors, so they have no "
+        f"inner tensor or host storage to hand to __tensor_flatten__ and untyped_storage() "
+        f"(huggingface_hub and safetensors read them in save_pretrained and save_file). Move the "
+        f"model or tensors to the CPU first: model.to('cpu').save_pretrained(path), or "
+        f"save_file({{k: v.cpu() for k, v in tensors.items()}}, path).")
 
 
 _skipping = False

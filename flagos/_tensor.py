@@ -62,10 +62,15 @@ class FlagosTensor(torch.Tensor):
         # storage with a valid data_ptr(), which safetensors and huggingface_hub read to find
         # tensors that share memory).
         # While torch.compile traces, the wrapper's own storage is what its fake tensors describe.
+        # An adapter buffer has no host storage: say so rather than hand out the wrapper's
+        # invalid one, whose data_ptr() fails with no hint of the fix.
         payload = self._payload
-        if isinstance(payload, torch.Tensor) and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return torch.Tensor.untyped_storage(self)
+        if isinstance(payload, torch.Tensor):
             return payload.untyped_storage()
-        return torch.Tensor.untyped_storage(self)
+        from . import _compile
+        _compile.refuse_host_storage()
 
     def data_ptr(self) -> int:
         # PyTorch answers 0 for a wrapper that owns no memory; libraries that key tensors by

@@ -45,6 +45,23 @@ def test_transformers_save_pretrained_round_trip(dev, tmp_path):
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(CHIP != "sim", reason="C-ABI chips only")
+def test_save_pretrained_on_an_adapter_chip_says_to_move_to_the_cpu(dev, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64)
+    model = transformers.BertModel(config).eval().to(dev)
+    with pytest.raises(RuntimeError, match=r"adapter buffers.*model.to\('cpu'\).save_pretrained"):
+        model.save_pretrained(tmp_path / "on_chip")
+    ids = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():  # nothing was lost: the model still runs, and saves from the host
+        expected = model(input_ids=ids.to(dev)).last_hidden_state.cpu()
+    model.to("cpu").save_pretrained(tmp_path / "host")
+    back = transformers.BertModel.from_pretrained(tmp_path / "host").to(dev).eval()
+    torch.testing.assert_close(back(input_ids=ids.to(dev)).last_hidden_state.cpu(), expected,
+                               rtol=1e-4, atol=1e-5)
+
+
 @needs_host_storage
 def test_diffusers_save_pretrained_round_trip(dev, tmp_path):
     diffusers = pytest.importorskip("diffusers")
