@@ -20,6 +20,7 @@ def test_diffusers_pipeline_example(tmp_path, chip):
     mode = "device" if DEVICE_MODE else "native"
     assert f"on chip {chip} ({mode} mode" in proc.stdout and "max |flagos - cpu|" in proc.stdout
     assert "flagos fallback report" in proc.stdout and "aten::convolution" in proc.stdout
+    assert "save_pretrained + from_pretrained on flagos: the same image" in proc.stdout
 
 
 def test_quickstart_example():
