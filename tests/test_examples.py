@@ -8,14 +8,20 @@ from conftest import DEVICE_MODE, device_mode_only, run_python
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def run_example(script: str, *argv: str, env: dict | None = None):
+    """Run examples/<script> with these arguments as `python examples/<script> ...` would."""
+    return run_python(f"""
+        import runpy, sys
+        sys.argv = {[script, *argv]!r}
+        runpy.run_path(r"{ROOT / 'examples' / script}", run_name="__main__")
+    """, env={"FLAGOS_FALLBACK": "allow", **(env or {})})
+
+
 @pytest.mark.parametrize("chip", ["cpu", pytest.param("sim", marks=device_mode_only)])
 def test_diffusers_pipeline_example(tmp_path, chip):
     image = tmp_path / "ddpm.png"
-    proc = run_python(f"""
-        import runpy, sys
-        sys.argv = ["diffusers_pipeline.py", "--device", "{chip}", "--steps", "3", "--out", r"{image}"]
-        runpy.run_path(r"{ROOT / 'examples' / 'diffusers_pipeline.py'}", run_name="__main__")
-    """, env={"FLAGOS_FALLBACK": "allow"})
+    proc = run_example("diffusers_pipeline.py", "--device", chip, "--steps", "3",
+                       "--out", str(image))
     assert image.stat().st_size > 0
     mode = "device" if DEVICE_MODE else "native"
     assert f"on chip {chip} ({mode} mode" in proc.stdout and "max |flagos - cpu|" in proc.stdout
@@ -24,10 +30,7 @@ def test_diffusers_pipeline_example(tmp_path, chip):
 
 
 def test_quickstart_example():
-    proc = run_python(f"""
-        import runpy
-        runpy.run_path(r"{ROOT / 'examples' / 'quickstart.py'}", run_name="__main__")
-    """, env={"FLAGOS_DEVICE": "cpu", "FLAGOS_FALLBACK": "allow"})
+    proc = run_example("quickstart.py", env={"FLAGOS_DEVICE": "cpu"})
     gelu = [l for l in proc.stdout.splitlines() if l.startswith("aten::gelu ")]
     assert gelu and " fallback " in gelu[0]
     assert "step 2: loss" in proc.stdout
@@ -47,17 +50,13 @@ def test_log_level_shows_activation_and_routes():
 
 
 @device_mode_only
-@pytest.mark.parametrize("chip,dtype", [("cpu", "float16"), ("sim", "bfloat16")])
+@pytest.mark.parametrize("chip,dtype", [("cpu", "float16"), ("sim", "float16"), ("sim", "bfloat16")])
 def test_diffusers_pipeline_example_under_autocast(tmp_path, chip, dtype):
     """The main job under autocast matches the same run under CPU autocast (the example exits
     non-zero past the dtype's tolerance)."""
     image = tmp_path / "ddpm.png"
-    proc = run_python(f"""
-        import runpy, sys
-        sys.argv = ["diffusers_pipeline.py", "--device", "{chip}", "--steps", "1", "--dtype",
-                    "{dtype}", "--out", r"{image}"]
-        runpy.run_path(r"{ROOT / 'examples' / 'diffusers_pipeline.py'}", run_name="__main__")
-    """, env={"FLAGOS_FALLBACK": "allow"})
+    proc = run_example("diffusers_pipeline.py", "--device", chip, "--steps", "1", "--dtype", dtype,
+                       "--out", str(image))
     line = next(l for l in proc.stdout.splitlines() if "max |flagos - cpu|" in l)
     assert f"({dtype})" in line
     assert float(line.split("max |flagos - cpu| = ")[1].split(";")[0]) <= 0.16
@@ -68,11 +67,7 @@ def test_diffusers_pipeline_example_under_autocast(tmp_path, chip, dtype):
 def test_transformers_generate_example(chip):
     """generate() + tokenizer.decode match plain CPU; fp16 autocast + GradScaler training steps
     match CPU within fp16 tolerance (the example exits non-zero otherwise)."""
-    proc = run_python(f"""
-        import runpy, sys
-        sys.argv = ["transformers_generate.py", "--device", "{chip}", "--steps", "2"]
-        runpy.run_path(r"{ROOT / 'examples' / 'transformers_generate.py'}", run_name="__main__")
-    """, env={"FLAGOS_FALLBACK": "allow"})
+    proc = run_example("transformers_generate.py", "--device", chip, "--steps", "2")
     assert "generated on flagos:0: 'the chip runs" in proc.stdout
     line = next(l for l in proc.stdout.splitlines() if l.startswith("max |loss difference|"))
     assert float(line.split("= ")[1]) <= 1e-3
@@ -84,12 +79,8 @@ def test_diffusers_pipeline_example_with_offload(tmp_path, chip, offload):
     """The main job with its weights offloaded to the host matches plain CPU (the example exits
     non-zero otherwise), and the report shows the UNet's ops ran on flagos."""
     image = tmp_path / "ddpm.png"
-    proc = run_python(f"""
-        import runpy, sys
-        sys.argv = ["diffusers_pipeline.py", "--device", "{chip}", "--steps", "1", "--offload",
-                    "{offload}", "--out", r"{image}"]
-        runpy.run_path(r"{ROOT / 'examples' / 'diffusers_pipeline.py'}", run_name="__main__")
-    """, env={"FLAGOS_FALLBACK": "allow"})
+    proc = run_example("diffusers_pipeline.py", "--device", chip, "--steps", "1", "--offload",
+                       offload, "--out", str(image))
     line = next(l for l in proc.stdout.splitlines() if "max |flagos - cpu|" in l)
     assert f"(float32, {offload} offload)" in line
     assert float(line.split("max |flagos - cpu| = ")[1].split(";")[0]) <= 1e-3
