@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-CHIP_TESTS="tests/test_device.py tests/test_routes.py tests/test_errors.py tests/test_models.py tests/test_fidelity.py tests/test_ecosystem.py tests/test_autocast.py tests/test_policy.py tests/test_fallback_counters.py tests/test_offload.py tests/test_accelerate.py tests/test_generators.py tests/test_streams.py tests/test_compile.py"
+CHIP_TESTS="tests/test_device.py tests/test_routes.py tests/test_errors.py tests/test_models.py tests/test_fidelity.py tests/test_ecosystem.py tests/test_autocast.py tests/test_policy.py tests/test_fallback_counters.py tests/test_offload.py tests/test_accelerate.py tests/test_generators.py tests/test_streams.py tests/test_compile.py tests/test_cli_analyze.py tests/test_report_html.py tests/test_cli_compare.py"
 "$PYTHON" -m pytest -q tests "$@"
 FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q $CHIP_TESTS "$@"
 bash tests/sanitizers/run.sh address
