@@ -196,6 +196,23 @@ MUTATIONS = [
     M("div_scalar_multiplies", "sim: div.Scalar multiplies", KERNELS,
       "{ (void)b; return a / s[0]; }", "{ (void)b; return a * s[0]; }",
       sim(KERNEL_TESTS, k="scalar")),
+    M("generator_reports_host_device", "a flagos generator reports its payload device, not flagos:N",
+      "flagos/_generator.py", "        return self._flagos_device\n", "        return super().device\n",
+      cpu("tests/test_generators.py", k="on_the_flagos_device")),
+    M("data_setter_keeps_pytorchs", "`.data =` across flagos and the host keeps PyTorch's refusing setter",
+      "flagos/_offload.py", "        take_memory_of(self, new)", "        _BASE_DATA.__set__(self, new)",
+      cpu("tests/test_offload.py", k="cpu_parameter_takes_flagos_data")),
+    M("compare_floor_ignored", "compare: a cosine under 0.9 passes when the max abs error is small",
+      "flagos/tools/_compare.py", '    elif cosine < t["cosine_floor"]:',
+      '    elif cosine < t["cosine_floor"] and max_abs > t["max_abs_err"]:',
+      cpu("tests/test_cli_compare.py", k="verdict_thresholds")),
+    M("metrics_fallback_counts_native", "metrics: every route's counter reports the native calls",
+      "flagos/metrics.py", '                    calls.add_metric([row["op"], route], row["calls"][route])',
+      '                    calls.add_metric([row["op"], route], row["calls"]["native"])',
+      cpu("tests/test_metrics.py", k="reports_its_ops")),
+    M("target_ignores_dtypes", "analyze --target: an adapter kernel counts for every dtype",
+      "flagos/coverage/__init__.py", "        mask &= self.chip_dtypes", "        mask = -1",
+      cpu("tests/test_cli_analyze.py", k="dtypes_sim_computes")),
 ]
 
 

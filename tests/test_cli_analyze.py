@@ -268,3 +268,15 @@ def test_a_run_without_flagos_gives_no_report(tmp_path, capfd):
     assert main(["analyze", "--chip", CHIP, "--", sys.executable, str(quiet)]) == 1
     out, err = capfd.readouterr()
     assert "left no flagos report" in err and "never imports torch" in out
+
+
+def test_sim_coverage_follows_the_dtypes_sim_computes_in():
+    """An adapter kernel counts only for the dtypes the chip declares native (sim: float32 and
+    float16 unless FLAGOS_SIM_DTYPES says more), as the adapter runner applies it."""
+    from flagos import coverage
+    sim = coverage.for_chip("sim")
+    assert sim.classify("aten::add.Tensor", ["torch.float32"])[0] == "native"
+    if "bfloat16" not in os.environ.get("FLAGOS_SIM_DTYPES", ""):
+        route, reason = sim.classify("aten::add.Tensor", ["torch.bfloat16"])
+        assert route == "fallback" and "not bfloat16" in reason
+    assert sim.classify("aten::add.Tensor", ["torch.int64"])[0] == "fallback"

@@ -152,6 +152,8 @@ def test_verdict_thresholds():
     assert both["cosine"] < 0.99 and both["max_abs_err"] > 1e-3 and not both["passed"]
     # cosine below 0.9 alone, max abs err above 1 alone (large values)
     assert "< 0.9" in _compare.judge([-ref], [ref])["reason"]
+    flipped_tiny = _compare.judge([-ref * 1e-5], [ref * 1e-5])  # however small the error
+    assert flipped_tiny["max_abs_err"] < 1e-3 and "< 0.9" in flipped_tiny["reason"]
     big = _compare.judge([ref * 1000 + 2], [ref * 1000])
     assert big["cosine"] > 0.999 and big["reason"] == "max abs err 2 > 1.0"
     # NaN where the reference has NaN too is agreement; shapes that differ are not
