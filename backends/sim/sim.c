@@ -618,6 +618,16 @@ static int32_t destroy_object(int which, int32_t device, uint64_t handle, int is
 }
 
 /* The calls that only check their handle: work is synchronous, so nothing is pending. */
+/* With sim.lock held: count the call, check the device and the stream (0: the default one). */
+static int32_t enter_on_stream(int which, int32_t device, flagos_stream stream,
+                               flagos_status *status)
+{
+    int32_t rc = enter(which, device, status);
+    if (rc == SIM_SUCCESS && lookup(device, stream, 0, status) == NULL && status->code != 0)
+        rc = status->code;
+    return rc;
+}
+
 static int32_t check_object(int which, int32_t device, uint64_t handle, int is_event,
                             int32_t *done, flagos_status *status)
 {
@@ -646,9 +656,7 @@ static int32_t sim_stream_destroy(int32_t device, flagos_stream stream, flagos_s
 static int32_t sim_set_stream(int32_t device, flagos_stream stream, flagos_status *status)
 {
     pthread_mutex_lock(&sim.lock);
-    int32_t rc = enter(C_SET_STREAM, device, status);
-    if (rc == SIM_SUCCESS && lookup(device, stream, 0, status) == NULL && status->code != 0)
-        rc = status->code;
+    int32_t rc = enter_on_stream(C_SET_STREAM, device, stream, status);
     if (rc == SIM_SUCCESS)
         sim.devices[device].current = stream;
     pthread_mutex_unlock(&sim.lock);
@@ -670,9 +678,7 @@ static int32_t sim_stream_wait_event(int32_t device, flagos_stream stream, flago
                                      flagos_status *status)
 {
     pthread_mutex_lock(&sim.lock);
-    int32_t rc = enter(C_STREAM_WAIT_EVENT, device, status);
-    if (rc == SIM_SUCCESS && lookup(device, stream, 0, status) == NULL && status->code != 0)
-        rc = status->code;
+    int32_t rc = enter_on_stream(C_STREAM_WAIT_EVENT, device, stream, status);
     if (rc == SIM_SUCCESS && lookup(device, event, 1, status) == NULL)
         rc = status->code;
     pthread_mutex_unlock(&sim.lock);
@@ -694,10 +700,8 @@ static int32_t sim_event_record(int32_t device, flagos_event event, flagos_strea
                                 flagos_status *status)
 {
     pthread_mutex_lock(&sim.lock);
-    int32_t rc = enter(C_EVENT_RECORD, device, status);
+    int32_t rc = enter_on_stream(C_EVENT_RECORD, device, stream, status);
     sim_object *o = NULL;
-    if (rc == SIM_SUCCESS && lookup(device, stream, 0, status) == NULL && status->code != 0)
-        rc = status->code;
     if (rc == SIM_SUCCESS && (o = lookup(device, event, 1, status)) == NULL)
         rc = status->code;
     if (rc == SIM_SUCCESS) {
