@@ -100,3 +100,25 @@ def test_activation_on_an_untested_torch_warns_on_stderr():
     """)
     assert "flagos is made for PyTorch 2.9 to 2.14; this is 2.16.0" in proc.stderr
     assert flagos.info()["torch"] == torch.__version__
+
+
+def test_constraints_pin_every_extra_the_setup_installs():
+    """scripts/setup.sh installs the test and example extras under constraints.txt: each of them
+    must have a pin there, or a library release could change what a fresh clone tests."""
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not an exact pin"
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    extras = re.search(r"\[project\.optional-dependencies\](.*?)\n\[", PYPROJECT, re.S).group(1)
+    wanted = set()
+    for group in ("test", "examples"):
+        listed = re.search(rf"^{group} = \[(.*?)\]", extras, re.S | re.M).group(1)
+        for requirement in re.findall(r'"([^"]+)"', listed):
+            wanted.add(re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[;]", requirement)[0]).lower())
+    assert wanted, "no extras found in pyproject.toml"
+    missing = sorted(wanted - set(pins))
+    assert not missing, f"constraints.txt has no pin for {missing}: run scripts/refresh_constraints.py"
+    assert "torch" not in pins, "constraints.txt must not pin torch: flagos supports a range"
+    assert "-c constraints.txt" in (ROOT / "scripts" / "setup.sh").read_text()

@@ -56,7 +56,9 @@ class Worker:
     def why_dead(self):
         """One line: the signal or exit code, and the last line the worker wrote to stderr."""
         try:
-            code = self.proc.wait(timeout=10)
+            # Its stdout is closed, so it is exiting; a loaded machine can take a while to
+            # finish tearing torch down, and that must not read as a hang.
+            code = self.proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             return "stopped answering"
         what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
