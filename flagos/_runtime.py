@@ -265,6 +265,9 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
         _warn_untested_torch()
         log.info("flagos active on chip %s (%s mode, %d device(s), fallback=%s)",
                  chip.name, mode, count, policy)
+        on_activated = getattr(chip, "on_activated", None)  # what comes next is the program's
+        if on_activated is not None:
+            on_activated()
         return info()
 
 

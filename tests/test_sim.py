@@ -77,6 +77,29 @@ def test_injected_allocation_failure():
     assert "injected failure of allocation #3" in proc.stdout and "AFTER 3.0" in proc.stdout
 
 
+def test_injected_failure_counts_the_programs_allocations_only():
+    """activate() allocates for its own checks (the autograd probe); N=1 is still the
+    program's first allocation, which fails, and the process keeps working."""
+    proc = run_python("""
+        import gc, torch, flagos
+        flagos.activate("sim")
+        m = torch.flagos
+        before = m.memory_allocated()
+        try:
+            torch.ones(4, device="flagos")
+            print("FIRST ALLOCATION RAN")
+        except torch.OutOfMemoryError as e:
+            print("OOM", e)
+        assert m.memory_allocated() == before
+        x = torch.arange(4.0).to("flagos")
+        print("AFTER", (x * 2).cpu().tolist(), m.memory_allocated() - before)
+    """, env={"FLAGOS_SIM_FAIL_ALLOC_AT": "1"})
+    assert "FIRST ALLOCATION RAN" not in proc.stdout
+    assert "OOM sim device 0 is out of memory" in proc.stdout
+    assert "injected failure of allocation #1 (FLAGOS_SIM_FAIL_ALLOC_AT)" in proc.stdout
+    assert "AFTER [0.0, 2.0, 4.0, 6.0] 16" in proc.stdout  # x lives on; x * 2 came and went
+
+
 def test_sticky_device_failure_spares_other_devices():
     proc = run_sim("""
         import torch, flagos

@@ -2,7 +2,7 @@
  *
  * Each device has a memory pool of its own (capacity FLAGOS_SIM_MEMORY, FLAGOS_SIM_DEVICES
  * devices), reachable only through opaque buffer handles and the copy functions. It fails
- * like hardware does: out of memory past its capacity, and, for tests, on the Nth
+ * like hardware does: out of memory past its capacity, and, for tests, on the program's Nth
  * allocation (FLAGOS_SIM_FAIL_ALLOC_AT) or with a device in a sticky failed state
  * (FLAGOS_SIM_FAIL_DEVICE). Kernels for a subset of aten live in kernels.c.
  *
@@ -74,7 +74,8 @@ static struct {
     sim_device devices[SIM_MAX_DEVICES];
     sim_allocation *allocations;
     flagos_buffer next_handle;
-    uint64_t alloc_calls;
+    uint64_t alloc_calls;   /* allocations counted for FLAGOS_SIM_FAIL_ALLOC_AT */
+    int counting_allocs;    /* flagos_sim_count_allocations() was called */
     uint64_t fail_alloc_at; /* 0: never */
     uint64_t native_dtypes;
     sim_object *objects;
@@ -331,8 +332,9 @@ static int32_t sim_alloc(int32_t device, uint64_t nbytes, flagos_buffer *buffer,
     if (rc != SIM_SUCCESS)
         goto done;
     sim_device *d = &sim.devices[device];
-    sim.alloc_calls++;
-    if (sim.fail_alloc_at != 0 && sim.alloc_calls == sim.fail_alloc_at) {
+    if (sim.counting_allocs)
+        sim.alloc_calls++;
+    if (sim.counting_allocs && sim.fail_alloc_at != 0 && sim.alloc_calls == sim.fail_alloc_at) {
         rc = sim_fail(status, SIM_ERROR_OUT_OF_MEMORY,
                       "injected failure of allocation #%llu (FLAGOS_SIM_FAIL_ALLOC_AT)",
                       (unsigned long long)sim.alloc_calls);
@@ -755,6 +757,16 @@ static int32_t sim_event_elapsed_ms(int32_t device, flagos_event start, flagos_e
               (double)(b->when.tv_nsec - a->when.tv_nsec) / 1e6;
     pthread_mutex_unlock(&sim.lock);
     return rc;
+}
+
+/* flagos calls this (with ctypes, flagos/chips/sim.py) once activate() is done: from then on
+ * allocations count for FLAGOS_SIM_FAIL_ALLOC_AT, so N means the program's Nth allocation and
+ * not one made by activation's own checks. */
+void flagos_sim_count_allocations(void)
+{
+    pthread_mutex_lock(&sim.lock);
+    sim.counting_allocs = 1;
+    pthread_mutex_unlock(&sim.lock);
 }
 
 /* For tests (read with ctypes): how often flagos called a stream/event entry, by name
