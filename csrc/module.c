@@ -105,7 +105,7 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
                              "describe", "resolve", "fallback_warning", "fallback_error",
                              "device_mismatch", "skip_prefixes", "set_metadata", "adapter_dispatch", NULL};
     int device_mode = -1, chip_is_host = -1;
-    PyObject *o[15] = {NULL}, *set_metadata = NULL, *adapter_dispatch = Py_None;
+    PyObject *o[17] = {NULL}, *set_metadata = NULL, *adapter_dispatch = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$ppOOOOOOOO!O!OOOOOO!OO", kwlist,
                                      &device_mode, &chip_is_host, &o[0], &o[1], &o[2],
                                      &o[3], &o[4], &o[5], &o[6], &PyTuple_Type, &o[7],
@@ -119,21 +119,28 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
         }
     }
     flagos_state *st = flagos_get_state(module);
-    flagos_table_clear(st);
-    state_clear_config(st);
-    PyObject **slots[15] = {&st->tensor_type,     &st->device_type,    &st->wrapper_type,
+    /* The new configuration is in place before the old one is dropped: dropping a reference
+     * can run Python code, and an op routed by another thread meanwhile must find a whole
+     * configuration. (The hooks set after configure() stay until they are set again.) */
+    PyObject **slots[17] = {&st->tensor_type,     &st->device_type,    &st->wrapper_type,
                             &st->make_wrapper,    &st->to_copy,        &st->copy_,
                             &st->host_device,     &st->chip_devices,   &st->flagos_devices,
                             &st->describe,        &st->resolve,        &st->fallback_warning,
-                            &st->fallback_error,  &st->device_mismatch, &st->skip_prefixes};
-    for (int i = 0; i < 15; i++)
-        *slots[i] = Py_NewRef(o[i]);
-    st->set_metadata = Py_NewRef(set_metadata);
-    if (adapter_dispatch != Py_None)
-        st->adapter_dispatch = Py_NewRef(adapter_dispatch);
+                            &st->fallback_error,  &st->device_mismatch, &st->skip_prefixes,
+                            &st->set_metadata,    &st->adapter_dispatch};
+    o[15] = set_metadata;
+    o[16] = adapter_dispatch != Py_None ? adapter_dispatch : NULL;
+    PyObject *old[17];
+    for (int i = 0; i < 17; i++) {
+        old[i] = *slots[i];
+        *slots[i] = Py_XNewRef(o[i]);
+    }
     st->device_mode = device_mode;
     st->chip_is_host = chip_is_host;
     st->configured = 1;
+    flagos_table_clear(st);
+    for (int i = 0; i < 17; i++)
+        Py_XDECREF(old[i]);
     Py_RETURN_NONE;
 }
 
@@ -189,11 +196,13 @@ static PyObject *fl_set_fallback_policy(PyObject *module, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* New calls see flagos inactive; a call still running keeps a whole configuration, which the
+ * next configure() (or the module's end) releases. */
 static PyObject *fl_deconfigure(PyObject *module, PyObject *Py_UNUSED(arg))
 {
     flagos_state *st = flagos_get_state(module);
+    st->configured = 0;
     flagos_table_clear(st);
-    state_clear_config(st);
     Py_RETURN_NONE;
 }
 
@@ -236,7 +245,7 @@ static PyMethodDef fl_methods[] = {
      "PrivateUse1 fallback: route an op that reached the flagos key without flagos tensors."},
     {"configure", (PyCFunction)(void (*)(void))fl_configure, METH_VARARGS | METH_KEYWORDS,
      "Set the active chip's configuration; clears the dispatch table."},
-    {"deconfigure", fl_deconfigure, METH_NOARGS, "Forget the configuration and the table."},
+    {"deconfigure", fl_deconfigure, METH_NOARGS, "Refuse new calls and clear the table."},
     {"set_fallback_policy", fl_set_fallback_policy, METH_O,
      "0 allow, 1 warn once per op, 2 raise before running."},
     {"set_backward_hooks", fl_set_backward_hooks, METH_VARARGS,

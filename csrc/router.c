@@ -26,23 +26,60 @@ static void entry_free(op_entry *e)
     PyMem_Free(e);
 }
 
+/* A call (or an export) keeps its entry alive while it runs Python code. */
+static void entry_hold(op_entry *e)
+{
+    e->users++;
+}
+
+static void entry_release(op_entry *e)
+{
+    if (--e->users == 0 && e->detached)
+        entry_free(e);
+}
+
+/* Freeing an entry drops references, which can run Python code and switch threads: the
+ * table is emptied first, without running any, and the entries are freed after, each one by
+ * this function or, if a call is running with it, by that call when it ends. */
 void flagos_table_clear(flagos_state *st)
 {
-    op_entry *e, *tmp;
+    st->routes_generation++;
+    op_entry *e, *tmp, *cleared = NULL;
     HASH_ITER(hh, st->table, e, tmp) {
-        HASH_DEL(st->table, e);
-        entry_free(e);
+        e->next_cleared = cleared;
+        cleared = e;
+    }
+    HASH_CLEAR(hh, st->table);
+    while (cleared != NULL) {
+        e = cleared;
+        cleared = e->next_cleared;
+        if (e->users > 0)
+            e->detached = 1;
+        else
+            entry_free(e);
     }
 }
 
-/* Routes changed (set_route, a new override, a new chip): resolve again on next call. */
+/* Routes changed (set_route, a new override, a new chip): resolve again on next call.
+ * Entries stay where they are; the overrides they held are dropped once the loop is done
+ * (dropping one can run Python code, which may change the table). */
 void flagos_table_invalidate(flagos_state *st)
 {
+    st->routes_generation++;
+    PyObject *dropped = PyList_New(0); /* NULL: keep the overrides, the next resolve replaces them */
+    if (dropped == NULL)
+        PyErr_Clear();
     op_entry *e, *tmp;
     HASH_ITER(hh, st->table, e, tmp) {
         e->route = ROUTE_UNRESOLVED; /* OP_NOT_IMPLEMENTED stays: the chip still lacks it */
-        Py_CLEAR(e->override);
+        if (e->override != NULL && dropped != NULL) {
+            if (PyList_Append(dropped, e->override) == 0)
+                Py_CLEAR(e->override); /* the list holds it: nothing is freed here */
+            else
+                PyErr_Clear();
+        }
     }
+    Py_XDECREF(dropped);
 }
 
 /* describe(func) -> (name, arg_names, write_args, return_alias, flags) */
@@ -99,33 +136,46 @@ static op_entry *entry_create(flagos_state *st, PyObject *func)
     return e;
 }
 
-static int entry_resolve(flagos_state *st, op_entry *e)
+/* The route of this call, and in *override a new reference to its override kernel (NULL
+ * when none): the entry's cached answer, or the resolver's. The resolver is Python and may
+ * let another thread change the routes meanwhile; its answer is then used for this call
+ * only, so a change made during the call is not overwritten by the answer from before it. */
+static int entry_route(flagos_state *st, op_entry *e, PyObject **override)
 {
+    if (e->route != ROUTE_UNRESOLVED) {
+        *override = Py_XNewRef(e->override);
+        return e->route;
+    }
+    uint64_t generation = st->routes_generation;
     PyObject *res = PyObject_CallOneArg(st->resolve, e->name);
     if (res == NULL)
         return -1;
     int route;
-    PyObject *override;
-    if (!PyArg_ParseTuple(res, "iO", &route, &override)) {
+    PyObject *kernel;
+    if (!PyArg_ParseTuple(res, "iO", &route, &kernel)) {
         Py_DECREF(res);
         return -1;
     }
-    if (route < 0 || route >= N_ROUTES) {
+    if (route < 0 || route >= N_ROUTES || (route == ROUTE_OVERRIDE && kernel == Py_None)) {
         Py_DECREF(res);
-        PyErr_Format(PyExc_ValueError, "resolver returned route %d for %U", route, e->name);
+        PyErr_Format(PyExc_ValueError, "resolver returned route %d%s for %U", route,
+                     route == ROUTE_OVERRIDE ? " without a kernel" : "", e->name);
         return -1;
     }
-    Py_CLEAR(e->override);
-    if (override != Py_None)
-        e->override = Py_NewRef(override);
     /* Views are metadata over the same memory: a host round trip would break aliasing. */
     if ((e->flags & OP_VIEW) && route == ROUTE_FALLBACK)
         route = ROUTE_NATIVE;
     if (e->flags & OP_NOT_IMPLEMENTED && route == ROUTE_NATIVE)
         route = ROUTE_FALLBACK;
-    e->route = route;
+    *override = kernel == Py_None ? NULL : Py_NewRef(kernel);
     Py_DECREF(res);
-    return 0;
+    if (st->routes_generation == generation && e->route == ROUTE_UNRESOLVED) {
+        PyObject *previous = e->override;
+        e->override = Py_XNewRef(*override);
+        e->route = route;
+        Py_XDECREF(previous);
+    }
+    return route;
 }
 
 /* ---- containers --------------------------------------------------------- */
@@ -839,8 +889,8 @@ static int note_fallback(flagos_state *st, op_entry *e)
  * marshals the op for the adapter's kernel or the host round trip. It returns
  * (result, route taken, bytes to host, bytes to device, fallback ns, dtypes); the table,
  * the counters and the warnings stay here. */
-static PyObject *route_adapter(flagos_state *st, op_entry *e, PyObject *func, PyObject *args,
-                               PyObject *kwargs, int route, int from_factory)
+static PyObject *route_adapter(flagos_state *st, PyObject *runner, op_entry *e, PyObject *func,
+                               PyObject *args, PyObject *kwargs, int route, int from_factory)
 {
     PyObject *uargs = NULL, *ukwargs = NULL;
     if (!from_factory) {
@@ -854,8 +904,8 @@ static PyObject *route_adapter(flagos_state *st, op_entry *e, PyObject *func, Py
     int policy = st->fallback_policy == 1 && (e->flags & OP_WARNED) ? 0 : st->fallback_policy;
     PyObject *res;
     for (;;) {
-        res = PyObject_CallFunction(st->adapter_dispatch, "OOiiIOO", func, e->name, route, policy,
-                                    e->flags, args, kwargs ? kwargs : Py_None);
+        res = PyObject_CallFunction(runner, "OOiiIOO", func, e->name, route, policy, e->flags,
+                                    args, kwargs ? kwargs : Py_None);
         if (res == NULL)
             return NULL;
         if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) != 6 ||
@@ -909,25 +959,10 @@ static int is_traced_value(flagos_state *st, PyObject *out)
            PyObject_TypeCheck(out, (PyTypeObject *)st->tensor_type);
 }
 
-static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, PyObject *kwargs,
-                            int from_factory)
+/* One op with its entry held and its route resolved; override: the kernel of ROUTE_OVERRIDE. */
+static PyObject *route_entry(flagos_state *st, op_entry *e, int route, PyObject *override,
+                             PyObject *func, PyObject *args, PyObject *kwargs, int from_factory)
 {
-    if (!st->configured) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "flagos is not active: call flagos.activate() (or set FLAGOS_DEVICE) "
-                        "before using the flagos device");
-        return NULL;
-    }
-    if (kwargs == Py_None)
-        kwargs = NULL;
-    op_entry *e;
-    HASH_FIND_PTR(st->table, &func, e);
-    if (e == NULL && (e = entry_create(st, func)) == NULL)
-        return NULL;
-    if (e->route == ROUTE_UNRESOLVED && entry_resolve(st, e) < 0)
-        return NULL;
-
-    int route = e->route;
     PyObject *target = NULL, *uargs = NULL, *ukwargs = NULL, *out = NULL;
     if ((e->flags & OP_SPARSE) && st->device_mode) {
         PyErr_Format(PyExc_RuntimeError, "%U: sparse tensors are not supported on flagos; "
@@ -939,19 +974,25 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
         return NULL;
     }
     if (st->adapter_dispatch != NULL) {
-        if (!(e->flags & OP_VIEW))
-            return route_adapter(st, e, func, args, kwargs, route, from_factory);
-        PyObject *guard = normal_view_guard(st, args);
-        if (guard == NULL)
-            return NULL;
-        return leave_guard(guard, route_adapter(st, e, func, args, kwargs, route, from_factory));
+        /* held: a new configuration during the call must not free the runner */
+        PyObject *runner = Py_NewRef(st->adapter_dispatch);
+        if (!(e->flags & OP_VIEW)) {
+            out = route_adapter(st, runner, e, func, args, kwargs, route, from_factory);
+        } else {
+            PyObject *guard = normal_view_guard(st, args);
+            if (guard != NULL)
+                out = leave_guard(guard, route_adapter(st, runner, e, func, args, kwargs, route,
+                                                       from_factory));
+        }
+        Py_DECREF(runner);
+        return out;
     }
     if (route == ROUTE_FALLBACK)
         goto fallback;
 
     if (!st->device_mode) {
         /* Native mode: the tensors are already the chip's own. */
-        out = flagos_call_payload(st, route == ROUTE_OVERRIDE ? e->override : e->call, args, kwargs);
+        out = flagos_call_payload(st, route == ROUTE_OVERRIDE ? override : e->call, args, kwargs);
         if (out == NULL && route == ROUTE_OVERRIDE &&
             PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
             PyErr_Clear();
@@ -969,7 +1010,7 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
         goto error;
     if (unwrap_call(st, e, args, kwargs, !from_factory, &uargs, &ukwargs) < 0)
         goto error;
-    out = flagos_call_payload(st, route == ROUTE_OVERRIDE ? e->override : e->call, uargs, ukwargs);
+    out = flagos_call_payload(st, route == ROUTE_OVERRIDE ? override : e->call, uargs, ukwargs);
     if (out == NULL && route == ROUTE_OVERRIDE &&
         PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
         PyErr_Clear();
@@ -1037,6 +1078,31 @@ error:
     Py_XDECREF(uargs);
     Py_XDECREF(ukwargs);
     return NULL;
+}
+
+static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, PyObject *kwargs,
+                            int from_factory)
+{
+    if (!st->configured) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "flagos is not active: call flagos.activate() (or set FLAGOS_DEVICE) "
+                        "before using the flagos device");
+        return NULL;
+    }
+    if (kwargs == Py_None)
+        kwargs = NULL;
+    op_entry *e;
+    HASH_FIND_PTR(st->table, &func, e);
+    if (e == NULL && (e = entry_create(st, func)) == NULL)
+        return NULL;
+    entry_hold(e);
+    PyObject *override = NULL, *out = NULL;
+    int route = entry_route(st, e, &override);
+    if (route >= 0)
+        out = route_entry(st, e, route, override, func, args, kwargs, from_factory);
+    Py_XDECREF(override);
+    entry_release(e);
+    return out;
 }
 
 /* An exception must not leave __torch_dispatch__ on autograd's engine thread: PyTorch's Python
@@ -1151,38 +1217,54 @@ static PyObject *dtype_list(flagos_state *st, uint64_t mask)
     return l;
 }
 
-/* List of dicts, one per op seen (all of them, or only those with a resolved route). */
+/* One export row for an entry; NULL on error. */
+static PyObject *export_row(flagos_state *st, op_entry *e)
+{
+    PyObject *dtypes = dtype_list(st, e->dtype_mask);
+    if (dtypes == NULL)
+        return NULL;
+    const char *route = e->route == ROUTE_UNRESOLVED ? "unresolved" : route_names[e->route];
+    return Py_BuildValue(
+        "{s:O,s:s,s:{s:K,s:K,s:K},s:K,s:K,s:K,s:N,s:O,s:O}", "op", e->name, "route", route,
+        "calls", "override", (unsigned long long)e->calls[ROUTE_OVERRIDE], "native",
+        (unsigned long long)e->calls[ROUTE_NATIVE], "fallback",
+        (unsigned long long)e->calls[ROUTE_FALLBACK], "fallback_ns",
+        (unsigned long long)e->fallback_ns, "bytes_to_host",
+        (unsigned long long)e->bytes_to_host, "bytes_to_device",
+        (unsigned long long)e->bytes_to_device, "dtypes", dtypes, "site",
+        e->site ? e->site : Py_None, "not_implemented",
+        (e->flags & OP_NOT_IMPLEMENTED) ? Py_True : Py_False);
+}
+
+/* List of dicts, one per op seen (all of them, or only those with a resolved route).
+ * Building a row makes Python objects, which can switch threads: the entries are held
+ * first, so a table change meanwhile frees none of them. */
 PyObject *flagos_table_export(flagos_state *st, int include_routes_only)
 {
     PyObject *rows = PyList_New(0);
     if (rows == NULL)
         return NULL;
+    size_t n = HASH_COUNT(st->table), held = 0;
+    op_entry **entries = PyMem_Malloc((n ? n : 1) * sizeof(*entries));
+    if (entries == NULL) {
+        Py_DECREF(rows);
+        return PyErr_NoMemory();
+    }
     op_entry *e, *tmp;
     HASH_ITER(hh, st->table, e, tmp) {
         if (include_routes_only && e->route == ROUTE_UNRESOLVED)
             continue;
-        PyObject *dtypes = dtype_list(st, e->dtype_mask);
-        if (dtypes == NULL)
-            goto error;
-        const char *route = e->route == ROUTE_UNRESOLVED ? "unresolved" : route_names[e->route];
-        PyObject *row = Py_BuildValue(
-            "{s:O,s:s,s:{s:K,s:K,s:K},s:K,s:K,s:K,s:N,s:O,s:O}", "op", e->name, "route", route,
-            "calls", "override", (unsigned long long)e->calls[ROUTE_OVERRIDE], "native",
-            (unsigned long long)e->calls[ROUTE_NATIVE], "fallback",
-            (unsigned long long)e->calls[ROUTE_FALLBACK], "fallback_ns",
-            (unsigned long long)e->fallback_ns, "bytes_to_host",
-            (unsigned long long)e->bytes_to_host, "bytes_to_device",
-            (unsigned long long)e->bytes_to_device, "dtypes", dtypes, "site",
-            e->site ? e->site : Py_None, "not_implemented",
-            (e->flags & OP_NOT_IMPLEMENTED) ? Py_True : Py_False);
-        if (row == NULL || PyList_Append(rows, row) < 0) {
-            Py_XDECREF(row);
-            goto error;
-        }
-        Py_DECREF(row);
+        entry_hold(e);
+        entries[held++] = e;
     }
+    for (size_t i = 0; i < held && rows != NULL; i++) {
+        PyObject *row = export_row(st, entries[i]);
+        if (row == NULL || PyList_Append(rows, row) < 0)
+            Py_CLEAR(rows);
+        Py_XDECREF(row);
+    }
+    for (size_t i = 0; i < held; i++)
+        entry_release(entries[i]);
+    PyMem_Free(entries);
     return rows;
-error:
-    Py_DECREF(rows);
-    return NULL;
 }

@@ -1,8 +1,10 @@
 /* The per-op router: dispatch table, routes and counters.
  *
  * One entry per aten overload, created on the first call of that overload and
- * kept for the life of the process (torch's dispatcher is process-wide, so is
- * this table). Everything on the per-call path lives in router.c; the rare
+ * kept until the table is cleared (a new configuration). A call can run Python,
+ * which lets another thread change routes or clear the table meanwhile: the call
+ * holds its entry (users), a clear leaves an entry in use to its last user, and a
+ * route change only marks entries unresolved. Everything on the per-call path lives in router.c; the rare
  * paths (fallback, wrapping errors, call sites) live in their own files.
  */
 #ifndef FLAGOS_ROUTER_H
@@ -49,6 +51,9 @@ typedef struct op_entry {
     uint64_t bytes_to_host;
     uint64_t bytes_to_device;
     uint64_t dtype_mask;     /* bit i: dtype i of the state's dtype registry seen in fallback */
+    Py_ssize_t users;        /* calls running with this entry (and exports reading it) */
+    int detached;            /* cleared from the table while in use: its last user frees it */
+    struct op_entry *next_cleared; /* flagos_table_clear's list of the entries it removed */
     UT_hash_handle hh;
 } op_entry;
 
@@ -62,6 +67,7 @@ typedef struct op_entry {
 /* What the router needs to know about the active chip and torch, set by configure(). */
 typedef struct flagos_state {
     op_entry *table;
+    uint64_t routes_generation; /* bumped by every route change and table clear */
     int configured;
     int device_mode;           /* 1: flagos owns PrivateUse1 and tensors are wrappers */
     int chip_is_host;          /* the chip's payloads live in host memory (cpu chip) */

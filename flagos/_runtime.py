@@ -7,6 +7,7 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
 from . import _C, _env, _routes, _schema, chips
 from .chips.adapter import AdapterChip
@@ -30,6 +31,7 @@ class Active:
     device_count: int
     current: int = 0
     native_mode: object = None  # the dispatch mode object in native mode
+    native_thread: int = 0      # the thread whose dispatch mode stack holds it
     backward_ok: bool = True    # autograd's engine has a queue for flagos (see _probe_backward)
     flagos_devices: tuple = field(default_factory=tuple)
 
@@ -257,11 +259,15 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
             from ._native_mode import NativeMode
             state.native_mode = NativeMode()
             state.native_mode.__enter__()
+            state.native_thread = threading.get_ident()
         from . import _report
         _report.on_activate()
         _warn_untested_torch()
         log.info("flagos active on chip %s (%s mode, %d device(s), fallback=%s)",
                  chip.name, mode, count, policy)
+        on_activated = getattr(chip, "on_activated", None)  # what comes next is the program's
+        if on_activated is not None:
+            on_activated()
         return info()
 
 
@@ -312,7 +318,14 @@ def activate_from_env() -> dict:
 
 
 def deactivate() -> None:
-    """Leave native mode (device mode stays for the life of the process)."""
+    """Leave native mode (device mode stays for the life of the process).
+
+    Native mode is a dispatch mode on the stack of the thread that activated it, and only
+    there, at the top, can it be left: deactivate() from another thread, from inside an op
+    flagos routes (an override kernel) or under a dispatch mode entered after activate()
+    raises ConfigError and changes nothing; flagos stays active, and deactivate() works once
+    called from where it can.
+    """
     global _active
     with _lock:
         if _active is None:
@@ -320,11 +333,31 @@ def deactivate() -> None:
         if _active.mode == "device":
             raise ConfigError("device mode cannot be deactivated: PyTorch's device "
                               "registration lasts for the life of the process")
+        _check_native_mode_on_top(_active)
         _active.native_mode.__exit__(None, None, None)
         _C.deconfigure()
         from . import _registration
         _registration.release()  # torch.Generator and torch.accelerator back to PyTorch's own
         _active = None
+
+
+def _check_native_mode_on_top(state: Active) -> None:
+    """Leaving a dispatch mode pops the top of this thread's mode stack: make sure it is ours."""
+    stack = _dispatch_mode_stack()
+    if stack and stack[-1] is state.native_mode:
+        return
+    if threading.get_ident() != state.native_thread:
+        raise ConfigError(
+            "flagos.deactivate() must be called in the thread that activated native mode "
+            "(dispatch modes belong to one thread); flagos stays active")
+    if any(mode is state.native_mode for mode in stack):
+        raise ConfigError(
+            f"flagos.deactivate(): the dispatch mode {type(stack[-1]).__name__}, entered after "
+            f"flagos.activate(), is still active; leave it first (flagos stays active)")
+    raise ConfigError(
+        "flagos.deactivate() cannot run inside an op that flagos routes (an override kernel, "
+        "or code it calls): PyTorch takes native mode off its stack while the op runs. "
+        "Call it after the op returns; flagos stays active")
 
 
 def device(index: int | None = None) -> torch.device:

@@ -177,7 +177,7 @@ def test_bad_sim_devices_value_names_the_variable():
         except flagos.errors.AdapterError as e:
             print("ERR", e)
     """, env={"FLAGOS_SIM_DEVICES": value, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
-    assert f"FLAGOS_SIM_DEVICES={value} is not valid; use a whole number from 1 to 16" in proc.stdout
+    assert f"FLAGOS_SIM_DEVICES='{value}' is not valid; use a whole number from 1 to 16" in proc.stdout
 
 
 # ---- the build -------------------------------------------------------------------------------

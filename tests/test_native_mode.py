@@ -70,3 +70,63 @@ def test_default_mode_follows_what_pytorch_supports():
     assert f"MODE {expected}" in proc.stdout
     if not DEVICE_MODE:
         assert "flagos runs in native mode" in proc.stderr
+
+
+def test_deactivate_where_native_mode_cannot_be_left_is_a_clear_error():
+    """Inside an op (an override kernel), from another thread or under a dispatch mode
+    entered later, deactivate() raises ConfigError and leaves flagos active and whole; from
+    the activating thread, outside any op, it then works, and works again as a no-op."""
+    proc = run_python("""
+        import threading, torch, flagos
+        from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+        flagos.activate("cpu", mode="native")
+        calls = []
+        def leaving_add(a, b, alpha=1):
+            calls.append(1)
+            flagos.deactivate()
+            return torch.ops.aten.add.Tensor(a, b, alpha=alpha)
+        flagos.register_kernel("aten::add.Tensor", leaving_add)
+        x = torch.arange(3.0)
+        try:
+            x + x
+        except flagos.ConfigError as e:
+            print("IN OP", e)
+        assert calls == [1]
+        flagos.unregister_kernel("aten::add.Tensor")
+
+        def other_thread():
+            try:
+                flagos.deactivate()
+            except flagos.ConfigError as e:
+                print("THREAD", e)
+        t = threading.Thread(target=other_thread); t.start(); t.join()
+
+        class Later(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+        with Later():
+            try:
+                flagos.deactivate()
+            except flagos.ConfigError as e:
+                print("UNDER", e)
+
+        # still active, still routing
+        assert flagos.info()["active"]
+        with flagos.track() as report:
+            assert (x + x).tolist() == [0.0, 2.0, 4.0]
+        assert report.op("aten::add.Tensor")["calls"]["native"] == 1
+        flagos.deactivate()
+        assert not flagos.info()["active"] and _get_current_dispatch_mode_stack() == []
+        flagos.deactivate()                              # inactive: nothing to do
+        flagos.activate("cpu", mode="native")
+        assert len(_get_current_dispatch_mode_stack()) == 1
+        flagos.deactivate()
+        assert _get_current_dispatch_mode_stack() == []
+        print("OK")
+    """)
+    out = proc.stdout
+    assert "IN OP flagos.deactivate() cannot run inside an op that flagos routes" in out
+    assert "Call it after the op returns" in out
+    assert "THREAD flagos.deactivate() must be called in the thread that activated native mode" in out
+    assert "UNDER flagos.deactivate(): the dispatch mode Later, entered after flagos.activate()" in out
+    assert "OK" in out

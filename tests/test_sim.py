@@ -77,6 +77,29 @@ def test_injected_allocation_failure():
     assert "injected failure of allocation #3" in proc.stdout and "AFTER 3.0" in proc.stdout
 
 
+def test_injected_failure_counts_the_programs_allocations_only():
+    """activate() allocates for its own checks (the autograd probe); N=1 is still the
+    program's first allocation, which fails, and the process keeps working."""
+    proc = run_python("""
+        import gc, torch, flagos
+        flagos.activate("sim")
+        m = torch.flagos
+        before = m.memory_allocated()
+        try:
+            torch.ones(4, device="flagos")
+            print("FIRST ALLOCATION RAN")
+        except torch.OutOfMemoryError as e:
+            print("OOM", e)
+        assert m.memory_allocated() == before
+        x = torch.arange(4.0).to("flagos")
+        print("AFTER", (x * 2).cpu().tolist(), m.memory_allocated() - before)
+    """, env={"FLAGOS_SIM_FAIL_ALLOC_AT": "1"})
+    assert "FIRST ALLOCATION RAN" not in proc.stdout
+    assert "OOM sim device 0 is out of memory" in proc.stdout
+    assert "injected failure of allocation #1 (FLAGOS_SIM_FAIL_ALLOC_AT)" in proc.stdout
+    assert "AFTER [0.0, 2.0, 4.0, 6.0] 16" in proc.stdout  # x lives on; x * 2 came and went
+
+
 def test_sticky_device_failure_spares_other_devices():
     proc = run_sim("""
         import torch, flagos
@@ -130,15 +153,44 @@ def test_bfloat16_is_not_native_unless_declared():
     assert "ROUTE native" in run_sim(code, FLAGOS_SIM_DTYPES="float32,bfloat16").stdout
 
 
+BAD_SIM_VALUES = {
+    "FLAGOS_SIM_MEMORY": ["lots", " -1", "-1", "+5", " 512M", "512M ", "1.5G", "0x10", "1T",
+                          "99999999999999999999", "17179869184G"],
+    "FLAGOS_SIM_DEVICES": [" 2", "+2", "-1", "2 ", "0", "17", "two"],
+    "FLAGOS_SIM_FAIL_ALLOC_AT": [" 1", "+1", "-1", "0", "1e3"],
+    "FLAGOS_SIM_FAIL_DEVICE": [" 0", "+0", "-0", "-1", "2"],  # 2 devices: indices 0 and 1
+}
+
+
 def test_bad_sim_configuration_is_a_clear_error():
-    proc = run_python("""
-        import flagos
-        try:
-            flagos.activate("sim")
-        except flagos.errors.AdapterError as e:
-            print("ERR", e)
-    """, env={"FLAGOS_SIM_MEMORY": "lots"})
-    assert "FLAGOS_SIM_MEMORY=lots is not a size" in proc.stdout and "512M" in proc.stdout
+    """Sizes and counts with spaces, signs or anything but digits (and a suffix for sizes) are
+    refused, naming the variable, the value as given and a valid example; a good value then
+    works in the same process."""
+    proc = run_python(f"""
+        import os, torch, flagos
+        for var, values in {BAD_SIM_VALUES!r}.items():
+            for value in values:
+                os.environ[var] = value
+                try:
+                    flagos.activate("sim")
+                    print("ACCEPTED", var, repr(value))
+                except flagos.errors.AdapterError as e:
+                    print("ERR", e)
+                del os.environ[var]
+        os.environ["FLAGOS_SIM_MEMORY"] = "64m"
+        flagos.activate("sim")
+        print("TOTAL", torch.flagos.mem_get_info()[1])
+    """)
+    assert "ACCEPTED" not in proc.stdout, proc.stdout
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("ERR")]
+    assert len(errors) == sum(map(len, BAD_SIM_VALUES.values()))
+    lines = iter(errors)
+    for var, values in BAD_SIM_VALUES.items():
+        for value in values:
+            line = next(lines)
+            assert f"{var}={value!r} is not" in line and f"e.g. {var}=" in line, (var, value, line)
+    assert "use bytes with an optional K, M or G suffix" in errors[0]
+    assert "TOTAL 67108864" in proc.stdout
 
 
 def test_sim_kernels_match_cpu_and_run_natively():

@@ -2,7 +2,7 @@
  *
  * Each device has a memory pool of its own (capacity FLAGOS_SIM_MEMORY, FLAGOS_SIM_DEVICES
  * devices), reachable only through opaque buffer handles and the copy functions. It fails
- * like hardware does: out of memory past its capacity, and, for tests, on the Nth
+ * like hardware does: out of memory past its capacity, and, for tests, on the program's Nth
  * allocation (FLAGOS_SIM_FAIL_ALLOC_AT) or with a device in a sticky failed state
  * (FLAGOS_SIM_FAIL_DEVICE). Kernels for a subset of aten live in kernels.c.
  *
@@ -74,7 +74,8 @@ static struct {
     sim_device devices[SIM_MAX_DEVICES];
     sim_allocation *allocations;
     flagos_buffer next_handle;
-    uint64_t alloc_calls;
+    uint64_t alloc_calls;   /* allocations counted for FLAGOS_SIM_FAIL_ALLOC_AT */
+    int counting_allocs;    /* flagos_sim_count_allocations() was called */
     uint64_t fail_alloc_at; /* 0: never */
     uint64_t native_dtypes;
     sim_object *objects;
@@ -121,13 +122,22 @@ static const char *sim_error_name(int32_t code)
 
 /* ---- configuration ----------------------------------------------------- */
 
+/* strtoull and strtol skip leading spaces and take a sign (" -1" is 2^64-1 to strtoull):
+ * a value must start with a digit. */
+static int starts_with_digit(const char *text)
+{
+    return isdigit((unsigned char)text[0]);
+}
+
 /* "512M", "1G", "65536": bytes with an optional K/M/G suffix (powers of 1024). */
 static int parse_size(const char *text, uint64_t *out)
 {
     char *end;
     errno = 0;
+    if (!starts_with_digit(text))
+        return -1;
     unsigned long long v = strtoull(text, &end, 10);
-    if (errno != 0 || end == text || text[0] == '-')
+    if (errno != 0 || end == text)
         return -1;
     uint64_t mult = 1;
     switch (toupper((unsigned char)*end)) {
@@ -149,6 +159,8 @@ static int parse_count(const char *text, long lo, long hi, long *out)
 {
     char *end;
     errno = 0;
+    if (!starts_with_digit(text))
+        return -1;
     long v = strtol(text, &end, 10);
     if (errno != 0 || end == text || *end != '\0' || v < lo || v > hi)
         return -1;
@@ -194,22 +206,23 @@ static int32_t read_config(flagos_status *status)
     long devices = SIM_DEFAULT_DEVICES, fail_at = 0, fail_device = -1;
     if ((v = getenv("FLAGOS_SIM_MEMORY")) && *v && parse_size(v, &memory) < 0)
         return sim_fail(status, SIM_ERROR_INVALID_VALUE,
-                        "FLAGOS_SIM_MEMORY=%s is not a size; use bytes with an optional K, M "
-                        "or G suffix, e.g. 512M", v);
+                        "FLAGOS_SIM_MEMORY='%s' is not a size; use bytes with an optional K, M "
+                        "or G suffix (digits only: no spaces or sign), e.g. "
+                        "FLAGOS_SIM_MEMORY=512M", v);
     if ((v = getenv("FLAGOS_SIM_DEVICES")) && *v &&
         parse_count(v, 1, SIM_MAX_DEVICES, &devices) < 0)
         return sim_fail(status, SIM_ERROR_INVALID_VALUE,
-                        "FLAGOS_SIM_DEVICES=%s is not valid; use a whole number from 1 to %d",
-                        v, SIM_MAX_DEVICES);
+                        "FLAGOS_SIM_DEVICES='%s' is not valid; use a whole number from 1 to %d, "
+                        "e.g. FLAGOS_SIM_DEVICES=2", v, SIM_MAX_DEVICES);
     if ((v = getenv("FLAGOS_SIM_FAIL_ALLOC_AT")) && *v && parse_count(v, 1, 1L << 40, &fail_at) < 0)
         return sim_fail(status, SIM_ERROR_INVALID_VALUE,
-                        "FLAGOS_SIM_FAIL_ALLOC_AT=%s is not valid; use N >= 1 to fail the Nth "
-                        "allocation", v);
+                        "FLAGOS_SIM_FAIL_ALLOC_AT='%s' is not valid; use a whole number N >= 1 to "
+                        "fail the Nth allocation, e.g. FLAGOS_SIM_FAIL_ALLOC_AT=3", v);
     if ((v = getenv("FLAGOS_SIM_FAIL_DEVICE")) && *v &&
         parse_count(v, 0, devices - 1, &fail_device) < 0)
         return sim_fail(status, SIM_ERROR_INVALID_VALUE,
-                        "FLAGOS_SIM_FAIL_DEVICE=%s is not valid; use a device index from 0 to %ld",
-                        v, devices - 1);
+                        "FLAGOS_SIM_FAIL_DEVICE='%s' is not valid; use a device index from 0 to "
+                        "%ld, e.g. FLAGOS_SIM_FAIL_DEVICE=%ld", v, devices - 1, devices - 1);
     uint64_t dtypes = FLAGOS_DTYPE_BIT(FLAGOS_FLOAT32) | FLAGOS_DTYPE_BIT(FLAGOS_FLOAT16);
     if ((v = getenv("FLAGOS_SIM_DTYPES")) && *v && parse_dtypes(v, &dtypes, status) != SIM_SUCCESS)
         return status->code;
@@ -319,8 +332,9 @@ static int32_t sim_alloc(int32_t device, uint64_t nbytes, flagos_buffer *buffer,
     if (rc != SIM_SUCCESS)
         goto done;
     sim_device *d = &sim.devices[device];
-    sim.alloc_calls++;
-    if (sim.fail_alloc_at != 0 && sim.alloc_calls == sim.fail_alloc_at) {
+    if (sim.counting_allocs)
+        sim.alloc_calls++;
+    if (sim.counting_allocs && sim.fail_alloc_at != 0 && sim.alloc_calls == sim.fail_alloc_at) {
         rc = sim_fail(status, SIM_ERROR_OUT_OF_MEMORY,
                       "injected failure of allocation #%llu (FLAGOS_SIM_FAIL_ALLOC_AT)",
                       (unsigned long long)sim.alloc_calls);
@@ -743,6 +757,16 @@ static int32_t sim_event_elapsed_ms(int32_t device, flagos_event start, flagos_e
               (double)(b->when.tv_nsec - a->when.tv_nsec) / 1e6;
     pthread_mutex_unlock(&sim.lock);
     return rc;
+}
+
+/* flagos calls this (with ctypes, flagos/chips/sim.py) once activate() is done: from then on
+ * allocations count for FLAGOS_SIM_FAIL_ALLOC_AT, so N means the program's Nth allocation and
+ * not one made by activation's own checks. */
+void flagos_sim_count_allocations(void)
+{
+    pthread_mutex_lock(&sim.lock);
+    sim.counting_allocs = 1;
+    pthread_mutex_unlock(&sim.lock);
 }
 
 /* For tests (read with ctypes): how often flagos called a stream/event entry, by name
