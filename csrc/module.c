@@ -6,6 +6,7 @@
  */
 #include "router.h"
 #include "adapter.h"
+#include "guard.h"
 
 flagos_state *flagos_get_state(PyObject *module)
 {
@@ -355,7 +356,7 @@ static int fl_exec(PyObject *module)
         PyModule_AddIntConstant(module, "OP_RELAYOUT", OP_RELAYOUT) < 0 ||
         PyModule_AddIntConstant(module, "OP_SPARSE", OP_SPARSE) < 0)
         return -1;
-    if (flagos_adapter_types_ready(module) < 0)
+    if (flagos_adapter_types_ready(module) < 0 || flagos_guard_ready(module) < 0)
         return -1;
     if (PyModule_AddIntConstant(module, "WRAPPER_STORAGE_BYTES", (long)WRAPPER_STORAGE_BYTES) < 0)
         return -1;
