@@ -196,7 +196,15 @@ def test_error_paths_do_not_leak():
             except flagos.FallbackError:
                 pass
             flagos.set_route("aten::mul.Tensor", "auto")
+            y = x * 3
+            y.register_hook(hook_fails)
+            try:
+                y.sum().backward()                                              # a hook fails
+            except ValueError:
+                pass
             x.grad = None
+        def hook_fails(grad):
+            raise ValueError("hook failed")
         failures()
         gc.collect(); gc.collect()
         mem, objs = m.memory_allocated(), len(gc.get_objects())
