@@ -6,6 +6,7 @@
  */
 #include "router.h"
 #include "adapter.h"
+#include "guard.h"
 
 flagos_state *flagos_get_state(PyObject *module)
 {
@@ -31,11 +32,8 @@ static void state_clear_config(flagos_state *st)
     Py_CLEAR(st->skip_prefixes);
     Py_CLEAR(st->adapter_dispatch);
     Py_CLEAR(st->set_metadata);
-    Py_CLEAR(st->on_backward_error);
-    Py_CLEAR(st->skip_failed_task);
     Py_CLEAR(st->math_call);
     Py_CLEAR(st->complex_dtypes);
-    st->failed_tasks = 0;
     st->configured = 0;
 }
 
@@ -144,21 +142,6 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
     Py_RETURN_NONE;
 }
 
-static PyObject *fl_set_backward_hooks(PyObject *module, PyObject *args)
-{
-    PyObject *on_error, *skip;
-    if (!PyArg_ParseTuple(args, "OO:set_backward_hooks", &on_error, &skip))
-        return NULL;
-    if (!PyCallable_Check(on_error) || !PyCallable_Check(skip)) {
-        PyErr_SetString(PyExc_TypeError, "set_backward_hooks(on_error, skip): two callables");
-        return NULL;
-    }
-    flagos_state *st = flagos_get_state(module);
-    Py_XSETREF(st->on_backward_error, Py_NewRef(on_error));
-    Py_XSETREF(st->skip_failed_task, Py_NewRef(skip));
-    Py_RETURN_NONE;
-}
-
 static PyObject *fl_set_math_call(PyObject *module, PyObject *args)
 {
     PyObject *fn, *dtypes;
@@ -171,15 +154,6 @@ static PyObject *fl_set_math_call(PyObject *module, PyObject *args)
     flagos_state *st = flagos_get_state(module);
     Py_XSETREF(st->math_call, Py_NewRef(fn));
     Py_XSETREF(st->complex_dtypes, Py_NewRef(dtypes));
-    Py_RETURN_NONE;
-}
-
-static PyObject *fl_set_failed_tasks(PyObject *module, PyObject *arg)
-{
-    long n = PyLong_AsLong(arg);
-    if (n == -1 && PyErr_Occurred())
-        return NULL;
-    flagos_get_state(module)->failed_tasks = n > 0 ? (int)n : 0;
     Py_RETURN_NONE;
 }
 
@@ -248,12 +222,8 @@ static PyMethodDef fl_methods[] = {
     {"deconfigure", fl_deconfigure, METH_NOARGS, "Refuse new calls and clear the table."},
     {"set_fallback_policy", fl_set_fallback_policy, METH_O,
      "0 allow, 1 warn once per op, 2 raise before running."},
-    {"set_backward_hooks", fl_set_backward_hooks, METH_VARARGS,
-     "set_backward_hooks(on_error, skip): what an op failing inside autograd's engine does."},
     {"set_math_call", fl_set_math_call, METH_VARARGS,
      "set_math_call(fn, complex_dtypes): how chip ops on complex tensors are called."},
-    {"set_failed_tasks", fl_set_failed_tasks, METH_O,
-     "Number of backward passes holding a deferred error (0 turns the per-op check off)."},
     {"invalidate", fl_invalidate, METH_NOARGS, "Resolve every op's route again on its next call."},
     {"table", fl_table, METH_NOARGS, "One dict per op seen: route, counters, call site."},
     {"reset_counters", fl_reset_counters, METH_NOARGS, "Zero every op's counters."},
@@ -289,8 +259,6 @@ static int fl_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->skip_prefixes);
     Py_VISIT(st->set_metadata);
     Py_VISIT(st->adapter_dispatch);
-    Py_VISIT(st->on_backward_error);
-    Py_VISIT(st->skip_failed_task);
     Py_VISIT(st->math_call);
     Py_VISIT(st->complex_dtypes);
     op_entry *e, *tmp;
@@ -364,7 +332,7 @@ static int fl_exec(PyObject *module)
         PyModule_AddIntConstant(module, "OP_RELAYOUT", OP_RELAYOUT) < 0 ||
         PyModule_AddIntConstant(module, "OP_SPARSE", OP_SPARSE) < 0)
         return -1;
-    if (flagos_adapter_types_ready(module) < 0)
+    if (flagos_adapter_types_ready(module) < 0 || flagos_guard_ready(module) < 0)
         return -1;
     if (PyModule_AddIntConstant(module, "WRAPPER_STORAGE_BYTES", (long)WRAPPER_STORAGE_BYTES) < 0)
         return -1;

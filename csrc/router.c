@@ -1105,47 +1105,10 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
     return out;
 }
 
-/* An exception must not leave __torch_dispatch__ on autograd's engine thread: PyTorch's Python
- * device guard would be called while it is pending and abort the process (docs/design.md,
- * "Errors inside backward"). flagos/_backward_errors.py keeps the error, hands back placeholder
- * outputs and raises it from backward() in the caller's thread. */
-static PyObject *defer_backward_error(flagos_state *st, PyObject *func, PyObject *args,
-                                      PyObject *kwargs)
-{
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (value == NULL || (tb != NULL && PyException_SetTraceback(value, tb) < 0)) {
-        PyErr_Restore(type, value, tb);
-        return NULL;
-    }
-    PyObject *res = PyObject_CallFunctionObjArgs(st->on_backward_error, func, args,
-                                                 kwargs ? kwargs : Py_None, value, NULL);
-    if (res == Py_None) { /* not inside a backward pass: raise as usual */
-        Py_DECREF(res);
-        PyErr_Restore(type, value, tb);
-        return NULL;
-    }
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(tb);
-    return res;
-}
-
 PyObject *flagos_route_call(flagos_state *st, PyObject *func, PyObject *args, PyObject *kwargs,
                             int from_factory)
 {
-    if (st->failed_tasks > 0 && st->skip_failed_task != NULL) {
-        PyObject *res = PyObject_CallFunctionObjArgs(st->skip_failed_task, func, args,
-                                                     kwargs ? kwargs : Py_None, NULL);
-        if (res != Py_None)
-            return res; /* placeholders (or an error of the skip itself) */
-        Py_DECREF(res);
-    }
-    PyObject *out = route_call(st, func, args, kwargs, from_factory);
-    if (out == NULL && st->on_backward_error != NULL && st->device_mode)
-        out = defer_backward_error(st, func, args, kwargs);
-    return out;
+    return route_call(st, func, args, kwargs, from_factory);
 }
 
 /* Value of schema argument i as the caller passed it (borrowed), or NULL if absent. */

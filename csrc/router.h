@@ -89,9 +89,6 @@ typedef struct flagos_state {
     PyObject *skip_prefixes;   /* tuple of path prefixes that are not user code */
     PyObject *adapter_dispatch;/* C-ABI chips: Python runner of one op, or NULL */
     PyObject *set_metadata;    /* (wrapper, size, stride, offset): resync a wrapper's view */
-    PyObject *on_backward_error; /* Python: (func, args, kwargs, exc) -> placeholders or None */
-    PyObject *skip_failed_task;  /* Python: (func, args, kwargs) -> placeholders or None */
-    int failed_tasks;          /* backward graph tasks holding a deferred error (0: no check) */
     PyObject *math_call;       /* Python: (fn, args, kwargs) with the conj/neg keys enabled */
     PyObject *complex_dtypes;  /* tuple of the complex torch.dtype objects */
     PyObject *dtypes[MAX_DTYPES]; /* registry for dtype_mask (strong refs) */

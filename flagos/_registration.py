@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
+from . import _C, _backward_errors
 from .errors import ConfigError
 
 NAME = "flagos"
@@ -33,8 +33,10 @@ def _hook_classes():
             return True
 
     class DeviceGuard(torch._C._acc.DeviceGuard):
-        def type_(self):
-            return torch._C._autograd.DeviceType.PrivateUse1
+        # PyTorch calls type_() also while an exception from backward unwinds with its Python
+        # error pending; this one takes the error aside for backward() to raise (csrc/guard.c).
+        type_ = _C.GuardDeviceType(torch._C._autograd.DeviceType.PrivateUse1,
+                                   _backward_errors.keep)
 
     return Hooks, DeviceGuard
 

@@ -1,11 +1,12 @@
-"""An exception raised while autograd runs a backward op reaches the caller of `backward()` as
-that exception, and the process stays usable: memory comes back and the next step is right.
+"""An exception raised by Python code that autograd's engine runs (an op, a hook, a saved-tensor
+unpack, a KeyboardInterrupt) reaches the caller of `backward()` or `autograd.grad()` as that
+exception, and the process stays usable: memory comes back and the next step is right.
 
 Each case runs in its own process, so a regression (an abort) is a failed test, not a lost run.
 """
 import pytest
 
-from conftest import device_mode_only, run_python
+from conftest import CHIP, device_mode_only, run_python
 
 pytestmark = device_mode_only
 
@@ -195,7 +196,15 @@ def test_error_paths_do_not_leak():
             except flagos.FallbackError:
                 pass
             flagos.set_route("aten::mul.Tensor", "auto")
+            y = x * 3
+            y.register_hook(hook_fails)
+            try:
+                y.sum().backward()                                              # a hook fails
+            except ValueError:
+                pass
             x.grad = None
+        def hook_fails(grad):
+            raise ValueError("hook failed")
         failures()
         gc.collect(); gc.collect()
         mem, objs = m.memory_allocated(), len(gc.get_objects())
@@ -207,3 +216,201 @@ def test_error_paths_do_not_leak():
     mem, objs = proc.stdout.split()[1], int(proc.stdout.split()[3])
     assert mem == "0", proc.stdout
     assert objs < 30, proc.stdout  # nothing grows per failing round
+
+
+# ---- every Python callable the engine runs, on the chip under test -----------------------------
+#
+# Each path runs one training step with a failing callable armed, on plain CPU and on flagos, in
+# the same process, through backward() and through autograd.grad(); the caller must get the same
+# exception on both, and the clean step that follows must give CPU's gradients.
+
+HOOK_SCRIPT = """
+import os, signal, time, torch, flagos
+flagos.activate("{chip}")
+torch.manual_seed(0)
+MODEL = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+X = torch.randn(8, 16)
+
+def fail(*args):
+    raise ValueError("raised by the callable")
+
+def interrupt(*args):
+    raise KeyboardInterrupt
+
+def sigint(*args):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)  # the signal lands while backward is still running
+
+def step(dev, entry):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model.load_state_dict(MODEL.state_dict())
+    model = model.to(dev)
+    x = X.to(dev)
+    handles = []
+{before}
+    out = model(x)
+{after}
+    loss = (out * out).sum()
+    try:
+        if entry == "backward":
+            loss.backward()
+        else:
+            torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+        got = "no error"
+    except BaseException as e:  # KeyboardInterrupt included
+        got = type(e).__name__ + ": " + str(e)
+    for h in handles:
+        h.remove()
+    del out, loss
+    model.zero_grad(set_to_none=True)
+    (model(x) ** 2).sum().backward()
+    return got, [p.grad.cpu() for p in model.parameters()]
+
+for entry in ("backward", "grad"):
+    want, want_grads = step("cpu", entry)
+    got, grads = step(flagos.device(), entry)
+    print(entry, "CPU |", want)
+    print(entry, "FLAGOS |", got)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1.3e-6, atol=1e-5)
+    print(entry, "NEXT STEP OK")
+print("ALIVE")
+"""
+
+FAILED = "ValueError: raised by the callable"
+POISONED = "RuntimeError: Trying to execute AccumulateGrad node that was poisoned by swap_tensors"
+
+# before: armed before the forward pass; after: between forward and backward. expect: what the
+# caller gets, through backward() and through grad() (grad() accumulates nothing, so it never
+# runs an AccumulateGrad node or its hooks: "no error" there, as on CPU).
+HOOK_PATHS = {
+    "tensor_hook": dict(after="out.register_hook(fail)", expect=(FAILED, FAILED)),
+    "module_full_backward_hook": dict(
+        before="handles.append(model[1].register_full_backward_hook(fail))",
+        expect=(FAILED, FAILED)),
+    "module_full_backward_pre_hook": dict(
+        before="handles.append(model[1].register_full_backward_pre_hook(fail))",
+        expect=(FAILED, FAILED)),
+    "post_accumulate_grad_hook": dict(
+        before="handles.append(model[0].weight.register_post_accumulate_grad_hook(fail))",
+        expect=(FAILED, "no error")),
+    "saved_tensors_unpack": dict(
+        before=("hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, fail)\n"
+                "hooks.__enter__()"),
+        after="hooks.__exit__(None, None, None)",
+        expect=(FAILED, FAILED)),
+    "keyboard_interrupt_from_hook": dict(
+        after="out.register_hook(interrupt)",
+        expect=("KeyboardInterrupt: ", "KeyboardInterrupt: ")),
+    # A real SIGINT: Python runs signal handlers in the main thread only, so on flagos it is
+    # raised there once the engine hands back (on CPU, inside the hook): backward() raises it.
+    "sigint_during_backward": dict(
+        after="out.register_hook(sigint)",
+        expect=("KeyboardInterrupt: ", "KeyboardInterrupt: ")),
+    "swap_tensors_poisoned_accumulate_grad": dict(
+        after=("w = model[0].weight\n"
+               "torch.utils.swap_tensors(w, torch.nn.Parameter(w.detach().clone()))"),
+        expect=(POISONED, "no error")),
+}
+
+
+def _indent(code: str) -> str:
+    return "\n".join("    " + line for line in code.splitlines())
+
+
+@pytest.mark.parametrize("path", HOOK_PATHS)
+def test_python_errors_inside_backward_reach_the_caller(path):
+    case = HOOK_PATHS[path]
+    code = HOOK_SCRIPT.format(chip=CHIP, before=_indent(case.get("before", "")),
+                              after=_indent(case.get("after", "")))
+    proc = run_python(code, env={"FLAGOS_FALLBACK": "allow"}, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out}\n{proc.stderr[-3000:]}"
+    for entry, expect in zip(("backward", "grad"), case["expect"]):
+        want = out.split(f"{entry} CPU | ", 1)[1].split("\n", 1)[0]
+        got = out.split(f"{entry} FLAGOS | ", 1)[1].split("\n", 1)[0]
+        assert want.startswith(expect), (entry, want)   # the case fails on CPU as intended
+        assert got == want, (entry, got, want)
+        assert f"{entry} NEXT STEP OK" in out, out
+    assert out.rstrip().endswith("ALIVE"), out
+
+
+def test_each_error_reaches_its_own_backward_pass():
+    """Two threads train at once and a hook runs a backward pass of its own: each caller gets
+    the error of its own pass, and an error caught inside a hook leaves the outer pass alone."""
+    proc = run_python(f"""
+        import threading, torch, flagos
+        flagos.activate("{CHIP}")
+        d = flagos.device()
+
+        def fail_with(message):
+            def hook(grad):
+                raise ValueError(message)
+            return hook
+
+        def train(name, results):
+            for i in range(20):
+                w = torch.ones(64, device=d, requires_grad=True)
+                y = w * 2
+                y.register_hook(fail_with(f"{{name}} {{i}}"))
+                try:
+                    y.sum().backward()
+                    results.append("no error")
+                except ValueError as e:
+                    results.append(str(e) == f"{{name}} {{i}}")
+
+        results = {{"a": [], "b": []}}
+        threads = [threading.Thread(target=train, args=(n, results[n])) for n in results]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print("THREADS", all(r is True for rs in results.values() for r in rs),
+              [len(rs) for rs in results.values()])
+
+        x = torch.ones(3, device=d, requires_grad=True)
+        def outer(grad):
+            z = torch.ones(3, device=d, requires_grad=True)
+            with torch.enable_grad():
+                inner = z * 3
+                inner.register_hook(fail_with("inner"))
+                try:
+                    torch.autograd.grad(inner.sum(), z)
+                except ValueError as e:
+                    print("INNER CAUGHT", e)
+            return grad
+        y = x * 2
+        y.register_hook(outer)
+        y.sum().backward()
+        print("OUTER GRAD", x.grad.cpu().tolist())
+    """, env={"FLAGOS_FALLBACK": "allow"}, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out}\n{proc.stderr[-3000:]}"
+    assert "THREADS True [20, 20]" in out, out
+    assert "INNER CAUGHT inner" in out and "OUTER GRAD [2.0, 2.0, 2.0]" in out, out
+
+
+def test_pending_error_outside_backward_is_reported():
+    """The engine entered without backward() or autograd.grad() (no pass to file the error
+    with): the caller gets PyTorch's SystemError, the error itself is logged, nothing aborts."""
+    proc = run_python(f"""
+        import torch, flagos
+        flagos.activate("{CHIP}")
+        d = flagos.device()
+        x = torch.ones(3, device=d, requires_grad=True)
+        y = x * 2
+        def fail(grad):
+            raise ValueError("raised by the hook")
+        y.register_hook(fail)
+        engine = torch.autograd.Variable._execution_engine
+        try:
+            engine.run_backward((y.sum(),), (torch.ones((), device=d),), False, False, (), True, True)
+        except SystemError as e:
+            print("SYSTEM ERROR |", e)
+        x.grad = None
+        (x * 2).sum().backward()
+        print("NEXT", x.grad.cpu().tolist())
+    """, env={"FLAGOS_FALLBACK": "allow"}, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "SYSTEM ERROR |" in proc.stdout and "NEXT [2.0, 2.0, 2.0]" in proc.stdout, proc.stdout
+    assert "ValueError: raised by the hook" in proc.stderr, proc.stderr
