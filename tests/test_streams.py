@@ -146,7 +146,11 @@ def test_torch_accelerator_memory_matches_torch_flagos(dev):
     assert torch.accelerator.max_memory_reserved() >= torch.accelerator.memory_reserved()
     stats = torch.accelerator.memory_stats()
     assert stats["allocated_bytes.all.current"] == torch.flagos.memory_allocated()
-    assert tuple(torch.accelerator.get_memory_info()) == torch.flagos.mem_get_info()
+    info, (free, total) = tuple(torch.accelerator.get_memory_info()), torch.flagos.mem_get_info()
+    if CHIP == "sim":  # sim's pool moves only with this process's tensors
+        assert info == (free, total)
+    else:  # the cpu chip's memory is the host's: other processes move its free part between calls
+        assert info[1] == total and info[0] == pytest.approx(free, rel=0.05)
     if CHIP == "sim":  # sim keeps allocator statistics; the cpu chip, like PyTorch's CPU, none
         assert grown == x.numel() * 4
         del x
