@@ -213,6 +213,44 @@ MUTATIONS = [
     M("target_ignores_dtypes", "analyze --target: an adapter kernel counts for every dtype",
       "flagos/coverage/__init__.py", "        mask &= self.chip_dtypes", "        mask = -1",
       cpu("tests/test_cli_analyze.py", k="dtypes_sim_computes")),
+    # ---- eight planted by hand that the suite missed, with the tests that now catch them ----
+    M("autocast_bf16_not_upcast", "autocast: float32-policy ops (mse_loss, prod) upcast float16 "
+      "only, not bfloat16", "flagos/_autocast.py",
+      "cast = lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t",
+      "cast = lambda t: t.float() if t.dtype == torch.float16 else t",
+      cpu("tests/test_autocast.py", k="float32_policy")),
+    M("generator_not_current_device", 'Generator("flagos") is on flagos:0, not the current '
+      "device", "flagos/_generator.py",
+      "    return state.chip_index(state.current if device.index is None else device.index)",
+      "    return state.chip_index(device.index or 0)",
+      sim("tests/test_generators.py", k="current_device")),
+    M("wait_stream_records_on_itself", "wait_stream records its event on its own stream, not the "
+      "other one", "flagos/_streams.py",
+      "        self.wait_event(_as_flagos_stream(stream).record_event())",
+      "        self.wait_event(self.record_event())",
+      cpu("tests/test_streams.py", k="wait_stream_records")),
+    M("sim_stream_any_device", "sim: a stream or event handle is accepted on any device", SIM,
+      "    if (o == NULL || o->device != device || o->is_event != is_event) {",
+      "    if (o == NULL || o->is_event != is_event) {",
+      sim("tests/test_streams.py", k="another_device")),
+    M("max_memory_one_device_too_many", "get_max_memory accepts the index device_count",
+      "flagos/_integrations.py", "        if not 0 <= index < state.device_count:",
+      "        if not 0 <= index <= state.device_count:",
+      cpu("tests/test_accelerate.py", k="no_other")),
+    M("track_bytes_to_device_unscoped", "track(): bytes_to_device is the running total, not the "
+      "scope's", "flagos/_report.py",
+      '        for k in ("fallback_ns", "bytes_to_host", "bytes_to_device"):',
+      '        for k in ("fallback_ns", "bytes_to_host"):',
+      cpu("tests/test_routes.py", k="track")),
+    M("compare_drops_reference_only", "compare: modules that ran on the reference only are left "
+      "out", "flagos/tools/_compare.py",
+      '    keys = chip_rec["order"] + [k for k in ref_rec["order"] if k not in chip_rec["records"]]',
+      '    keys = chip_rec["order"]',
+      cpu("tests/test_cli_compare.py", k="reference_only")),
+    M("analyze_signal_status_negated", "analyze: a command ended by signal N exits 128 - N",
+      "flagos/tools/_analyze.py", "    return 128 - status if status < 0 else status",
+      "    return 128 + status if status < 0 else status",
+      cpu("tests/test_cli_analyze.py", k="signal")),
 ]
 
 

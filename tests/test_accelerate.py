@@ -185,3 +185,16 @@ def test_accelerate_imported_before_activation_finds_flagos():
     assert "device flagos:0" in proc.stdout
     assert f"memory {list(range(count))}" in proc.stdout
     assert f"transformers {list(range(count))}" in proc.stdout
+
+
+def test_get_max_memory_accepts_every_device_and_no_other():
+    """Indices 0 to device_count - 1 are flagos devices; device_count itself and -1 are not."""
+    from accelerate.utils import get_max_memory
+
+    count = torch.flagos.device_count()
+    budgets = {i: 1000 * (i + 1) for i in range(count)}
+    assert get_max_memory({**budgets, "cpu": "1KB"}) == {**budgets, "cpu": 1000}
+    for missing in (count, -1):
+        with pytest.raises(ValueError, match=rf"names device {missing}, but flagos has {count} "
+                                             rf"device\(s\).*use indices 0 to {count - 1}"):
+            get_max_memory({missing: 100, "cpu": 100})

@@ -67,3 +67,22 @@ def test_grad_scaler_fp16_training_steps_match_cpu(dev):
         params.append([p.detach().cpu() for p in model.parameters()] + [torch.tensor(scaler.get_scale())])
     for got, ref in zip(params[1], params[0]):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_float32_policy_ops_upcast_both_low_precision_dtypes(dev, dtype):
+    """mse_loss and prod are on CPU autocast's float32 list: inputs in float16 *or* bfloat16
+    run in float32, as under CPU autocast."""
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 5).to(dtype), torch.randn(6, 5).to(dtype)
+    results = []
+    for device in ("cpu", dev):
+        with torch.autocast(torch.device(device).type, dtype=dtype):
+            loss = torch.nn.functional.mse_loss(a.to(device), b.to(device))
+            product = torch.prod(a.to(device)[0])
+        results.append((loss.cpu(), product.cpu()))
+    (ref_loss, ref_product), (loss, product) = results
+    assert ref_loss.dtype == ref_product.dtype == torch.float32  # what CPU autocast does
+    assert loss.dtype == product.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(product, ref_product, rtol=1.3e-6, atol=1e-5)

@@ -280,3 +280,27 @@ def test_sim_coverage_follows_the_dtypes_sim_computes_in():
         route, reason = sim.classify("aten::add.Tensor", ["torch.bfloat16"])
         assert route == "fallback" and "not bfloat16" in reason
     assert sim.classify("aten::add.Tensor", ["torch.int64"])[0] == "fallback"
+
+
+def test_a_script_ended_by_a_signal_exits_128_plus_the_signal(tmp_path, capfd):
+    """A job that saves its report and is then stopped by SIGTERM: the report is shown, and
+    the exit status is 128 + 15 = 143, as a shell gives for it."""
+    from flagos.tools.cli import main
+    stopped = tmp_path / "stopped.py"
+    stopped.write_text(textwrap.dedent("""\
+        import os
+        import signal
+
+        import torch
+
+        import flagos
+
+        print("sum", (torch.ones(3, device=flagos.device()) * 2).sum().item())
+        flagos.fallback_report().save(os.environ["FLAGOS_REPORT"])
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("still running")
+    """))
+    assert main(["analyze", "--chip", CHIP, "--", sys.executable, str(stopped)]) == 128 + 15
+    out, err = capfd.readouterr()
+    assert "sum 6.0" in out and "still running" not in out
+    assert f"on chip {CHIP} (ended by signal 15)" in out and "aten::mul.Tensor" in out

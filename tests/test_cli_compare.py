@@ -170,3 +170,41 @@ def test_usage_errors():
         flagos.compare(model)
     with pytest.raises(ValueError, match="unknown chip 'gpu0'.*torch-cpu"):
         flagos.compare(model, (x,), chip="gpu0")
+
+
+# A model with a module that runs on the host only (a check a chip's fast path skips): the
+# outputs agree, but the chip's run left a module out.
+SKIPPING_MODEL = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    class HostOnlyCheck(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.check, self.head = nn.Linear(6, 8), nn.Identity(), nn.Linear(8, 3)
+
+        def forward(self, x):
+            x = self.embed(x)
+            if x.device.type == "cpu":
+                x = self.check(x)
+            return self.head(x)
+
+
+    def build(batch=2):
+        return HostOnlyCheck().eval(), (torch.randn(batch, 6),)
+''')
+
+
+@device_mode_only
+def test_a_module_that_ran_on_the_reference_only_fails(tmp_path):
+    path = tmp_path / "skipping_model.py"
+    path.write_text(SKIPPING_MODEL)
+    data = flagos.compare(f"{path}:build", chip=CHIP, ref="torch-cpu")
+    names = [r["name"] for r in data["modules"]]
+    assert names == ["embed#0", "head#0", "(model)#0", "check#0"]  # the chip's order, then the ref's
+    assert data["passed"] is False and data["failed"] == 1
+    first = data["first_failure"]
+    assert (first["name"], first["type"], first["reason"]) == \
+        ("check#0", "Identity", "ran on the reference only")
+    assert all(r["passed"] for r in data["modules"] if r["name"] != "check#0")

@@ -121,3 +121,20 @@ def test_release_gives_torch_generator_back():
               == torch.randn(2, generator=torch.Generator().manual_seed(0)).tolist())
     """)
     assert "PYTORCH True" in proc.stdout and "STILL True" in proc.stdout
+
+
+def test_generator_without_an_index_is_on_the_current_device():
+    """torch.Generator("flagos") is on the current device, as torch.Generator("cuda") is."""
+    last = torch.flagos.device_count() - 1
+    if last == 0:
+        pytest.skip("needs a chip with two devices (sim has two; the cpu chip one)")
+    torch.flagos.set_device(last)
+    try:
+        for g in (torch.Generator("flagos"), torch.Generator(device=torch.device("flagos"))):
+            assert g.device == torch.device("flagos", last)
+            out = torch.randn(4, device=g.device, generator=g.manual_seed(5))
+            assert out.device == torch.device("flagos", last)
+            assert torch.equal(out.cpu(), torch.randn(4, generator=seeded("cpu", 5)))
+    finally:
+        torch.flagos.set_device(0)
+    assert torch.Generator("flagos").device == torch.device("flagos", 0)

@@ -154,6 +154,26 @@ def test_track_scopes_the_report(dev):
     assert r.op("aten::mul.Tensor") is None
 
 
+def test_track_counts_only_the_bytes_moved_in_its_scope(dev):
+    x, y = torch.randn(4, 5), torch.randn(5, 3)
+    fx, fy = x.to(dev), y.to(dev)
+    flagos.set_route("aten::mm", "fallback")
+    fx @ fy                                   # before the scope: moved, not the scope's
+    with flagos.track() as one:
+        out = fx @ fy
+    assert_close(out, x @ y)
+    row = one.op("aten::mm")
+    assert row["calls"]["fallback"] == 1
+    assert row["bytes_to_host"] == x.nbytes + y.nbytes and row["bytes_to_device"] == 4 * 3 * 4
+    flagos.set_route("aten::mm", "native")
+    with flagos.track() as none:
+        fx @ fy
+    totals = none.to_dict()["totals"]
+    assert none.op("aten::mm")["calls"]["native"] == 1 and none.calls("fallback") == 0
+    assert (totals["bytes_to_host"], totals["bytes_to_device"]) == (0, 0)
+    assert flagos.fallback_report().op("aten::mm")["bytes_to_device"] == 2 * 4 * 3 * 4
+
+
 def test_report_written_at_exit(tmp_path):
     path = tmp_path / "report.json"
     run_python("""
