@@ -120,18 +120,17 @@ def _refuse_trace() -> None:
 
 
 def refuse_host_storage() -> None:
-    """Libraries that identify storage through `__tensor_flatten__` (huggingface_hub's
-    `save_pretrained`, safetensors) met a C-ABI chip's tensor, which has no inner torch tensor."""
+    """A library, not a compilation, asked a C-ABI chip's tensor for its inner tensors
+    (`__tensor_flatten__`); it has none."""
     from . import _runtime
 
     state = _runtime.active_or_none()
     chip = state.chip.name if state else "?"
     raise RuntimeError(
         f"flagos tensors on chip '{chip}' hold adapter buffers, not torch tensors, so they have no "
-        f"inner tensor or host storage to hand to __tensor_flatten__ and untyped_storage() "
-        f"(huggingface_hub and safetensors read them in save_pretrained and save_file). Move the "
-        f"model or tensors to the CPU first: model.to('cpu').save_pretrained(path), or "
-        f"save_file({{k: v.cpu() for k, v in tensors.items()}}, path).")
+        f"inner tensor to hand to __tensor_flatten__ outside torch.compile. Ask the tensor itself: "
+        f"untyped_storage() and data_ptr() name its buffer (to find tensors that share memory), "
+        f"and tensor.cpu() copies its values to the host.")
 
 
 _skipping = False

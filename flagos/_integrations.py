@@ -15,6 +15,10 @@ Neither library is edited. While flagos owns the device (device mode):
 - safetensors checks device names in Rust against the ones it knows, so
   `safetensors.torch.load_file(path, device="flagos")` (Diffusers' group offloading to disk)
   loads to the host and moves the tensors to flagos.
+- huggingface_hub finds tensors that share memory (tied weights, when `save_pretrained` splits a
+  state dict into shards) through the inner tensors of a wrapper subclass's
+  `__tensor_flatten__`; a C-ABI chip's tensor has none (its memory is an adapter buffer), so
+  such a tensor is answered as a plain tensor is, by its storage, which names the buffer.
 
 A library imported after activation is answered the moment its module is imported (an import
 hook runs the patch right after the module's own code); one imported before is answered at
@@ -30,6 +34,7 @@ import threading
 import torch
 
 from . import _runtime
+from ._tensor import FlagosTensor
 
 log = logging.getLogger("flagos")
 _lock = threading.Lock()
@@ -156,12 +161,48 @@ def _safetensors_torch(module) -> None:
     _replaced[id(original)] = (original, load_file)
 
 
+# ---- huggingface_hub ------------------------------------------------------------
+
+def _on_adapter_buffer(tensor) -> bool:
+    return isinstance(tensor, FlagosTensor) and not isinstance(tensor._payload, torch.Tensor)
+
+
+def _huggingface_hub_torch(module) -> None:
+    unique_id, storage_size, is_complete = (module._get_unique_id, module.get_torch_storage_size,
+                                            module._is_complete)
+
+    def _get_unique_id(tensor):
+        if _on_adapter_buffer(tensor):
+            return tensor.untyped_storage().data_ptr()
+        return unique_id(tensor)
+
+    def get_torch_storage_size(tensor) -> int:
+        if _on_adapter_buffer(tensor):
+            return tensor.untyped_storage().nbytes()
+        return storage_size(tensor)
+
+    def _is_complete(tensor) -> bool:
+        if _on_adapter_buffer(tensor):
+            storage = tensor.untyped_storage()
+            return (tensor.data_ptr() == storage.data_ptr()
+                    and tensor.nelement() * tensor.element_size() == storage.nbytes())
+        return is_complete(tensor)
+
+    for original, replacement in ((unique_id, _get_unique_id), (storage_size, get_torch_storage_size),
+                                  (is_complete, _is_complete)):
+        replacement.__doc__ = original.__doc__
+        replacement.__wrapped__ = original
+        setattr(module, original.__name__, replacement)
+        _replaced[id(original)] = (original, replacement)
+
+
 _PATCHES = {
     "diffusers.utils.torch_utils": _diffusers_torch_utils,
     "diffusers.pipelines.pipeline_utils": _diffusers_pipeline_utils,
     "accelerate.state": _accelerate_state,
     "accelerate.utils.modeling": _accelerate_modeling,
     "safetensors.torch": _safetensors_torch,
+    "huggingface_hub.serialization._torch": _huggingface_hub_torch,
 }
 
 

@@ -16,6 +16,8 @@ import torch
 
 from . import _C
 
+_META = torch.device("meta")
+
 
 class FlagosTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -59,18 +61,20 @@ class FlagosTensor(torch.Tensor):
 
     def untyped_storage(self):
         # The wrapper owns no memory; its payload's storage is the memory it views (a chip
-        # storage with a valid data_ptr(), which safetensors and huggingface_hub read to find
-        # tensors that share memory).
+        # storage with a valid data_ptr(), which safetensors, huggingface_hub and transformers
+        # read to find tensors that share memory, e.g. tied weights).
         # While torch.compile traces, the wrapper's own storage is what its fake tensors describe.
-        # An adapter buffer has no host storage: say so rather than hand out the wrapper's
-        # invalid one, whose data_ptr() fails with no hint of the fix.
         payload = self._payload
         if torch.compiler.is_compiling():
             return torch.Tensor.untyped_storage(self)
         if isinstance(payload, torch.Tensor):
             return payload.untyped_storage()
-        from . import _compile
-        _compile.refuse_host_storage()
+        # An adapter buffer: a storage that names the buffer (data_ptr() its handle, nbytes() its
+        # size), so every view of one buffer has the same storage and other buffers have others.
+        # It holds no data, so it is a meta storage: reading through it raises PyTorch's meta
+        # error. (A storage on the flagos device would crash on clone(): PyTorch has no allocator
+        # for a PrivateUse1 device registered from Python.) Values are read through the tensor.
+        return torch._C._construct_storage_from_data_pointer(payload.handle, _META, payload.nbytes)
 
     def data_ptr(self) -> int:
         # PyTorch answers 0 for a wrapper that owns no memory; libraries that key tensors by

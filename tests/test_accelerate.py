@@ -3,6 +3,7 @@ offload hooks, and transformers' device_map="auto", each compared with plain CPU
 Runs on the suite's chip (cpu, and sim with FLAGOS_TEST_CHIP=sim)."""
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -168,6 +169,158 @@ def test_device_map_auto_spreads_over_two_flagos_devices(tmp_path):
     assert model.transformer.h[0].attn.c_attn.weight.device == torch.device("flagos", 1)
     with torch.no_grad():
         close(model(IDS.to(flagos.device())).logits, expected)
+
+
+def tied_llama(seed: int = 0):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=32, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def model_size(model) -> int:
+    """Bytes of the model's weights and buffers, as the libraries' own tests size max_memory."""
+    return accelerate.utils.compute_module_sizes(model)[""]
+
+
+def assert_placed_as_mapped(model, device_map):
+    """Each parameter where its module's entry says: flagos:N for N, the meta device for modules
+    whose weights wait on the host (accelerate's hooks bring them to the execution device)."""
+    for name, param in model.named_parameters():
+        key = name
+        while key and key not in device_map:
+            key = key.rpartition(".")[0]
+        where = device_map[key]
+        assert param.device == (torch.device("meta") if where in ("cpu", "disk") else
+                                torch.device("flagos", where)), name
+
+
+@pytest.mark.parametrize("share", [0.5, 0.7])
+def test_device_map_auto_with_integer_max_memory_splits_with_the_host(dev, tmp_path, share):
+    """transformers' test_cpu_offload: a model that ran on flagos, saved from the host, loaded
+    with max_memory={0: part of its size, "cpu": twice its size}."""
+    reference = tied_llama()
+    expected = cpu_logits(reference)
+    model = tied_llama().to(dev)
+    model(IDS.to(dev))  # with gradients, as the library's test does: module.cpu() then copies
+    size = model_size(model)
+    model.cpu().save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path, device_map="auto", max_memory={0: int(share * size), "cpu": 2 * size})
+    assert set(loaded.hf_device_map.values()) == {0, "cpu"}
+    assert_placed_as_mapped(loaded, loaded.hf_device_map)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    with torch.no_grad():
+        close(loaded(IDS.to(dev)).logits, expected)
+
+
+@pytest.mark.skipif(CHIP != "sim", reason="needs a chip with two devices (sim has two)")
+@pytest.mark.parametrize("host", [False, True], ids=["two-devices", "two-devices-and-host"])
+def test_device_map_auto_over_two_flagos_devices_with_integer_max_memory(tmp_path, host):
+    """transformers' test_model_parallelism: max_memory over {0, 1, "cpu"}."""
+    assert torch.flagos.device_count() == 2  # FLAGOS_SIM_DEVICES' default
+    reference = tied_llama()
+    expected = cpu_logits(reference)
+    reference.save_pretrained(tmp_path)
+    size = model_size(reference)
+    max_memory = {0: int(0.5 * size), 1: int(0.3 * size) if host else 2 * size, "cpu": 2 * size}
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, device_map="auto",
+                                                         max_memory=max_memory)
+    assert set(model.hf_device_map.values()) == ({0, 1, "cpu"} if host else {0, 1})
+    assert_placed_as_mapped(model, model.hf_device_map)
+    with torch.no_grad():
+        close(model(IDS.to(flagos.device())).logits, expected)
+
+
+def test_infer_auto_device_map_and_dispatch_over_every_flagos_device_and_the_host(dev):
+    model = tied_llama()
+    expected = cpu_logits(model)
+    count = torch.flagos.device_count()
+    budget = int(0.3 * model_size(model))
+    device_map = accelerate.infer_auto_device_map(
+        model, max_memory={**dict.fromkeys(range(count), budget), "cpu": 10**7},
+        no_split_module_classes=model._no_split_modules)
+    assert set(device_map.values()) == {*range(count), "cpu"}
+    accelerate.dispatch_model(model, device_map=device_map)
+    assert model.hf_device_map == device_map
+    assert_placed_as_mapped(model, device_map)
+    close(model(IDS.to(dev)).logits, expected)
+
+
+def device_map_plans(device_count: int) -> dict:
+    """accelerate's device_map="auto" plans (get_balanced_memory, then infer_auto_device_map)
+    for two small models and max_memory keyed by device index."""
+    plans = {}
+    for name, build in (("bert", lambda: transformers.BertModel(transformers.BertConfig(
+            vocab_size=99, hidden_size=32, num_hidden_layers=5, num_attention_heads=4,
+            intermediate_size=37))), ("llama-tied", tied_llama)):
+        with accelerate.init_empty_weights():
+            model = build()
+        size = model_size(model)
+        for share in (0.5, 0.7, 0.9):
+            memories = [{0: int(share * size), "cpu": 2 * size}]
+            if device_count > 1:
+                memories.append({0: int(share * size), 1: int(share * size / 2), "cpu": 2 * size})
+            for memory in memories:
+                balanced = accelerate.utils.get_balanced_memory(
+                    model, max_memory=memory, no_split_module_classes=model._no_split_modules)
+                plan = accelerate.infer_auto_device_map(model, max_memory=balanced,
+                                                        no_split_module_classes=model._no_split_modules)
+                plans[f"{name} {share} {list(memory)}"] = {k: str(v) for k, v in plan.items()}
+    return plans
+
+
+def test_device_map_plans_are_the_ones_accelerate_makes_without_flagos(monkeypatch):
+    """flagos only answers which devices there are and their memory: for a given max_memory the
+    plan is the one accelerate makes without flagos, where integer keys are CUDA devices (its own
+    get_max_memory), including plans that leave the whole model on the host, for which
+    transformers sets no hf_device_map on any accelerator (BERT with half its size on device 0)."""
+    from accelerate.utils import modeling
+
+    count = torch.flagos.device_count()
+    plans = device_map_plans(count)
+    assert plans["bert 0.5 [0, 'cpu']"] == {"": "cpu"}
+    assert {"0", "cpu"} <= set(plans["llama-tied 0.5 [0, 'cpu']"].values())
+    if count > 1:
+        assert {"0", "1", "cpu"} <= set(plans["llama-tied 0.7 [0, 1, 'cpu']"].values())
+    monkeypatch.setattr(modeling, "get_max_memory", modeling.get_max_memory.__wrapped__)
+    assert device_map_plans(count) == plans
+
+
+def test_diffusers_device_map_auto_with_integer_max_memory_splits_with_the_host(dev, tmp_path):
+    """Diffusers' test_cpu_offload for a model class that can be split (AutoencoderKL)."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3,
+                                  latent_channels=4, norm_num_groups=4, layers_per_block=1,
+                                  down_block_types=("DownEncoderBlock2D",) * 2,
+                                  up_block_types=("UpDecoderBlock2D",) * 2).eval()
+    x = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = vae(x).sample
+    size = model_size(vae)
+    vae.save_pretrained(tmp_path)
+    model = diffusers.AutoencoderKL.from_pretrained(tmp_path, device_map="auto",
+                                                    max_memory={0: size // 2, "cpu": 2 * size})
+    assert set(model.hf_device_map.values()) == {0, "cpu"}
+    assert_placed_as_mapped(model, model.hf_device_map)
+    with torch.no_grad():
+        close(model(x.to(dev)).sample, expected)
+
+
+def test_diffusers_pipeline_saved_from_flagos_loads_with_device_map(dev, tmp_path):
+    """Diffusers' test_pipeline_with_accelerator_device_map: a pipeline on flagos saved, then
+    loaded with device_map="flagos" (the accelerator's name, as "cuda" there)."""
+    diffusers = pytest.importorskip("diffusers")
+    import models
+
+    expected = models.run_ddpm(models.ddpm_pipeline())
+    models.ddpm_pipeline().to(dev).save_pretrained(tmp_path)
+    pipe = diffusers.DDPMPipeline.from_pretrained(tmp_path, device_map="flagos")
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.unet.device == dev
+    np.testing.assert_allclose(models.run_ddpm(pipe), expected, atol=1e-5, rtol=0)
 
 
 def test_accelerate_imported_before_activation_finds_flagos():

@@ -1,81 +1,207 @@
 """The libraries' own workflows on flagos, compared with the same run on plain CPU."""
+import copy
+import hashlib
+import io
+import json
+import os
+
 import pytest
 import torch
 
-from conftest import CHIP, device_mode_only
+from conftest import CHIP, device_mode_only, run_python
 
 pytestmark = device_mode_only
 
-needs_host_storage = pytest.mark.skipif(
-    CHIP == "sim", reason="on C-ABI chips (sim) a flagos tensor's memory is an adapter buffer "
-                          "with no host storage, which safetensors reads; torch-native chips only")
+
+def saved(folder) -> dict:
+    """Every file a save wrote under folder: relative name -> bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@needs_host_storage
-def test_safetensors_save_file_and_load(dev, tmp_path):
+def test_storage_names_the_memory_a_tensor_views(dev):
+    """What safetensors, huggingface_hub and transformers ask to find tensors that share memory
+    (tied weights): views of one flagos tensor have one storage, other tensors have others."""
+    base = torch.arange(12.0).to(dev)
+    twin = torch.arange(12.0).to(dev)  # equal values, its own memory
+    storage = base.untyped_storage()
+    assert storage.nbytes() == 48 and storage.data_ptr() != 0
+    assert base.data_ptr() == storage.data_ptr()
+    for view in (base[4:], base.view(3, 4).t(), base.detach(), base.view(2, 6)[1]):
+        assert view.untyped_storage().data_ptr() == storage.data_ptr()
+        assert view.untyped_storage().nbytes() == 48
+        assert view.data_ptr() == storage.data_ptr() + view.storage_offset() * 4
+    for other in (twin, base.clone(), base[4:].contiguous().add(0)):
+        assert other.untyped_storage().data_ptr() != storage.data_ptr()
+    assert base[4:].contiguous().untyped_storage().nbytes() == 48  # still a view: already contiguous
+    assert base[4:].clone().untyped_storage().nbytes() == 32
+    if CHIP == "sim":  # it names the buffer and holds no data: reading through it is an error
+        with pytest.raises(RuntimeError):
+            copy.deepcopy(storage)
+        with pytest.raises(NotImplementedError):
+            storage.tolist()
+    tied = torch.nn.Linear(4, 4).to(dev)
+    state = {"a": tied.weight, "b": tied.weight.detach(), "c": tied.bias}
+    ids = {k: (v.untyped_storage().data_ptr(), v.untyped_storage().nbytes()) for k, v in state.items()}
+    assert ids["a"] == ids["b"] != ids["c"]
+
+
+def test_safetensors_save_file_writes_the_bytes_of_a_cpu_save(dev, tmp_path):
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    w = torch.arange(6.0).reshape(2, 3)
-    shared = torch.randn(4)
-    tensors = {"w": w.to(dev), "b": torch.ones(2, device=dev), "s": shared.to(dev)}
-    path = tmp_path / "t.safetensors"
-    safetensors_torch.save_file(tensors, str(path))
-    loaded = safetensors_torch.load_file(str(path))
-    assert set(loaded) == {"w", "b", "s"}
-    torch.testing.assert_close(loaded["w"], w)
-    torch.testing.assert_close(loaded["s"], shared)
-    # a tensor and a view of it are seen as sharing memory, as on CPU
+    torch.manual_seed(0)
+    tensors = {"w": torch.randn(3, 4), "half": torch.randn(5).half(), "bf16": torch.randn(2, 3).bfloat16(),
+               "i": torch.arange(5), "flag": torch.tensor([True, False]), "scalar": torch.tensor(3.5)}
+    metadata = {"format": "pt"}
+    safetensors_torch.save_file(tensors, tmp_path / "cpu.safetensors", metadata=metadata)
+    safetensors_torch.save_file({k: v.to(dev) for k, v in tensors.items()}, tmp_path / "dev.safetensors",
+                                metadata=metadata)
+    assert (tmp_path / "dev.safetensors").read_bytes() == (tmp_path / "cpu.safetensors").read_bytes()
+    loaded = safetensors_torch.load_file(tmp_path / "dev.safetensors")
+    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in tensors.items())
+    # a tensor and a view of it share memory, as on CPU; equal values in two tensors do not
     base = torch.randn(4, 4).to(dev)
     with pytest.raises(RuntimeError, match="share memory"):
-        safetensors_torch.save_file({"a": base, "b": base[0]}, str(tmp_path / "s.safetensors"))
-
-
-@needs_host_storage
-def test_transformers_save_pretrained_round_trip(dev, tmp_path):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                                     num_attention_heads=2, intermediate_size=64)
+        safetensors_torch.save_file({"a": base, "b": base[0]}, tmp_path / "shared.safetensors")
+    safetensors_torch.save_file({"a": base, "b": base.clone()}, tmp_path / "apart.safetensors")
+    # save_model keeps one name of a tied weight, the one CPU keeps
     torch.manual_seed(0)
-    ref = transformers.BertModel(config).eval()
-    ids = torch.randint(0, 64, (2, 7))
-    with torch.no_grad():  # a live graph would keep module.to() from swapping the parameters
-        expected = ref(input_ids=ids).last_hidden_state
-    ref.to(dev).save_pretrained(tmp_path)
-    back = transformers.BertModel.from_pretrained(tmp_path).to(dev).eval()
-    torch.testing.assert_close(back(input_ids=ids.to(dev)).last_hidden_state.cpu(), expected,
-                               rtol=1e-4, atol=1e-5)
+    tied = torch.nn.Sequential(torch.nn.Embedding(6, 4), torch.nn.Linear(4, 6, bias=False))
+    tied[1].weight = tied[0].weight
+    safetensors_torch.save_model(tied, tmp_path / "tied-cpu.safetensors")
+    safetensors_torch.save_model(tied.to(dev), tmp_path / "tied-dev.safetensors")
+    written = (tmp_path / "tied-dev.safetensors").read_bytes()
+    assert written == (tmp_path / "tied-cpu.safetensors").read_bytes()
+    assert len(safetensors_torch.load_file(tmp_path / "tied-dev.safetensors")) == 1
 
 
-@pytest.mark.skipif(CHIP != "sim", reason="C-ABI chips only")
-def test_save_pretrained_on_an_adapter_chip_says_to_move_to_the_cpu(dev, tmp_path):
+def test_huggingface_hub_shards_a_flagos_state_dict_as_a_cpu_one(dev, tmp_path):
+    """Shard sizes, the shared tensors kept once, the files and the index: all as on CPU."""
+    hub = pytest.importorskip("huggingface_hub")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 64))
+    model[2].weight = model[0].weight
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "dev").mkdir()
+    state = model.state_dict()
+    expected = hub.split_torch_state_dict_into_shards(state, max_shard_size="6KB")
+    hub.save_torch_state_dict(dict(state), tmp_path / "cpu", max_shard_size="6KB")
+    state = model.to(dev).state_dict()
+    split = hub.split_torch_state_dict_into_shards(state, max_shard_size="6KB")
+    assert split.filename_to_tensors == expected.filename_to_tensors and split.is_sharded
+    assert split.metadata == expected.metadata
+    hub.save_torch_state_dict(dict(state), tmp_path / "dev", max_shard_size="6KB")
+    assert saved(tmp_path / "dev") == saved(tmp_path / "cpu")
+    assert hub.get_torch_storage_id(state["0.weight"]) == hub.get_torch_storage_id(state["2.weight"])
+    assert hub.get_torch_storage_id(state["1.weight"]) != hub.get_torch_storage_id(state["2.weight"])
+    assert hub.get_torch_storage_size(state["1.weight"]) == 32 * 32 * 4
+
+
+def tiny_transformer(arch: str):
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                                     num_attention_heads=2, intermediate_size=64)
-    model = transformers.BertModel(config).eval().to(dev)
-    with pytest.raises(RuntimeError, match=r"adapter buffers.*model.to\('cpu'\).save_pretrained"):
-        model.save_pretrained(tmp_path / "on_chip")
-    ids = torch.randint(0, 64, (1, 5))
-    with torch.no_grad():  # nothing was lost: the model still runs, and saves from the host
-        expected = model(input_ids=ids.to(dev)).last_hidden_state.cpu()
-    model.to("cpu").save_pretrained(tmp_path / "host")
-    back = transformers.BertModel.from_pretrained(tmp_path / "host").to(dev).eval()
-    torch.testing.assert_close(back(input_ids=ids.to(dev)).last_hidden_state.cpu(), expected,
-                               rtol=1e-4, atol=1e-5)
+    torch.manual_seed(0)
+    if arch == "bert":
+        config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, intermediate_size=64,
+                                         max_position_embeddings=32)
+        return transformers.BertModel(config).eval()
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=32, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config).eval()
 
 
-@needs_host_storage
-def test_diffusers_save_pretrained_round_trip(dev, tmp_path):
+@pytest.mark.parametrize("arch,dtype", [("bert", torch.float32), ("llama-tied", torch.float32),
+                                        ("llama-tied", torch.bfloat16)],
+                         ids=["bert", "llama-tied", "llama-tied-bf16"])
+def test_transformers_save_pretrained_writes_the_files_of_a_cpu_save(dev, tmp_path, arch, dtype):
+    model = tiny_transformer(arch).to(dtype)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # a live graph would keep module.to() from swapping the parameters
+        expected = model(input_ids=ids)[0]
+    model.save_pretrained(tmp_path / "cpu", max_shard_size="20KB")
+    model.to(dev).save_pretrained(tmp_path / "dev", max_shard_size="20KB")
+    files = saved(tmp_path / "dev")
+    assert files == saved(tmp_path / "cpu")
+    assert sum(name.endswith(".safetensors") for name in files) > 1  # sharded, with an index
+    back = type(model).from_pretrained(tmp_path / "dev", dtype=dtype)
+    if arch == "llama-tied":  # the tied head was saved once, as on CPU, and is tied again
+        assert "lm_head.weight" not in json.loads(files["model.safetensors.index.json"])["weight_map"]
+        assert back.lm_head.weight is back.model.embed_tokens.weight
+    back = back.to(dev).eval()
+    with torch.no_grad():
+        actual = back(input_ids=ids.to(dev))[0].cpu()
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def tiny_diffusers_model(kind: str):
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
-    unet = diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
-                                 block_out_channels=(8, 16), norm_num_groups=4,
-                                 down_block_types=("DownBlock2D", "DownBlock2D"),
-                                 up_block_types=("UpBlock2D", "UpBlock2D")).eval()
-    x = torch.randn(1, 3, 8, 8)
+    if kind == "unet":
+        return diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+                                     block_out_channels=(8, 16), norm_num_groups=4,
+                                     down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                                     up_block_types=("AttnUpBlock2D", "UpBlock2D")).eval()
+    return diffusers.AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3,
+                                   latent_channels=4, norm_num_groups=4, layers_per_block=1,
+                                   down_block_types=("DownEncoderBlock2D",) * 2,
+                                   up_block_types=("UpDecoderBlock2D",) * 2).eval()
+
+
+def run_diffusers_model(model, x):
     with torch.no_grad():
-        expected = unet(x, 10).sample
-    unet.to(dev).save_pretrained(tmp_path)
-    back = diffusers.UNet2DModel.from_pretrained(tmp_path).to(dev).eval()
-    torch.testing.assert_close(back(x.to(dev), 10).sample.cpu(), expected, rtol=1e-4, atol=1e-5)
+        return model(x, 10).sample if hasattr(model, "time_embedding") else model(x).sample
+
+
+@pytest.mark.parametrize("kind", ["unet", "vae"])
+@pytest.mark.parametrize("dtype,variant", [(torch.float32, None), (torch.float16, "fp16"),
+                                           (torch.bfloat16, None)], ids=["fp32", "fp16-variant", "bf16"])
+def test_diffusers_save_pretrained_writes_the_files_of_a_cpu_save(dev, tmp_path, kind, dtype, variant):
+    model = tiny_diffusers_model(kind).to(dtype)
+    x = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    expected = run_diffusers_model(model, x) if dtype == torch.float32 else None
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp_path / "cpu", variant=variant, max_shard_size="100KB")
+    model.to(dev).save_pretrained(tmp_path / "dev", variant=variant, max_shard_size="100KB")
+    files = saved(tmp_path / "dev")
+    assert files == saved(tmp_path / "cpu")
+    # 100KB shards: two and an index at float32, one file at half the size
+    assert any(name.endswith(".index.json") for name in files) == (dtype == torch.float32)
+    if variant:
+        assert any(name.endswith(f".{variant}.safetensors") for name in files)
+    back = type(model).from_pretrained(tmp_path / "dev", variant=variant, torch_dtype=dtype)
+    assert all(torch.equal(v, weights[k]) and v.dtype == dtype for k, v in back.state_dict().items())
+    if expected is not None:
+        actual = run_diffusers_model(back.to(dev).eval(), x.to(dev)).cpu()
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+def torch_saved_state(device) -> bytes:
+    """torch.save of a small seeded fp16 state dict, and a step counter, on device."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).to(torch.float16)
+    buffer = io.BytesIO()
+    torch.save(dict(model.to(device).state_dict(), step=torch.tensor(3).to(device)), buffer)
+    return buffer.getvalue()
+
+
+def test_torch_save_of_flagos_tensors_is_the_same_file_on_every_chip(dev):
+    """torch.save stores a host copy of each flagos tensor that loads back onto flagos (or onto the
+    host with map_location), and the file is the same whichever chip the tensors were on."""
+    written = torch_saved_state(dev)
+    other = run_python(f"""
+        import hashlib, sys, flagos
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        from test_ecosystem import torch_saved_state
+        flagos.activate({"sim" if CHIP == "cpu" else "cpu"!r})
+        print(hashlib.sha256(torch_saved_state(flagos.device())).hexdigest())
+    """)
+    assert hashlib.sha256(written).hexdigest() == other.stdout.split()[-1]
+    expected = torch.load(io.BytesIO(torch_saved_state("cpu")), weights_only=True)
+    for location, device in ((None, dev), ("cpu", torch.device("cpu"))):
+        loaded = torch.load(io.BytesIO(written), map_location=location, weights_only=True)
+        assert loaded.keys() == expected.keys()
+        for key, value in loaded.items():
+            assert value.device == device and torch.equal(value.cpu(), expected[key])
 
 
 def test_pinned_dataloader_batches_move_with_non_blocking(dev):
