@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from . import _C
+from . import _C, _compile
 
 
 class FlagosTensor(torch.Tensor):
@@ -102,7 +102,6 @@ class FlagosTensor(torch.Tensor):
 
     # -- torch.compile: one inner tensor, no extra metadata (flagos/_compile.py) --
     def __tensor_flatten__(self):
-        from . import _compile
         return _compile.flatten(self)
 
     @staticmethod
@@ -110,7 +109,7 @@ class FlagosTensor(torch.Tensor):
         return wrap(inner_tensors["_payload"])
 
     def _stable_hash_for_caching(self) -> str:
-        return f"FlagosTensor({self.device})"
+        return _compile.cache_key(self)
 
     # -- pickling: saved as a CPU copy, restored with map_location --------
     def __reduce_ex__(self, proto):
