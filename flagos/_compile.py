@@ -105,6 +105,21 @@ def cache_key(tensor) -> str:
     return hashlib.blake2b(repr(fields).encode(), digest_size=16).hexdigest()
 
 
+def traced_contents(tensor) -> str | None:
+    """What `repr` shows in place of the values of a flagos tensor that torch.compile is
+    tracing (its payload a FakeTensor or a meta tensor: no data), as a FakeTensor shows itself:
+    `tensor(..., size=(16, 8), device='flagos:0')`. None for a tensor with data. Formatting
+    values runs ops on the payload, and a fake payload refuses `masked_select` (its output
+    size depends on the data): whatever prints a traced tensor during a compilation (the
+    aot_graphs and dynamo logs print AOTAutograd's metadata, which holds them) would fail it
+    with DynamicOutputShapeException, which Dynamo turns into a graph break."""
+    payload = tensor._payload
+    if isinstance(payload, torch.Tensor) and (
+            payload.is_meta or torch._subclasses.fake_tensor.is_fake(payload)):
+        return f"..., size={tuple(tensor.shape)}"
+    return None
+
+
 def _hook_device_module(device_module) -> None:
     """Inductor asks the device module of a renamed PrivateUse1 for its code generators
     (`torch.utils.backend_registration._get_custom_mod_func("Scheduling")`) the first time it

@@ -118,6 +118,8 @@ class FlagosTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None):
         if tensor_contents is None:
+            tensor_contents = _compile.traced_contents(self)
+        if tensor_contents is None:
             payload = self._payload
             if isinstance(payload, torch.Tensor):
                 host = payload.detach().cpu()
