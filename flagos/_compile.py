@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import sys
 import threading
 import warnings
@@ -79,6 +80,44 @@ def flatten(tensor):
     if context is not None:
         context.flagos_graph = True
     return ["_payload"], None
+
+
+def cache_key(tensor) -> str:
+    """`_stable_hash_for_caching` of a flagos tensor: all that AOTAutograd's on-disk cache
+    knows of a flagos input, so everything a compiled graph depends on. Inductor's code checks
+    the sizes and strides it was generated for (`assert_size_stride`); a key without them hands
+    one model's graph to another model's tensors in any process that shares the cache
+    directory. The key holds the chip, the flagos tensor's own metadata, and the payload's
+    metadata as Inductor keys a plain tensor (`extract_tensor_metadata_for_cache_key`)."""
+    # Inductor costs seconds to import; only a compilation, which has imported it, gets here.
+    from torch._inductor.codecache import extract_tensor_metadata_for_cache_key
+    from . import _runtime
+
+    state = _runtime.active_or_none()
+    payload = tensor._payload
+    fields = (
+        state.chip.name if state else None,
+        str(tensor.device), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+        tensor.requires_grad,
+        # Symbolic sizes print as their symbols (s0), as Inductor's own key writes them.
+        extract_tensor_metadata_for_cache_key(payload) if isinstance(payload, torch.Tensor) else None,
+    )
+    return hashlib.blake2b(repr(fields).encode(), digest_size=16).hexdigest()
+
+
+def traced_contents(tensor) -> str | None:
+    """What `repr` shows in place of the values of a flagos tensor that torch.compile is
+    tracing (its payload a FakeTensor or a meta tensor: no data), as a FakeTensor shows itself:
+    `tensor(..., size=(16, 8), device='flagos:0')`. None for a tensor with data. Formatting
+    values runs ops on the payload, and a fake payload refuses `masked_select` (its output
+    size depends on the data): whatever prints a traced tensor during a compilation (the
+    aot_graphs and dynamo logs print AOTAutograd's metadata, which holds them) would fail it
+    with DynamicOutputShapeException, which Dynamo turns into a graph break."""
+    payload = tensor._payload
+    if isinstance(payload, torch.Tensor) and (
+            payload.is_meta or torch._subclasses.fake_tensor.is_fake(payload)):
+        return f"..., size={tuple(tensor.shape)}"
+    return None
 
 
 def _hook_device_module(device_module) -> None:
@@ -167,12 +206,12 @@ def _register_factories() -> None:
 
 # ---- Inductor: the flagos device compiled by the payload device's codegen ------
 
-def _pass_id() -> str:
-    """Changes with this file, so Inductor's on-disk cache never hands back wrapper code that
-    another version of it generated."""
-    import hashlib
+def _pass_id(payload_type: str) -> str:
+    """Changes with this file and with the payload device, so Inductor's on-disk cache never
+    hands back wrapper code that another version of it generated, or code generated for
+    another chip's payloads."""
     with open(__file__, "rb") as f:
-        return "flagos-compile-" + hashlib.sha256(f.read()).hexdigest()[:16]
+        return f"flagos-compile-{hashlib.sha256(f.read()).hexdigest()[:16]}-{payload_type}"
 
 
 def _register_inductor() -> None:
@@ -199,16 +238,24 @@ def _register_inductor_for(payload_type: str) -> None:
         """Inductor's pass for graphs that hold `flagos` tensors: they become tensors of the
         payload device, compiled by its own code generator. Inductor's code generators test
         for their device by name ("cpu") in many places, so a `flagos` device that only
-        borrowed one would take wrong branches. Its uuid also keeps Inductor's cache apart
-        for graphs compiled with and without flagos's wrapper code."""
+        borrowed one would take wrong branches.
+
+        Its uuid is part of the key of every graph Inductor caches while flagos is
+        registered: it names flagos's code and payload device, and says whether the graph
+        being keyed is one over flagos tensors, whose wrapper code counts its calls. After
+        AOTAutograd a graph over flagos tensors is a graph over their payloads, identical to
+        a plain graph on the payload device; without that mark either would be handed the
+        other's code."""
 
         def __call__(self, gm):
             _to_payload_device(gm)
 
         def uuid(self):
-            return pass_id
+            context = torch._guards.TracingContext.try_get()
+            over_flagos = bool(getattr(context, "flagos_graph", False))
+            return pass_id + ("-graph-over-flagos" if over_flagos else "")
 
-    pass_id = _pass_id()
+    pass_id = _pass_id(payload_type)
     common.init_backend_registration()
     payload = common.device_codegens.get(payload_type)
     if payload is None:

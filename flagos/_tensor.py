@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from . import _C
+from . import _C, _compile
 
 _META = torch.device("meta")
 
@@ -106,7 +106,6 @@ class FlagosTensor(torch.Tensor):
 
     # -- torch.compile: one inner tensor, no extra metadata (flagos/_compile.py) --
     def __tensor_flatten__(self):
-        from . import _compile
         return _compile.flatten(self)
 
     @staticmethod
@@ -114,7 +113,7 @@ class FlagosTensor(torch.Tensor):
         return wrap(inner_tensors["_payload"])
 
     def _stable_hash_for_caching(self) -> str:
-        return f"FlagosTensor({self.device})"
+        return _compile.cache_key(self)
 
     # -- pickling: saved as a CPU copy, restored with map_location --------
     def __reduce_ex__(self, proto):
@@ -122,6 +121,8 @@ class FlagosTensor(torch.Tensor):
                 (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad))
 
     def __repr__(self, *, tensor_contents=None):
+        if tensor_contents is None:
+            tensor_contents = _compile.traced_contents(self)
         if tensor_contents is None:
             payload = self._payload
             if isinstance(payload, torch.Tensor):

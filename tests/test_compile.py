@@ -3,11 +3,18 @@
 On a torch-native chip (cpu) graphs compile through Inductor with the payload device's code
 generator; on a C-ABI chip (sim) torch.compile warns once and the functions run eagerly.
 """
+import contextlib
 import copy
+import io
+import json
+import logging
 import warnings
 
 import pytest
 import torch
+from torch._dynamo import output_graph
+from torch._functorch._aot_autograd import graph_compile
+from torch._inductor.utils import fresh_cache
 from torch.testing import assert_close
 
 import flagos
@@ -16,6 +23,14 @@ from conftest import CHIP, device_mode_only, run_python
 
 pytestmark = device_mode_only
 COMPILES = CHIP == "cpu"  # chips whose flagos tensors hold torch tensors
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_inductor_cache(tmp_path_factory):
+    """The compilations here, and the processes these tests start, use an Inductor cache of
+    their own: what other programs compiled into the user's shared cache never reaches them."""
+    with fresh_cache(dir=str(tmp_path_factory.mktemp("inductor"))):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -121,6 +136,108 @@ def test_report_counts_compiled_graph_calls(dev):
     assert "3 calls of torch.compile'd graphs" in str(report) and "not counted" in str(report)
     flagos.reset_report()
     assert flagos.fallback_report().compiled_calls == 0
+
+
+class StrictLogHandler(logging.Handler):
+    """Formats every record and raises when one cannot be formatted, as pytest's log capture
+    does (logging's own handlers print "--- Logging error ---" and go on)."""
+
+    def emit(self, record):
+        self.format(record)
+
+    def handleError(self, record):
+        raise
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_compile_logs_print_traced_flagos_tensors(dev):
+    """The aot_graphs and dynamo logs print the traced (fake) flagos tensors of a compilation
+    in AOTAutograd's metadata and Dynamo's graph inputs. Printing one must not run ops on its
+    fake payload (a fake tensor refuses masked_select, which formatting values needs): the
+    compilation would fail, graph-break and run eagerly, its calls uncounted."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    compiled = torch.compile(copy.deepcopy(ref).to(dev))
+    x = torch.randn(5, 8)
+    loggers = (graph_compile.aot_graphs_log, output_graph.log)
+    strict = StrictLogHandler()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as stderr:
+            torch._logging.set_logs(dynamo=logging.DEBUG, aot_graphs=True)  # logs to stderr
+            for logger in loggers:
+                logger.addHandler(strict)
+            out = compiled(x.to(dev))
+    finally:
+        for logger in loggers:
+            logger.removeHandler(strict)
+        torch._logging.set_logs()
+    assert "device='flagos:0'" in stderr.getvalue()  # the logs did print flagos tensors
+    assert_close(out.cpu(), ref(x), rtol=1.3e-6, atol=1e-5)
+    assert flagos.fallback_report().compiled_calls == 1  # compiled, not run eagerly
+
+
+def llama_in_a_process(vocab: int, hidden: int) -> str:
+    """A program that compiles a Llama of the given sizes on flagos and checks its logits
+    against plain PyTorch eager on the CPU."""
+    return f"""
+        import torch, flagos
+        from torch.testing import assert_close
+        from transformers import LlamaConfig, LlamaForCausalLM
+        flagos.activate("cpu")
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size={vocab}, hidden_size={hidden}, intermediate_size={2 * hidden},
+                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=32)
+        ref = LlamaForCausalLM(config).eval()
+        ids = torch.randint(0, {vocab}, (2, 8), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            expected = ref(ids).logits
+            out = torch.compile(ref.to(flagos.device()))(ids.to(flagos.device())).logits
+        assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+    """
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_processes_sharing_a_cache_keep_their_shapes_apart(tmp_path):
+    """Two programs with one Inductor cache directory (by default every program of a user
+    shares one) compile the same model code at two sizes: the second must not be handed the
+    first one's graphs, whose code checks the sizes it was made for."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    run_python(llama_in_a_process(vocab=500, hidden=64), env=env)
+    run_python(llama_in_a_process(vocab=128, hidden=32), env=env)
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_cached_graphs_are_reused_and_counted(tmp_path):
+    """The cache stays useful: a second program with the same model and sizes loads the graph
+    AOTAutograd cached, and its calls are counted. A plain CPU graph compiled first, identical
+    to the flagos one once flagos tensors are seen as their payloads, does not stand in for it
+    (its code would not count the calls)."""
+    code = """
+        import copy, json, torch, flagos
+        from torch._dynamo.utils import counters
+        from torch.testing import assert_close
+        flagos.activate("cpu")
+        torch.set_grad_enabled(False)  # inference graphs: AOTAutograd caches them at once
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        x = torch.randn(5, 8)
+        assert_close(torch.compile(ref)(x), ref(x))  # the plain CPU graph
+        torch._dynamo.reset()
+        compiled = torch.compile(copy.deepcopy(ref).to(flagos.device()))
+        flagos.reset_report()
+        out = compiled(x.to(flagos.device()))
+        compiled(x.to(flagos.device()))
+        assert isinstance(out, flagos.FlagosTensor)
+        assert_close(out.cpu(), ref(x))
+        print(json.dumps({"calls": flagos.fallback_report().compiled_calls,
+                          "hits": counters["aot_autograd"]["autograd_cache_hit"]}))
+    """
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    first = json.loads(run_python(code, env=env).stdout.strip().splitlines()[-1])
+    second = json.loads(run_python(code, env=env).stdout.strip().splitlines()[-1])
+    assert first == {"calls": 2, "hits": 0}
+    assert second == {"calls": 2, "hits": 2}  # the plain graph and the flagos graph, both loaded
 
 
 @pytest.mark.skipif(COMPILES, reason="only C-ABI chips refuse compilation")

@@ -1,7 +1,8 @@
-"""What the CPU fallback counts (wall time, bytes each way) and what it writes back.
+"""What the CPU fallback counts (time, bytes each way) and what it writes back.
 
-Expected numbers are computed here from the tensors' sizes; times are bounded by clocks read
-here, around work PyTorch does on the CPU.
+Expected bytes are computed here from the tensors' sizes. Times depend on the machine and its
+load, so the tests check how they are counted (on fallback calls only, adding up, reset by
+`reset_report`), never against a duration.
 """
 import time
 
@@ -9,30 +10,41 @@ import pytest
 import torch
 
 import flagos
-from conftest import CHIP, device_mode_only
+from conftest import device_mode_only
 
 pytestmark = device_mode_only
 
 
-def test_fallback_wall_time_covers_the_op(dev):
-    n = 384
-    x, y = torch.randn(n, n), torch.randn(n, n)
-    cpu_ns = []
-    for _ in range(3):  # the op alone on the CPU, at its fastest
-        t0 = time.perf_counter_ns()
-        x @ y
-        cpu_ns.append(time.perf_counter_ns() - t0)
+def fallback_ns(op: str) -> int:
+    row = flagos.fallback_report().op(op)
+    return row["fallback_ns"] if row else 0
+
+
+def test_fallback_time_is_counted_on_fallback_calls_only(dev):
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
     fx, fy = x.to(dev), y.to(dev)
     flagos.set_route("aten::mm", "fallback")
-    t0 = time.perf_counter_ns()
-    out = fx @ fy
-    wall = time.perf_counter_ns() - t0
+    outside = []  # the host clock around each fallback call: the counted time lies inside
+    for expected_calls in (1, 2):
+        before = fallback_ns("aten::mm")
+        t0 = time.perf_counter_ns()
+        out = fx @ fy
+        outside.append(time.perf_counter_ns() - t0)
+        row = flagos.fallback_report().op("aten::mm")
+        assert row["calls"]["fallback"] == expected_calls
+        assert row["fallback_ns"] > before  # each fallback call adds its time
+        torch.testing.assert_close(out.cpu(), x @ y)
+    assert fallback_ns("aten::mm") <= sum(outside)
+    assert flagos.fallback_report().fallback_seconds == pytest.approx(fallback_ns("aten::mm") / 1e9)
+
+    counted = fallback_ns("aten::mm")
+    flagos.set_route("aten::mm", "native")  # the chip's own kernel: no fallback time
+    torch.testing.assert_close((fx @ fy).cpu(), x @ y, atol=1e-5, rtol=1e-5)
     row = flagos.fallback_report().op("aten::mm")
-    assert row["calls"]["fallback"] == 1
-    # the fallback's time includes running the op on the host, and fits in the call around it
-    assert min(cpu_ns) / 2 <= row["fallback_ns"] <= wall, (row["fallback_ns"], min(cpu_ns), wall)
-    assert flagos.fallback_report().fallback_seconds == pytest.approx(row["fallback_ns"] / 1e9)
-    torch.testing.assert_close(out.cpu(), x @ y)
+    assert row["calls"]["native"] == 1 and row["fallback_ns"] == counted
+
+    flagos.reset_report()
+    assert fallback_ns("aten::mm") == 0 and flagos.fallback_report().fallback_seconds == 0
 
 
 def test_native_calls_count_no_fallback_time(dev):
