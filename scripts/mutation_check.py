@@ -12,7 +12,8 @@ A mutation whose original text is no longer in its file stops the script before 
 runs: the code changed, and the mutation must be updated with it. Exit status: 0 when every
 mutation is caught, 1 when one survives or a run errs, 2 on a drifted mutation.
 
-Runs sequentially, under `nice`, with pytest's `-x -p no:cacheprovider`; see docs/testing.md.
+Runs sequentially, under `nice`, with pytest's `-x -p no:cacheprovider -p no:randomly`; see
+docs/testing.md.
 """
 from __future__ import annotations
 
@@ -305,7 +306,9 @@ def test_env(work: str, run: Run) -> dict:
 
 
 def pytest_run(work: str, run: Run) -> tuple[int, str, float]:
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *run.paths]
+    # the order pytest collects: the baseline and every mutant run the same tests in one order
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+           *run.paths]
     if run.k:
         cmd += ["-k", run.k]
     t0 = time.monotonic()

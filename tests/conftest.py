@@ -48,6 +48,29 @@ def clean_routes():
     flagos._routes.clear_routes()
 
 
+@pytest.fixture(autouse=True)
+def restore_process_state():
+    """What a test may change for the whole process goes back after it, even when the test
+    fails half-way: the fallback policy, override kernels, the current device and the
+    current streams. (Routes and counters: clean_routes.)"""
+    if not DEVICE_MODE:
+        yield
+        return
+    overrides = dict(flagos._routes._overrides)
+    yield
+    flagos._C.set_fallback_policy(flagos._runtime._POLICIES[flagos._env.get("FLAGOS_FALLBACK") or "warn"])
+    if flagos._routes._overrides != overrides:
+        flagos._routes._overrides.clear()
+        flagos._routes._overrides.update(overrides)
+        flagos._C.invalidate()
+    if flagos._runtime.active_or_none() is None:
+        return
+    if torch.flagos.current_device() != 0:
+        torch.flagos.set_device(0)
+    for index in range(torch.flagos.device_count()):
+        torch.flagos.set_stream(torch.flagos.default_stream(index))  # no call when already current
+
+
 def run_python(code: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run code in a fresh interpreter (a new process can activate anew)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
