@@ -272,16 +272,23 @@ def swap_keeping_graph(t1: torch.Tensor, t2: torch.Tensor) -> None:
             setattr(t1, slot, getattr(t2, slot))
             delattr(t2, slot)
     torch._C._swap_tensor_impl(t1, t2)
+    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        hooks = getattr(t1, name)  # the object's own; its new TensorImpl has none registered
+        if hooks is not None:
+            setattr(t1, name, hooks)  # registers them there, as `.data =` would have kept them
     if held:  # t2 is now the Python object of the impl the graph holds
         node = torch.autograd.graph.get_gradient_edge(t2).node
         node.register_hook(_GradientHandOver(former=t2, owner=t1))
+        if t1._post_accumulate_grad_hooks is not None:
+            t2._post_accumulate_grad_hooks = {}  # they run from the hand-over, on t1 itself
 
 
 class _GradientHandOver:
     """Post hook of the AccumulateGrad node of a tensor's former TensorImpl: moves what autograd
-    accumulated there into the tensor's own .grad. It holds the former impl's Python object,
-    not the node (a node that held its own hook would never be freed), and the owner strongly:
-    a weak reference to a parameter would stop its next move."""
+    accumulated there into the tensor's own .grad, then runs the tensor's post-accumulate-grad
+    hooks on the tensor itself (optimizers in backward key them by parameter). It holds the
+    former impl's Python object, not the node (a node that held its own hook would never be
+    freed), and the owner strongly: a weak reference to a parameter would stop its next move."""
 
     def __init__(self, former: torch.Tensor, owner: torch.Tensor):
         self.former = former
@@ -304,6 +311,9 @@ class _GradientHandOver:
                           f"during forward/backward stays on its former memory: {e}", stacklevel=1)
             return
         self.former._grad = None
+        hooks = owner._post_accumulate_grad_hooks
+        for hook in tuple(hooks.values()) if hooks else ():
+            hook(owner)
 
 
 def swappable(tensor: torch.Tensor) -> bool:

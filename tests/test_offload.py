@@ -120,6 +120,26 @@ def test_tensor_held_by_a_graph_moves_and_its_gradient_follows(dev):
     assert p.grad.device.type == "cpu" and p.grad.tolist() == [5.0, 7.0, 9.0]
 
 
+def test_tensor_hooks_survive_a_move(dev):
+    """Hooks registered before a move run for graphs recorded before and after it, as after
+    `.data =` on one device."""
+    calls = []
+    p = torch.nn.Parameter(torch.ones(3))
+    p.register_hook(lambda grad: calls.append(("grad", grad.tolist())))
+    p.register_post_accumulate_grad_hook(lambda t: calls.append(("accumulated", t.device.type)))
+    out = (p * p).sum()
+    p.data = p.data.to(dev)
+    out.backward()
+    assert calls == [("grad", [2.0, 2.0, 2.0]), ("accumulated", "flagos")]
+    calls.clear()
+    (p * 3).sum().backward()
+    p.data = p.data.cpu()
+    (p * 4).sum().backward()
+    assert calls == [("grad", [3.0, 3.0, 3.0]), ("accumulated", "flagos"),
+                     ("grad", [4.0, 4.0, 4.0]), ("accumulated", "cpu")]
+    assert p.grad.tolist() == [9.0, 9.0, 9.0]
+
+
 def test_weak_reference_blocks_the_move_with_a_clear_error(dev):
     p = torch.nn.Parameter(torch.ones(3))
     ref = weakref.ref(p)  # torch.compile keeps such references to the parameters it compiled
