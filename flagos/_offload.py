@@ -15,15 +15,25 @@ swaps the objects anyway (a flagos tensor is a traceable wrapper subclass); movi
 would make new ones, and an optimizer built earlier would go on stepping the old objects. With
 the setter above the answer for flagos/host pairs is yes, so `model.cpu()` keeps its parameter
 objects as it does between CPU and CUDA.
+
+`module.to(dtype)`, `.half()` and `.float()` (Diffusers' layerwise casting runs them around
+every forward) swap each parameter of a wrapper subclass with `torch.utils.swap_tensors`, which
+refuses a parameter that a live autograd graph holds, or poisons the graph's AccumulateGrad node.
+`torch.utils.swap_tensors` is therefore answered here for flagos tensors: two flagos leaves
+exchange metadata and payload in place (`_tensor.exchange_in_place`, what `.data =` does on
+CPU), and a flagos/host pair swaps objects with the graph kept valid
+(`_tensor.swap_keeping_graph`). Every other pair gets PyTorch's own function.
 """
 from __future__ import annotations
 
 import torch
 
-from ._tensor import FlagosTensor, swappable, take_memory_of
+from ._tensor import (FlagosTensor, exchange_in_place, swap_keeping_graph, swappable,
+                      take_memory_of)
 
 _BASE_DATA = torch._C.TensorBase.data
 _BASE_COMPATIBLE = torch._has_compatible_shallow_copy_type
+_BASE_SWAP = torch.utils.swap_tensors
 _installed = False
 
 
@@ -39,18 +49,31 @@ def _compatible(*args, **kwargs) -> bool:
     # it registers under this name when it loads, accepts this function's signature.
     tensor, other = (list(args) + list(kwargs.values()))[:2]
     if isinstance(tensor, FlagosTensor) != isinstance(other, FlagosTensor):
-        # `.data =` swaps between them (see _set_data), which needs both objects to be free;
-        # one still held (a live autograd graph) gets a new Parameter, as before.
+        # `.data =` swaps between them (see _set_data), live graph or not; a tensor with a weak
+        # reference cannot be swapped and gets a new Parameter, PyTorch's way.
         return swappable(tensor) and swappable(other)
     return _BASE_COMPATIBLE(*args, **kwargs)
 
 
+def _swap_tensors(t1, t2):
+    on_flagos = isinstance(t1, FlagosTensor), isinstance(t2, FlagosTensor)
+    if all(on_flagos) and exchange_in_place(t1, t2):
+        return None
+    if on_flagos[0] != on_flagos[1]:
+        return swap_keeping_graph(t1, t2)
+    return _BASE_SWAP(t1, t2)
+
+
 def install() -> None:
-    """Give torch.Tensor the `.data` setter above and answer module.to()'s question (once;
-    device mode lasts for the process). The `.data` getter stays PyTorch's own descriptor."""
+    """Give torch.Tensor the `.data` setter above, answer module.to()'s question and serve
+    swap_tensors for flagos tensors (once; device mode lasts for the process). The `.data`
+    getter stays PyTorch's own descriptor."""
     global _installed
     if _installed:
         return
     torch.Tensor.data = property(_BASE_DATA.__get__, _set_data, doc=_BASE_DATA.__doc__)
     torch._has_compatible_shallow_copy_type = _compatible
+    _swap_tensors.__doc__ = _BASE_SWAP.__doc__
+    _swap_tensors.__wrapped__ = _BASE_SWAP
+    torch.utils.swap_tensors = _swap_tensors
     _installed = True

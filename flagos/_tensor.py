@@ -10,6 +10,8 @@ sees through the wrapper with `__tensor_flatten__`.
 from __future__ import annotations
 
 import copy
+import copyreg
+import warnings
 import weakref
 
 import torch
@@ -17,6 +19,9 @@ import torch
 from . import _C, _compile
 
 _META = torch.device("meta")
+
+_BASE_DATA = torch._C.TensorBase.data
+_BASE_COMPATIBLE = torch._has_compatible_shallow_copy_type
 
 
 class FlagosTensor(torch.Tensor):
@@ -41,8 +46,7 @@ class FlagosTensor(torch.Tensor):
         if not isinstance(new, FlagosTensor):
             take_memory_of(self, new)  # PyTorch refuses set_data across flagos and other devices
             return
-        torch._C.TensorBase.data.__set__(self, new)
-        self._payload = new._payload
+        take_payload_of(self, new)
 
     # -- host views of the values, as on every PyTorch device -------------
     def tolist(self):
@@ -167,13 +171,42 @@ def payload(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._payload if isinstance(tensor, FlagosTensor) else tensor
 
 
+def take_payload_of(target: FlagosTensor, new: FlagosTensor) -> None:
+    """`target.data = new` for two flagos tensors, as on any one device: PyTorch's set_data gives
+    target's TensorImpl new's sizes, strides, dtype and storage, and the impl keeps its Python
+    object, its autograd state (version counter, grad, hooks) and its place in every graph that
+    saved it. The payload belongs to the Python object, so it follows by hand."""
+    _BASE_DATA.__set__(target, new)
+    target._payload = new._payload
+
+
+def exchange_in_place(t1: FlagosTensor, t2: FlagosTensor) -> bool:
+    """torch.utils.swap_tensors(t1, t2) for two flagos leaves, done as `t1.data, t2.data =
+    t2.data, t1.data` would be on CPU: the data (metadata and payload) is exchanged, and each
+    object keeps its TensorImpl, with its autograd state (requires_grad, grad, hooks) and its
+    attributes.
+
+    module.to(dtype), .half() and .float() swap every parameter of a wrapper subclass, and a
+    whole-object swap takes the parameter's TensorImpl out of the autograd graph that holds it
+    (PyTorch then refuses the swap, or poisons the graph's AccumulateGrad node). Here the graph
+    keeps the same impl, so backward reads the parameter as it is now and accumulates into its
+    .grad, exactly as after `param.data = param.data.half()` on CPU. False (nothing done) where
+    set_data cannot serve: a non-leaf, or wrappers whose dispatch keys differ (conj/neg bits)."""
+    if t1.grad_fn is not None or t2.grad_fn is not None or not _BASE_COMPATIBLE(t1, t2):
+        return False
+    before = t1.detach()  # t1's metadata and payload, for t2
+    take_payload_of(t1, t2)
+    take_payload_of(t2, before)
+    return True
+
+
 def take_memory_of(target: torch.Tensor, new: torch.Tensor) -> None:
     """`target.data = new` where one of them is on flagos and the other is not.
 
     PyTorch's set_data accepts only pairs its shallow-copy list calls compatible (CPU, CUDA, MPS,
     HIP, XPU, HPU among themselves), never a PrivateUse1 tensor with another device. Swapping the
-    whole tensor object (torch.utils.swap_tensors) does work: target becomes an alias of new's
-    memory, keeping its identity (dicts keyed by the parameter, optimizer references), its
+    whole tensor object does work (swap_keeping_graph): target becomes an alias of new's memory,
+    keeping its identity (dicts keyed by the parameter, optimizer references), its
     requires_grad, its parameter-ness and its attributes, as `.data =` keeps them.
     """
     is_param = isinstance(target, torch.nn.Parameter)
@@ -196,20 +229,99 @@ def take_memory_of(target: torch.Tensor, new: torch.Tensor) -> None:
         raise RuntimeError(
             f"`tensor.data = other` from {target.device} to {new.device}: PyTorch refuses set_data "
             f"between flagos and another device, so flagos swaps the tensor object instead, and "
-            f"that needs the tensor to have no other owner. Release what still holds it (an "
-            f"autograd graph from a forward pass with gradients: run it under torch.no_grad() or "
-            f"del its output; a weak reference, e.g. from torch.compile: compile after moving), "
-            f"or move the module with module.to(device).")
+            f"a tensor with a weak reference cannot be swapped (torch.compile keeps one to the "
+            f"parameters it compiled). Move the tensor before compiling, or move the module with "
+            f"module.to(device), which makes new parameters where it cannot move them.")
     if grad is not None:
-        target._grad = None  # a held grad counts as a use of the tensor and blocks the swap
-    torch.utils.swap_tensors(target, alias)
+        target._grad = None  # the grad stays with the tensor object, not with the memory
+    swap_keeping_graph(target, alias)
     if grad is not None:
         with torch.no_grad():
             target._grad = grad.to(target.device)  # the gradient follows, as module.to() moves it
 
 
+def swap_keeping_graph(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """torch.utils.swap_tensors(t1, t2) for a flagos tensor and a host one, valid while an
+    autograd graph holds t1.
+
+    The two Python objects exchange their TensorImpls (PyTorch's set_data cannot move an impl
+    between flagos and another device). A graph that saved t1 keeps t1's former impl, with the
+    values it saved (a flagos one keeps its payload: the impl's Python object carries it), so
+    backward computes what it would have computed; PyTorch's own swap_tensors refuses such a
+    tensor, or poisons its AccumulateGrad node when only that node holds it. The gradient the
+    graph accumulates into the former impl is handed on to t1's .grad (_GradientHandOver), on
+    t1's device, as if the graph had held t1 itself.
+    """
+    for t, name in ((t1, "t1"), (t2, "t2")):
+        if weakref.getweakrefs(t):
+            raise RuntimeError(f"Cannot swap {name} because it has weakref associated with it")
+    slots = set(copyreg._slotnames(t1.__class__))
+    if slots != set(copyreg._slotnames(t2.__class__)):
+        raise RuntimeError("Cannot swap t1 and t2 if they have different slots")
+    held = t1.requires_grad and t1.grad_fn is None and t1._use_count() > 1
+
+    def exchange(name):
+        first = getattr(t1, name)
+        setattr(t1, name, getattr(t2, name))
+        setattr(t2, name, first)
+
+    exchange("__class__")
+    exchange("__dict__")
+    for slot in slots:
+        if hasattr(t1, slot) and hasattr(t2, slot):
+            exchange(slot)
+        elif hasattr(t1, slot):
+            setattr(t2, slot, getattr(t1, slot))
+            delattr(t1, slot)
+        elif hasattr(t2, slot):
+            setattr(t1, slot, getattr(t2, slot))
+            delattr(t2, slot)
+    torch._C._swap_tensor_impl(t1, t2)
+    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        hooks = getattr(t1, name)  # the object's own; its new TensorImpl has none registered
+        if hooks is not None:
+            setattr(t1, name, hooks)  # registers them there, as `.data =` would have kept them
+    if held:  # t2 is now the Python object of the impl the graph holds
+        node = torch.autograd.graph.get_gradient_edge(t2).node
+        node.register_hook(_GradientHandOver(former=t2, owner=t1))
+        if t1._post_accumulate_grad_hooks is not None:
+            t2._post_accumulate_grad_hooks = {}  # they run from the hand-over, on t1 itself
+
+
+class _GradientHandOver:
+    """Post hook of the AccumulateGrad node of a tensor's former TensorImpl: moves what autograd
+    accumulated there into the tensor's own .grad, then runs the tensor's post-accumulate-grad
+    hooks on the tensor itself (optimizers in backward key them by parameter). It holds the
+    former impl's Python object, not the node (a node that held its own hook would never be
+    freed), and the owner strongly: a weak reference to a parameter would stop its next move."""
+
+    def __init__(self, former: torch.Tensor, owner: torch.Tensor):
+        self.former = former
+        self.owner = owner
+
+    def __call__(self, grad_inputs, grad_outputs):
+        grad = self.former._grad
+        if grad is None:
+            return
+        owner = self.owner
+        try:
+            with torch.no_grad():
+                grad = grad.to(device=owner.device, dtype=owner.dtype)
+                if owner._grad is None:
+                    owner._grad = grad
+                else:
+                    owner._grad.add_(grad)
+        except (RuntimeError, TypeError) as e:  # raised here it would end the process
+            warnings.warn(f"the gradient of a tensor that moved between flagos and another device "
+                          f"during forward/backward stays on its former memory: {e}", stacklevel=1)
+            return
+        self.former._grad = None
+        hooks = owner._post_accumulate_grad_hooks
+        for hook in tuple(hooks.values()) if hooks else ():
+            hook(owner)
+
+
 def swappable(tensor: torch.Tensor) -> bool:
-    """Whether torch.utils.swap_tensors can swap `tensor` and leave nothing behind that still
-    uses the old one: no weak references, and no owner but its Python object (a live autograd
-    graph owns the parameters it used; swap_tensors would let it go on and fail at backward)."""
-    return not weakref.getweakrefs(tensor) and tensor._use_count() == 1
+    """Whether the tensor object can exchange its TensorImpl with another (swap_keeping_graph):
+    not while a weak reference points at it. An autograd graph that holds it is no obstacle."""
+    return not weakref.getweakrefs(tensor)

@@ -1,6 +1,8 @@
 """CPU offloading onto flagos: `.data` across flagos and the host, parameters rebuilt by type,
 and every Diffusers offload mode, each pipeline compared with the same pipeline on plain CPU.
 Runs on the suite's chip (cpu, and sim with FLAGOS_TEST_CHIP=sim)."""
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -75,14 +77,25 @@ def test_module_moved_off_flagos_keeps_its_parameter_objects(dev):
     assert all(p is q for p, q in zip(model.parameters(), params)) and params[0].device == dev
 
 
-def test_module_held_by_a_graph_still_moves_off_flagos(dev):
-    """A forward pass with gradients holds the parameters: module.cpu() then makes new
-    Parameters (PyTorch's way for tensors it cannot move in place) rather than failing."""
-    model = torch.nn.Linear(3, 2).to(dev)
-    out = model(torch.ones(1, 3, device=dev)).sum()
+def test_module_held_by_a_graph_moves_off_flagos_keeping_its_parameters(dev):
+    """A forward pass with gradients holds the parameters; module.cpu() still moves the same
+    objects, the graph still runs on the flagos values it saved, and the gradients reach the
+    parameters on the host, as they would on one device."""
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 2)
+    model = torch.nn.Linear(3, 2)
+    model.load_state_dict(reference.state_dict())
+    model.to(dev)
+    params = list(model.parameters())
+    out = model(torch.ones(1, 3, device=dev)).pow(2).sum()
     model.cpu()
-    assert model.weight.device.type == "cpu" and type(model.weight) is torch.nn.Parameter
-    out.backward()  # the graph still runs on the flagos parameters it saved
+    assert all(p is q for p, q in zip(model.parameters(), params))
+    assert all(type(p) is torch.nn.Parameter and p.device.type == "cpu" for p in params)
+    out.backward()
+    reference(torch.ones(1, 3)).pow(2).sum().backward()
+    for p, q in zip(params, reference.parameters()):
+        assert p.grad.device.type == "cpu"
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_gradient_follows_the_data(dev):
@@ -92,17 +105,66 @@ def test_gradient_follows_the_data(dev):
     assert p.grad.device == dev and p.grad.tolist() == [2.0, 2.0, 2.0]
 
 
-def test_tensor_held_by_a_graph_gets_a_clear_error(dev):
+def test_tensor_held_by_a_graph_moves_and_its_gradient_follows(dev):
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    out = (p * p).sum()  # the graph saves p
+    p.data = p.data.to(dev)
+    assert isinstance(p, torch.nn.Parameter) and p.device == dev
+    out.backward()  # on the values it saved; the gradient reaches p, where p is now
+    assert p.grad.device == dev and p.grad.tolist() == [2.0, 4.0, 6.0]
+    out = (p * 3).sum()
+    p.data = p.data.cpu()  # moved twice while one graph holds it: both handed on
+    p.data = p.data.to(dev)
+    p.data = p.data.cpu()
+    out.backward()
+    assert p.grad.device.type == "cpu" and p.grad.tolist() == [5.0, 7.0, 9.0]
+
+
+def test_tensor_hooks_survive_a_move(dev):
+    """Hooks registered before a move run for graphs recorded before and after it, as after
+    `.data =` on one device."""
+    calls = []
     p = torch.nn.Parameter(torch.ones(3))
-    (p * p).sum().backward()
-    p.grad = None
-    out = (p * p).sum()  # the graph saves p: another owner of the tensor
-    with pytest.raises(RuntimeError, match="no other owner.*torch.no_grad"):
+    p.register_hook(lambda grad: calls.append(("grad", grad.tolist())))
+    p.register_post_accumulate_grad_hook(lambda t: calls.append(("accumulated", t.device.type)))
+    out = (p * p).sum()
+    p.data = p.data.to(dev)
+    out.backward()
+    assert calls == [("grad", [2.0, 2.0, 2.0]), ("accumulated", "flagos")]
+    calls.clear()
+    (p * 3).sum().backward()
+    p.data = p.data.cpu()
+    (p * 4).sum().backward()
+    assert calls == [("grad", [3.0, 3.0, 3.0]), ("accumulated", "flagos"),
+                     ("grad", [4.0, 4.0, 4.0]), ("accumulated", "cpu")]
+    assert p.grad.tolist() == [9.0, 9.0, 9.0]
+
+
+def test_weak_reference_blocks_the_move_with_a_clear_error(dev):
+    p = torch.nn.Parameter(torch.ones(3))
+    ref = weakref.ref(p)  # torch.compile keeps such references to the parameters it compiled
+    with pytest.raises(RuntimeError, match="weak reference.*before compiling"):
         p.data = torch.zeros(3, device=dev)
     assert p.device.type == "cpu" and p.tolist() == [1.0, 1.0, 1.0]  # unchanged
-    del out
+    del ref
     p.data = torch.zeros(3, device=dev)
     assert p.device == dev
+
+
+def test_swap_tensors_between_flagos_tensors_keeps_each_object(dev):
+    """module.to(dtype) swaps wrapper-subclass parameters with torch.utils.swap_tensors; for two
+    flagos tensors the data is exchanged as two `.data =` would, and each object keeps its
+    TensorImpl (so a graph holding it stays valid), its requires_grad and its attributes."""
+    a = torch.nn.Parameter(torch.ones(2, device=dev))
+    a.note = "kept"
+    b = torch.zeros(3, dtype=torch.float16, device=dev)
+    a_impl, b_impl = a._cdata, b._cdata  # the TensorImpl behind each object, as an address
+    torch.utils.swap_tensors(a, b)
+    assert (a._cdata, b._cdata) == (a_impl, b_impl)
+    assert a.dtype == torch.float16 and a.tolist() == [0.0, 0.0, 0.0]
+    assert b.dtype == torch.float32 and b.tolist() == [1.0, 1.0]
+    assert isinstance(a, torch.nn.Parameter) and a.requires_grad and a.note == "kept"
+    assert not isinstance(b, torch.nn.Parameter) and not b.requires_grad
 
 
 def test_other_incompatible_pairs_keep_pytorchs_error():
