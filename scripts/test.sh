@@ -8,14 +8,15 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 CHIP_TESTS="tests/test_device.py tests/test_routes.py tests/test_errors.py tests/test_models.py tests/test_fidelity.py tests/test_ecosystem.py tests/test_autocast.py tests/test_policy.py tests/test_fallback_counters.py tests/test_offload.py tests/test_accelerate.py tests/test_generators.py tests/test_streams.py tests/test_compile.py tests/test_cli_analyze.py tests/test_report_html.py tests/test_cli_compare.py tests/test_backward_errors.py tests/test_live_params.py"
 # Random test order (pytest-randomly), so a test that depends on another's leftovers fails; the
-# seed is printed at the top of each run. FLAGOS_TEST_SEED picks it: an integer to repeat an
+# seed is printed first. FLAGOS_TEST_SEED picks it: an integer to repeat an
 # order, "random" for a new one each run. The default is an order the whole suite has passed in.
 SEED=${FLAGOS_TEST_SEED:-20261202}
+[ "$SEED" = random ] && SEED=$(( (RANDOM << 15) | RANDOM ))
 case "$SEED" in
-    random) ;;
     *[!0-9]*|"") echo "FLAGOS_TEST_SEED='$SEED' is not a seed: use an integer such as 7, or random" >&2; exit 2 ;;
-    *) export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} --randomly-seed=$SEED" ;;
 esac
+export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -p randomly --randomly-seed=$SEED"
+echo "test order: --randomly-seed=$SEED (repeat it with FLAGOS_TEST_SEED=$SEED bash scripts/test.sh)"
 "$PYTHON" -m pytest -q tests "$@"
 FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q $CHIP_TESTS "$@"
 bash tests/sanitizers/run.sh address
