@@ -310,7 +310,10 @@ HOOK_PATHS = {
     "swap_tensors_poisoned_accumulate_grad": dict(
         after=("w = model[0].weight\n"
                "torch.utils.swap_tensors(w, torch.nn.Parameter(w.detach().clone()))"),
-        expect=(POISONED, "no error")),
+        expect=(POISONED, "no error"),
+        # flagos answers swap_tensors for flagos tensors the way `.data =` works on CPU (what
+        # Module._apply means by it; docs/design.md §13), so nothing is poisoned there.
+        on_flagos=("no error", "no error")),
 }
 
 
@@ -326,11 +329,12 @@ def test_python_errors_inside_backward_reach_the_caller(path):
     proc = run_python(code, env={"FLAGOS_FALLBACK": "allow"}, check=False)
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{out}\n{proc.stderr[-3000:]}"
-    for entry, expect in zip(("backward", "grad"), case["expect"]):
+    on_flagos = case.get("on_flagos", (None, None))
+    for entry, expect, flagos_outcome in zip(("backward", "grad"), case["expect"], on_flagos):
         want = out.split(f"{entry} CPU | ", 1)[1].split("\n", 1)[0]
         got = out.split(f"{entry} FLAGOS | ", 1)[1].split("\n", 1)[0]
         assert want.startswith(expect), (entry, want)   # the case fails on CPU as intended
-        assert got == want, (entry, got, want)
+        assert got == (flagos_outcome or want), (entry, got, want)
         assert f"{entry} NEXT STEP OK" in out, out
     assert out.rstrip().endswith("ALIVE"), out
 
