@@ -6,8 +6,10 @@ FLAGOS_SIM_DTYPES are tested the same way in test_routes.py and test_sim.py; FLA
 by test_sim_kernels.py, which runs its sim cases in a process started with it.
 """
 import ast
+import os
 import pathlib
 import re
+import subprocess
 
 import pytest
 
@@ -214,3 +216,21 @@ def test_every_documented_variable_is_tested_through_the_environment():
     untested = {v for v in documented
                 if not re.search(rf"[\"']{v}[\"']\s*:|\b{v}=|env=\{{[^}}]*\b{v}\b", tests)}
     assert untested == set(), "set in no test's environment: " + ", ".join(sorted(untested))
+
+
+def test_test_order_seed_reaches_pytest_and_a_bad_one_is_refused(tmp_path):
+    """scripts/test.sh hands FLAGOS_TEST_SEED to pytest-randomly and prints it; anything but an
+    integer or `random` stops the script before a test runs."""
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/bin/sh\necho "ADDOPTS=$PYTEST_ADDOPTS"\nexit 1\n')  # stops the script
+    fake_python.chmod(0o755)
+    script = str(ROOT / "scripts" / "test.sh")
+    env = {**os.environ, "PYTHON": str(fake_python), "FLAGOS_TEST_SEED": "7"}
+    run = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert "test order: --randomly-seed=7 " in run.stdout
+    assert "ADDOPTS=" in run.stdout and run.stdout.split("ADDOPTS=")[1].split()[-1] == "--randomly-seed=7"
+    env["FLAGOS_TEST_SEED"] = " 7"
+    run = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "ADDOPTS=" not in run.stdout
+    assert "FLAGOS_TEST_SEED=' 7' is not a seed" in run.stderr

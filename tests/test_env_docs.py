@@ -30,7 +30,8 @@ def test_every_variable_in_the_source_is_documented():
     used = set()
     for path in list((ROOT / "flagos").rglob("*.py")) + [ROOT / "setup.py"] + \
             list((ROOT / "csrc").rglob("*.[ch]")) + list((ROOT / "backends").rglob("*.[ch]")) + \
-            list((ROOT / "tests").rglob("*.py")) + list((ROOT / "tests").rglob("*.sh")):
+            list((ROOT / "tests").rglob("*.py")) + list((ROOT / "tests").rglob("*.sh")) + \
+            list((ROOT / "scripts").glob("*.sh")):
         if path.name == "test_env_docs.py":
             continue
         text = path.read_text()
