@@ -247,13 +247,19 @@ def _register_inductor_for(payload_type: str) -> None:
         a plain graph on the payload device; without that mark either would be handed the
         other's code."""
 
+        def __init__(self, then=None):
+            self.then = then  # a pass registered for the payload device before flagos's
+
         def __call__(self, gm):
             _to_payload_device(gm)
+            if self.then is not None:
+                self.then(gm)
 
         def uuid(self):
             context = torch._guards.TracingContext.try_get()
             over_flagos = bool(getattr(context, "flagos_graph", False))
-            return pass_id + ("-graph-over-flagos" if over_flagos else "")
+            own = pass_id + ("-graph-over-flagos" if over_flagos else "")
+            return own if self.then is None else (own, self.then.uuid())
 
     pass_id = _pass_id(payload_type)
     common.init_backend_registration()
@@ -267,6 +273,12 @@ def _register_inductor_for(payload_type: str) -> None:
     # After the pass every graph is a payload-device graph: that device's wrapper wraps
     # `flagos` outputs and counts calls of graphs over flagos tensors (nothing else changes).
     common.device_codegens[payload_type] = dataclasses.replace(payload, wrapper_codegen=wrapper)
+    # Inductor runs a device's pass only on graphs with an input or output on that device. A
+    # graph over flagos tensors whose own `flagos` tensors all meet payloads inside it (Llama's
+    # positions and masks, in forward and backward) has neither: the payload device runs the
+    # pass too (on graphs with nothing on `flagos` it changes nothing).
+    common.custom_backend_passes[payload_type] = ToPayloadDevice(
+        then=common.custom_backend_passes.get(payload_type))
     common.register_device_op_overrides("flagos", common.get_device_op_overrides(payload_type))
     device_interface.register_interface_for_device(
         "flagos", device_interface.get_interface_for_device(payload_type))
@@ -274,26 +286,40 @@ def _register_inductor_for(payload_type: str) -> None:
 
 def _to_payload_device(gm) -> None:
     """Move every `flagos` tensor of a graph to its payload device; remember which outputs
-    were on `flagos` (they leave the graph as flagos tensors)."""
+    were on `flagos` (they leave the graph as flagos tensors). The copies that took tensors
+    from `flagos` to the payload device (the router's, where a made tensor meets a payload)
+    are copies to the same device now: Inductor's own no-op pass, which ran before this one,
+    removes them, so the graph is the one plain PyTorch compiles on the payload device (a
+    `device_put` left in place is a DeviceCopy, whose fusion Inductor's CPU code generator
+    fails on in Llama's forward and backward: `assert not index.is_vec`)."""
+    # Inductor's passes are imported only by a compilation, which has imported them already.
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
+
+    moved = False
+
     def move(v):
+        nonlocal moved
         if isinstance(v, torch.device) and v.type == "flagos":
+            moved = True
             return payload_device(v.index or 0)
         return v
 
-    flagos_outputs = {}
+    flagos_values = {}
     for node in gm.graph.nodes:
         node.args, node.kwargs = torch.utils._pytree.tree_map(move, (node.args, node.kwargs))
         for val in torch.utils._pytree.tree_leaves(node.meta.get("val")):
             if isinstance(val, torch._subclasses.FakeTensor) and val.device.type == "flagos":
                 index = val.device.index or 0
-                flagos_outputs[id(val)] = index
+                flagos_values[id(val)] = index
                 val.fake_device = payload_device(index)
-        if node.op == "output":
+        if node.op == "output" and flagos_values:
             outs = torch.utils._pytree.tree_leaves(node.args)
             gm.meta["flagos_outputs"] = {
-                i: flagos_outputs[id(o.meta.get("val"))] for i, o in enumerate(outs)
-                if isinstance(o, torch.fx.Node) and id(o.meta.get("val")) in flagos_outputs}
-    gm.recompile()
+                i: flagos_values[id(o.meta.get("val"))] for i, o in enumerate(outs)
+                if isinstance(o, torch.fx.Node) and id(o.meta.get("val")) in flagos_values}
+    if moved or flagos_values:  # a graph with nothing on flagos stays as it is
+        remove_noop_ops(gm.graph)
+        gm.recompile()
 
 
 def _graph_over_flagos() -> bool:
@@ -342,7 +368,15 @@ def _wrapper_class(base):
 
 def payload_device(index: int) -> torch.device:
     from . import _runtime
-    return _runtime.active().chip.torch_device(index)
+    return payload_device_of(_runtime.active().chip, index)
+
+
+def payload_device_of(chip, index: int) -> torch.device:
+    """The device the payloads of `flagos:index` report, where a traced graph moves the tensors
+    it makes on `flagos`. A CPU tensor reports `cpu` whatever index it was made for, but a fake
+    one keeps `cpu:0` and refuses to meet a `cpu` one (docs/design.md §15, repro 4): a host
+    chip's payloads are made and moved to `cpu`, no index."""
+    return torch.device("cpu") if chip.payload_is_host else chip.torch_device(index)
 
 
 def wrap_output(tensor: torch.Tensor, index: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
-from . import _C, _env, _routes, _schema, chips
+from . import _C, _compile, _env, _routes, _schema, chips
 from .chips.adapter import AdapterChip
 from .chips.base import DeviceInfo, TorchChip
 from .errors import ChipNotFoundError, ConfigError, DeviceMismatchError, FallbackError, FallbackWarning
@@ -159,7 +159,7 @@ def _configure_router(state: Active) -> None:
         to_copy=torch.ops.aten._to_copy.default,
         copy_=torch.ops.aten.copy_.default,
         host_device=torch.device("cpu"),
-        chip_devices=tuple(chip.torch_device(i) for i in range(state.device_count)),
+        chip_devices=tuple(_compile.payload_device_of(chip, i) for i in range(state.device_count)),
         flagos_devices=state.flagos_devices,
         describe=_schema.describe,
         resolve=_routes.resolve,
@@ -236,7 +236,6 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
             _autocast.register(chip)
             _pinned.register(chip)
             if not isinstance(chip, AdapterChip):  # torch.compile (C-ABI chips run eagerly)
-                from . import _compile
                 _compile.install(_device_module)
             devices = tuple(torch.device("flagos", i) for i in range(count))
         else:

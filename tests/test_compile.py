@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 from torch._dynamo import output_graph
+from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd import graph_compile
 from torch._inductor.utils import fresh_cache
 from torch.testing import assert_close
@@ -36,8 +37,16 @@ def own_inductor_cache(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
+    counters.clear()
     yield
     torch._dynamo.reset()
+
+
+def assert_no_graph_break():
+    """Plain PyTorch compiles the functions here whole; on a chip that compiles, flagos must
+    not make Dynamo give up on a part and run it eagerly (the result would still match)."""
+    if COMPILES:
+        assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 def tiny_llama():
@@ -59,6 +68,8 @@ def test_factory_on_the_tensors_device(dev):
         out = torch.compile(add_positions)(x.to(dev))
     assert out.device == dev and isinstance(out, flagos.FlagosTensor)
     assert_close(out.cpu(), add_positions(x), rtol=1.3e-6, atol=1e-6)
+    assert_no_graph_break()
+    assert flagos.fallback_report().compiled_calls == (1 if COMPILES else 0)
 
 
 @pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
@@ -93,6 +104,7 @@ def test_llama_forward_with_cache_matches_plain_cpu(dev):
         out = torch.compile(model)(ids.to(dev))
     assert out.logits.device == dev
     assert_close(out.logits.cpu(), expected, rtol=1e-5, atol=1e-5)
+    assert_no_graph_break()
 
 
 def test_llama_forward_backward_matches_plain_cpu(dev):
@@ -112,6 +124,7 @@ def test_llama_forward_backward_matches_plain_cpu(dev):
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         assert q.grad is not None and q.grad.device == dev, name
         assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert_no_graph_break()
 
 
 @pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
