@@ -29,7 +29,7 @@ DEVICES, DIAGNOSE, TOP = T + "cli_devices.py", T + "cli_diagnose.py", T + "cli_t
 METRICS, HTML, ECOSYSTEM = T + "metrics.py", T + "report_html.py", T + "ecosystem.py"
 GENERATORS, OFFLOAD, ACCELERATE = T + "generators.py", T + "offload.py", T + "accelerate.py"
 AUTOCAST, COMPILE, BACKWARD = T + "autocast.py", T + "compile.py", T + "backward_errors.py"
-MODELS = T + "models.py"
+MODELS, KERNEL_CHECKS = T + "models.py", T + "sim_kernel_checks.py"
 
 TESTS: dict[str, list[Run]] = {
     # ---- the Python package ----
@@ -94,7 +94,7 @@ TESTS: dict[str, list[Run]] = {
     "csrc/callsite.c": [cpu(ANALYZE)],
     "csrc/adapter.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
     # ---- the emulated accelerator ----
-    "backends/sim/kernels.c": [sim(KERNELS)],
+    "backends/sim/kernels.c": [sim(KERNELS), cpu(KERNEL_CHECKS)],
     "backends/sim/sim.c": [sim(SIM_TESTS, SIM_FIDELITY, STREAMS, MULTI), cpu(ENV, k="sim")],
 }
 
