@@ -215,6 +215,8 @@ def main() -> int:
     parser.add_argument("--build-timeout", type=float, default=600.0)
     parser.add_argument("--list", action="store_true", help="print the chosen mutants; run nothing")
     parser.add_argument("--report", action="store_true", help="only write and print the scores")
+    parser.add_argument("--rerun-survivors", action="store_true",
+                        help="run the surviving mutants again (after a test or the map was added to)")
     opts = parser.parse_args()
 
     missing = unmapped("c")
@@ -257,8 +259,9 @@ def main() -> int:
         tree_print = common.fingerprint(tree)
         try:
             for f in files:
-                todo = [m for m in chosen(f, texts[f], opts.seed, opts.cap)
-                        if m.id not in results[f]["mutants"]]
+                known = results[f]["mutants"]
+                todo = [m for m in chosen(f, texts[f], opts.seed, opts.cap) if m.id not in known or
+                        (opts.rerun_survivors and known[m.id]["status"] == common.SURVIVED)]
                 if not todo:
                     continue
                 secs = common.baseline(work, tree, f, tree_print)

@@ -119,7 +119,8 @@ def chosen_items(db: WorkDB, module: str, sample: int, seed: int) -> list:
 def run_module(work: str, tree: str, module: str, opts, tree_print: str) -> None:
     db_path, meta_path = session_paths(work, module)
     with use_db(db_path, WorkDB.Mode.open) as db:
-        done = {job for job, _ in db.results}
+        done = {job for job, r in db.results
+                if not (opts.rerun_survivors and classify(r) == common.SURVIVED)}
         todo = [it for it in chosen_items(db, module, opts.sample, opts.seed) if it.job_id not in done]
         if not todo:
             return
@@ -186,6 +187,8 @@ def main() -> int:
                         help="make the sessions and print the mutants per module; run nothing")
     parser.add_argument("--report", action="store_true", help="only write and print the scores")
     parser.add_argument("--survivors", action="store_true", help="print each surviving mutant's diff")
+    parser.add_argument("--rerun-survivors", action="store_true",
+                        help="run the surviving mutants again (after a test or the map was added to)")
     opts = parser.parse_args()
 
     missing = unmapped("python")
