@@ -169,8 +169,7 @@ def chosen(path: str, text: str, seed: int, cap: int) -> list[Mutant]:
 
 # ---- running them ------------------------------------------------------------------------------
 
-def run_mutant(tree: str, mutant: Mutant, pristine: dict[str, bytes], timeout: float,
-               build_timeout: float) -> common.Outcome:
+def run_mutant(tree: str, mutant: Mutant, pristine: dict[str, bytes], timeout: float) -> common.Outcome:
     full = os.path.join(tree, mutant.path)
     with open(full) as f:
         original = f.read()
@@ -212,7 +211,6 @@ def main() -> int:
     parser.add_argument("--cap", type=int, default=60, help="mutants per file (0: every candidate)")
     parser.add_argument("--timeout-factor", type=float, default=3.0)
     parser.add_argument("--min-timeout", type=float, default=60.0)
-    parser.add_argument("--build-timeout", type=float, default=600.0)
     parser.add_argument("--list", action="store_true", help="print the chosen mutants; run nothing")
     parser.add_argument("--report", action="store_true", help="only write and print the scores")
     parser.add_argument("--rerun-survivors", action="store_true",
@@ -268,7 +266,7 @@ def main() -> int:
                 timeout = max(opts.min_timeout, opts.timeout_factor * secs)
                 print(f"{f}: {len(todo)} mutants to run, timeout {timeout:.0f} s each", flush=True)
                 for n, m in enumerate(todo, 1):
-                    outcome = run_mutant(tree, m, pristine, timeout, opts.build_timeout)
+                    outcome = run_mutant(tree, m, pristine, timeout)
                     results[f]["mutants"][m.id] = {"status": outcome.status, "seconds": round(outcome.seconds, 1),
                                                    "label": m.label(), "detail": outcome.detail}
                     common.save_json(record, results)
