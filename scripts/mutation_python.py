@@ -100,7 +100,11 @@ def classify(result: WorkResult) -> str:
     if result.test_outcome == TestOutcome.SURVIVED:
         return common.SURVIVED
     if result.test_outcome == TestOutcome.KILLED:
-        return common.TIMEOUT if result.output == "timeout" else common.KILLED
+        if result.output == "timeout":
+            return common.TIMEOUT
+        # the runner's last line names its verdict: "error: ..." (nothing selected) is no kill
+        last = (result.output or "").strip().splitlines()[-1:] or [""]
+        return common.ERROR if last[0].startswith(common.ERROR + ":") else common.KILLED
     return common.ERROR
 
 
