@@ -53,7 +53,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/_registration.py": [cpu(DEVICE, ERRORS, NATIVE)],
     "flagos/_report.py": [cpu(ROUTES, COUNTERS, HTML)],
     "flagos/_report_html.py": [cpu(HTML)],
-    "flagos/_routes.py": [cpu(ROUTES, POLICY), cpu(ENV, k="route")],
+    "flagos/_routes.py": [cpu(ROUTES, POLICY), cpu(ENV, k="route"), cpu(ERRORS, k="environment")],
     "flagos/_runtime.py": [cpu(DEVICE, ERRORS, VERSIONS, ENV)],
     "flagos/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD), sim(COUNTERS, FIDELITY)],
     "flagos/_streams.py": [sim(STREAMS), cpu(STREAMS)],
