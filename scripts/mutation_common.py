@@ -13,6 +13,7 @@ a killed run never survives into the next one.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import fcntl
 import hashlib
@@ -108,6 +109,15 @@ def prepare_tree(work: str, kind: str) -> str:
     return tree
 
 
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies, so a killed mutation run leaves no
+    test run behind working on a tree that is about to be rebuilt."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class Outcome:
     status: str
@@ -130,7 +140,8 @@ def run_selection(tree: str, runs: list[Run], timeout: float | None = None) -> O
     for run in runs:
         left = None if timeout is None else max(1.0, timeout - (time.monotonic() - t0))
         proc = subprocess.Popen(pytest_command(run), cwd=tree, env=test_env(tree, run), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with_parent)
         try:
             out, _ = proc.communicate(timeout=left)
         except subprocess.TimeoutExpired:
@@ -271,6 +282,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="run the test selection of FILE on the tree in cwd")
     parser.add_argument("--run-tests", metavar="FILE", required=True)
     opts = parser.parse_args()
+    die_with_parent()  # cosmic-ray starts this runner in a session of its own
     outcome = run_selection(os.getcwd(), tests_for(opts.run_tests))
     print(f"{outcome.status}: {outcome.detail} ({outcome.seconds:.0f} s)")
     return {SURVIVED: 0, KILLED: 1}.get(outcome.status, 3)
