@@ -221,3 +221,38 @@ def test_first_calls_from_many_threads_make_one_row_per_op():
     """, env={"FLAGOS_FALLBACK": "warn"})
     assert "ROWS 19 CALLS [8]" in proc.stdout, proc.stdout
     assert "WARNINGS 19" in proc.stdout, proc.stdout
+
+
+
+
+# ---- out= ops with several results ----------------------------------------------------------
+
+@pytest.mark.parametrize("route", ["auto", "fallback"])
+def test_out_ops_with_several_results_return_each_callers_tensor(dev, route):
+    """sort/topk/aminmax with two out= tensors, called through torch.ops in inference mode
+    (no autograd kernel in between to put the arguments back in place of the dispatch's
+    results): the i-th result is the caller's i-th out tensor, as plain PyTorch returns it,
+    holding CPU's values, on the chip's kernel and on the fallback."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 5)
+    aten = torch.ops.aten
+    calls = {"sort.values": lambda t, a, b: aten.sort.values(t, 1, values=a, indices=b),
+             "topk.values": lambda t, a, b: aten.topk.values(t, 2, 1, values=a, indices=b),
+             "aminmax.out": lambda t, a, b: aten.aminmax.out(t, dim=1, min=a, max=b)}
+    for name, call in calls.items():
+        if route == "fallback":
+            flagos.set_route(f"aten::{name}", "fallback")
+        second = torch.float32 if name == "aminmax.out" else torch.long
+        with torch.inference_mode():
+            expected = call(x, torch.empty(0), torch.empty(0, dtype=second))
+            first, other = torch.empty(0, device=dev), torch.empty(0, dtype=second, device=dev)
+            fx = x.to(dev)
+            with flagos.track() as report:
+                got = call(fx, first, other)
+        calls_of = report.op(f"aten::{name}")["calls"]
+        # auto: the chip's kernel where it has one (cpu), else the fallback (sim)
+        assert (calls_of["fallback"] if route == "fallback" else sum(calls_of.values())) == 1, \
+            (name, calls_of)
+        assert got[0] is first and got[1] is other, name
+        close(first, expected[0])
+        close(other, expected[1], atol=0, rtol=0)

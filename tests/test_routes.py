@@ -198,3 +198,28 @@ def test_unwritable_report_path_warns_and_keeps_the_run(tmp_path):
     assert proc.returncode == 0 and "result 6.0" in proc.stdout
     assert "could not be written" in proc.stderr and "Point FLAGOS_REPORT" in proc.stderr
     assert '"aten::mul.Tensor"' in proc.stderr  # the report itself went to stderr
+
+
+def test_routes_take_op_objects_as_well_as_names(dev):
+    """set_route and route_of take torch.ops objects: an OpOverload names that overload only
+    (aten.mul.Tensor, not aten.mul.Scalar), the default overload its plain name
+    (aten.mm.default is 'aten::mm'); the results match plain PyTorch on the CPU."""
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    x = torch.randn(3, 3)
+    fx = x.to(dev)
+    flagos.set_route(aten.mul.Tensor, "fallback")
+    flagos.set_route(aten.mm.default, "fallback")
+    with flagos.track() as report:
+        product = aten.mul.Tensor(fx, fx)
+        scaled = aten.mul.Scalar(fx, 2.0)
+        matmul = aten.mm.default(fx, fx)
+    assert report.op("aten::mul.Tensor")["calls"]["fallback"] == 1
+    assert report.op("aten::mul.Scalar")["calls"] == {"override": 0, "native": 1, "fallback": 0}
+    assert report.op("aten::mm")["calls"]["fallback"] == 1
+    assert flagos.route_of(aten.mul.Tensor) == "fallback"
+    assert flagos.route_of(aten.mm.default) == "fallback"
+    assert flagos.route_of(aten.mul.Scalar) == "native"
+    assert_close(product, x * x)
+    assert_close(scaled, x * 2.0)
+    assert_close(matmul, x @ x, atol=1e-5, rtol=1.3e-6)

@@ -1,0 +1,123 @@
+"""Which tests run against a mutant of each source file: the one place that maps flagos's
+Python modules (scripts/mutation_full.sh) and C files (scripts/mutation_c.py) to test
+selections.
+
+Every Python file under flagos/ and every C file under csrc/ and backends/sim/ needs an entry:
+both scripts stop before running anything when a file has none (`unmapped()`), so a new module
+gets its tests named here. A selection is one or more pytest runs (`cpu(...)` or `sim(...)`,
+with an optional -k); a mutant is killed when any of them fails. Keep the selections to the
+tests that exercise the file: every surviving mutant pays for the whole selection.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+from mutation_check import ROOT, Run, cpu, sim
+
+__all__ = ["TESTS", "Run", "cpu", "sim", "tests_for", "unmapped", "source_files"]
+
+T = "tests/test_"
+ROUTES, POLICY, COUNTERS = T + "routes.py", T + "policy.py", T + "fallback_counters.py"
+DEVICE, ERRORS, FIDELITY = T + "device.py", T + "errors.py", T + "fidelity.py"
+ENV, ENV_DOCS, VERSIONS = T + "env.py", T + "env_docs.py", T + "versions.py"
+SIM_TESTS, SIM_FIDELITY, KERNELS = T + "sim.py", T + "sim_fidelity.py", T + "sim_kernels.py"
+STREAMS, MULTI, NATIVE = T + "streams.py", T + "multi_device.py", T + "native_mode.py"
+ADAPTERS, LOADER, AUTOLOAD = T + "adapters.py", T + "adapter_loader.py", T + "autoload.py"
+ANALYZE, BENCH, COMPARE = T + "cli_analyze.py", T + "cli_bench.py", T + "cli_compare.py"
+DEVICES, DIAGNOSE, TOP = T + "cli_devices.py", T + "cli_diagnose.py", T + "cli_top.py"
+METRICS, HTML, ECOSYSTEM = T + "metrics.py", T + "report_html.py", T + "ecosystem.py"
+GENERATORS, OFFLOAD, ACCELERATE = T + "generators.py", T + "offload.py", T + "accelerate.py"
+AUTOCAST, COMPILE, BACKWARD = T + "autocast.py", T + "compile.py", T + "backward_errors.py"
+MODELS, KERNEL_CHECKS = T + "models.py", T + "sim_kernel_checks.py"
+
+TESTS: dict[str, list[Run]] = {
+    # ---- the Python package ----
+    "flagos/__init__.py": [cpu(DEVICE, ERRORS)],
+    "flagos/__main__.py": [cpu(DEVICES)],
+    "flagos/_adapter_ops.py": [sim(SIM_TESTS, COUNTERS, SIM_FIDELITY, ROUTES)],
+    "flagos/_attention.py": [cpu(MODELS, k="attention"), sim(MODELS, k="attention")],
+    "flagos/_autocast.py": [cpu(AUTOCAST), sim(AUTOCAST)],
+    "flagos/_autoload.py": [cpu(AUTOLOAD)],
+    "flagos/_backward_errors.py": [cpu(BACKWARD)],
+    "flagos/_compile.py": [cpu(COMPILE)],
+    "flagos/_device_module.py": [cpu(DEVICE, MULTI), sim(STREAMS)],
+    "flagos/_env.py": [cpu(ENV_DOCS, ENV, ERRORS)],
+    "flagos/_exporters.py": [cpu(TOP)],
+    "flagos/_generator.py": [cpu(GENERATORS), sim(GENERATORS)],
+    "flagos/_integrations.py": [cpu(ACCELERATE, OFFLOAD)],
+    "flagos/_math_keys.py": [sim(SIM_FIDELITY, FIDELITY)],
+    "flagos/_native_mode.py": [cpu(NATIVE)],
+    "flagos/_offload.py": [cpu(OFFLOAD), sim(OFFLOAD)],
+    "flagos/_pinned.py": [cpu(ECOSYSTEM, k="pin"), sim(ECOSYSTEM, k="pin")],
+    "flagos/_registration.py": [cpu(DEVICE, ERRORS, NATIVE)],
+    "flagos/_report.py": [cpu(ROUTES, COUNTERS, HTML)],
+    "flagos/_report_html.py": [cpu(HTML)],
+    "flagos/_routes.py": [cpu(ROUTES, POLICY), cpu(ENV, k="route"), cpu(ERRORS, k="environment")],
+    "flagos/_runtime.py": [cpu(DEVICE, ERRORS, VERSIONS, ENV)],
+    "flagos/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD), sim(COUNTERS, FIDELITY)],
+    "flagos/_streams.py": [sim(STREAMS), cpu(STREAMS)],
+    "flagos/_tensor.py": [cpu(DEVICE, FIDELITY), sim(DEVICE, SIM_FIDELITY)],
+    "flagos/errors.py": [cpu(ERRORS)],
+    "flagos/metrics.py": [cpu(METRICS)],
+    "flagos/chips/__init__.py": [cpu(DEVICE, ERRORS)],
+    "flagos/chips/adapter.py": [cpu(LOADER, ADAPTERS)],
+    "flagos/chips/base.py": [cpu(DEVICE, ERRORS), sim(DEVICE)],
+    "flagos/chips/cpu.py": [cpu(DEVICE, ERRORS)],
+    "flagos/chips/cuda.py": [cpu(ERRORS, DIAGNOSE)],
+    "flagos/chips/mlu.py": [cpu(ERRORS, DIAGNOSE)],
+    "flagos/chips/mps.py": [cpu(ERRORS, DIAGNOSE)],
+    "flagos/chips/musa.py": [cpu(ERRORS, DIAGNOSE)],
+    "flagos/chips/npu.py": [cpu(ERRORS, DIAGNOSE)],
+    "flagos/chips/xpu.py": [cpu(ERRORS, DIAGNOSE)],
+    "flagos/chips/sim.py": [sim(SIM_TESTS, MULTI)],
+    "flagos/coverage/__init__.py": [cpu(ANALYZE)],
+    "flagos/coverage/generate.py": [cpu(ANALYZE, k="coverage")],
+    "flagos/tools/__init__.py": [cpu(DEVICES)],
+    "flagos/tools/cli.py": [cpu(DEVICES, DIAGNOSE)],
+    "flagos/tools/_analyze.py": [cpu(ANALYZE)],
+    "flagos/tools/_bench.py": [cpu(BENCH)],
+    "flagos/tools/_childrun.py": [cpu(BENCH, COMPARE)],
+    "flagos/tools/_common.py": [cpu(DEVICES, ANALYZE)],
+    "flagos/tools/_compare.py": [cpu(COMPARE)],
+    "flagos/tools/_devices.py": [cpu(DEVICES)],
+    "flagos/tools/_diagnose.py": [cpu(DIAGNOSE)],
+    "flagos/tools/_metrics.py": [cpu(METRICS)],
+    "flagos/tools/_models.py": [cpu(BENCH, COMPARE)],
+    "flagos/tools/_probe.py": [cpu(DIAGNOSE, DEVICES)],
+    "flagos/tools/_smoke.py": [cpu(DIAGNOSE)],
+    "flagos/tools/_top.py": [cpu(TOP)],
+    # ---- the C router and loader ----
+    "csrc/module.c": [cpu(DEVICE, ROUTES, ERRORS), sim(DEVICE)],
+    "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS), sim(ROUTES, POLICY, COUNTERS)],
+    "csrc/fallback.c": [cpu(COUNTERS, POLICY, FIDELITY), sim(COUNTERS)],
+    "csrc/callsite.c": [cpu(ANALYZE)],
+    "csrc/adapter.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
+    # ---- the emulated accelerator ----
+    "backends/sim/kernels.c": [sim(KERNELS), cpu(KERNEL_CHECKS)],
+    "backends/sim/sim.c": [sim(SIM_TESTS, SIM_FIDELITY, STREAMS, MULTI), cpu(ENV, k="sim")],
+}
+
+
+def source_files(kind: str) -> list[str]:
+    """Every file mutation testing covers: 'python' (flagos/) or 'c' (csrc/, backends/sim/)."""
+    if kind == "python":
+        pattern = ["flagos/**/*.py"]
+    else:
+        pattern = ["csrc/*.c", "backends/sim/*.c"]
+    found = set()
+    for p in pattern:
+        found.update(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, p), recursive=True))
+    return sorted(found)
+
+
+def unmapped(kind: str) -> list[str]:
+    """Files of that kind with no entry in TESTS: the mapping must be completed first."""
+    return [f for f in source_files(kind) if f not in TESTS]
+
+
+def tests_for(path: str) -> list[Run]:
+    try:
+        return TESTS[path]
+    except KeyError:
+        raise SystemExit(f"{path} has no tests named in scripts/mutation_map.py: add its entry") from None
