@@ -14,8 +14,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import flagos  # noqa: E402
 from _timing import machine, median_us  # noqa: E402
+
+import flagos  # noqa: E402
 
 OPS = {
     "add": lambda a, b: a + b,
@@ -61,7 +62,8 @@ def main() -> None:
         moved = tuple(t.to(dev) for t in inputs)
         number = max(args.number // 20, 20)
         # interleaved: native and flagos alternate, so a load change hits both
-        pairs = [(median_us(lambda: f(*inputs), number, 1), median_us(lambda: f(*moved), number, 1))
+        pairs = [(median_us(lambda f=f, inputs=inputs: f(*inputs), number, 1),
+                  median_us(lambda f=f, moved=moved: f(*moved), number, 1))
                  for _ in range(args.repeat)]
         real[name] = tuple(sorted(p[i] for p in pairs)[len(pairs) // 2] for i in (0, 1))
 

@@ -16,8 +16,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import flagos  # noqa: E402
 from _timing import machine, median_us  # noqa: E402
+
+import flagos  # noqa: E402
 
 SIZES = {"64 KiB": 16 * 1024, "1 MiB": 256 * 1024, "16 MiB": 4 * 1024 * 1024}
 

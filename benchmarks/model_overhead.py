@@ -18,9 +18,10 @@ import torch
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-import flagos  # noqa: E402
 import models  # noqa: E402
 from _timing import machine  # noqa: E402
+
+import flagos  # noqa: E402
 
 
 def timed(fn, number: int) -> float:

@@ -26,7 +26,7 @@ import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 NAME = "proto"
-DEBUG = "DEBUG" in globals() and DEBUG
+DEBUG = bool(globals().get("DEBUG"))  # set by a caller that execs this file
 _setup_privateuseone_for_python_backend(NAME)
 DEV = torch.device(NAME, 0)
 CPU = torch.device("cpu")
@@ -289,6 +289,7 @@ def bench(number=2000, repeat=3, rounds=5):
     import platform
     import statistics
     import time
+
     import torch.nn.functional as F
     torch.set_num_threads(1)
 
@@ -335,9 +336,9 @@ def bench(number=2000, repeat=3, rounds=5):
             assert torch.allclose(f(*args), f(*bargs).cpu(), atol=1e-4), name
         rows = {"native": [], "A-py": [], "B": []}
         for _ in range(rounds):  # interleave
-            rows["native"].append(med(lambda: f(*args), n))
-            rows["A-py"].append(med(lambda: f(*aargs), n))
-            rows["B"].append(med(lambda: f(*bargs), n))
+            rows["native"].append(med(lambda f=f, args=args: f(*args), n))
+            rows["A-py"].append(med(lambda f=f, aargs=aargs: f(*aargs), n))
+            rows["B"].append(med(lambda f=f, bargs=bargs: f(*bargs), n))
         res[name] = {k: statistics.median(v) for k, v in rows.items()}
     cpu = "?"
     with open("/proc/cpuinfo") as fh:
@@ -367,6 +368,7 @@ def fidelity():
     import copy
     import os
     import tempfile
+
     import torch.nn as nn
     d = DEV
 
@@ -422,7 +424,7 @@ def fidelity():
         return (m.weight is p) or "new Parameter object (CPU->PrivateUse1 is not a shallow-copy-compatible pair)"
 
     def safetensors_save():
-        from safetensors.torch import save_file, load_file
+        from safetensors.torch import load_file, save_file
         m = nn.Linear(4, 3).to(d)
         sd = {k: v.detach() for k, v in m.state_dict().items()}
         with tempfile.TemporaryDirectory() as tmp:

@@ -20,14 +20,14 @@ __version__ = "0.1.0"
 # this package importable whichever of `import flagos` and `import torch` a script does first.
 import torch  # noqa: F401
 
-
 _EXPORTS = {
-    "activate": "_runtime", "deactivate": "_runtime", "device": "_runtime",
-    "list_devices": "_runtime", "info": "_runtime", "TESTED_TORCH": "_runtime",
-    "fallback_report": "_report", "reset_report": "_report", "track": "_report", "Report": "_report",
-    "routes": "_routes", "route_of": "_routes", "set_route": "_routes",
-    "register_kernel": "_routes", "unregister_kernel": "_routes",
-    "FlagosTensor": "_tensor", "DeviceInfo": "chips.base",
+    "activate": "_activation", "deactivate": "_activation", "list_devices": "_activation",
+    "device": "core._state", "info": "core._state", "TESTED_TORCH": "core._state",
+    "fallback_report": "report._report", "reset_report": "report._report",
+    "track": "report._report", "Report": "report._report",
+    "routes": "core._routes", "route_of": "core._routes", "set_route": "core._routes",
+    "register_kernel": "core._routes", "unregister_kernel": "core._routes",
+    "FlagosTensor": "runtime._tensor", "DeviceInfo": "chips.base",
     "ConfigError": "errors", "ChipNotFoundError": "errors", "DeviceError": "errors",
     "DeviceMismatchError": "errors", "FallbackError": "errors", "FallbackWarning": "errors",
     "AdapterError": "errors", "NoEngineQueueError": "errors",
@@ -55,11 +55,19 @@ def __dir__():
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
     # ruff: noqa: F401
     from . import errors
-    from ._report import Report, fallback_report, reset_report, track
-    from ._routes import register_kernel, route_of, routes, set_route, unregister_kernel
-    from ._runtime import TESTED_TORCH, activate, deactivate, device, info, list_devices
-    from ._tensor import FlagosTensor
+    from ._activation import activate, deactivate, list_devices
     from .chips.base import DeviceInfo
-    from .errors import (AdapterError, ChipNotFoundError, ConfigError, DeviceError,
-                         DeviceMismatchError, FallbackError, FallbackWarning,
-                         NoEngineQueueError)
+    from .core._routes import register_kernel, route_of, routes, set_route, unregister_kernel
+    from .core._state import TESTED_TORCH, device, info
+    from .errors import (
+        AdapterError,
+        ChipNotFoundError,
+        ConfigError,
+        DeviceError,
+        DeviceMismatchError,
+        FallbackError,
+        FallbackWarning,
+        NoEngineQueueError,
+    )
+    from .report._report import Report, fallback_report, reset_report, track
+    from .runtime._tensor import FlagosTensor

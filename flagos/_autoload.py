@@ -10,6 +10,8 @@ import os
 def autoload() -> None:
     if not (os.environ.get("FLAGOS_DEVICE") or os.environ.get("FLAGOS_DEVICE_BACKEND")):
         return
-    from . import _runtime
+    # Imported only here: activation imports all of flagos, which `import torch` pays for
+    # only when FLAGOS_DEVICE asks for it.
+    from . import _activation
 
-    _runtime.activate_from_env()
+    _activation.activate_from_env()

@@ -27,7 +27,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from . import __version__, _exporters
+from . import _C, __version__
+from .core import _state
+from .errors import ConfigError
+from .report import _exporters, _probe
 
 NAMES = ("flagos_device_memory_used_bytes", "flagos_device_memory_total_bytes",
          "flagos_device_utilization_ratio", "flagos_op_calls_total",
@@ -48,8 +51,7 @@ def _prometheus():
 
 
 def _active():
-    from . import _runtime
-    return _runtime.active_or_none()
+    return _state.active_or_none()
 
 
 class Collector:
@@ -63,7 +65,6 @@ class Collector:
         return []  # metrics are read at scrape time; nothing to read at registration
 
     def _devices(self) -> list[dict]:
-        from .tools import _probe
         state = _active()
         names = self.chips or ([state.chip.name] if state is not None else None)
         return _probe.device_rows(_probe.chip_statuses(names), utilization=True)
@@ -94,7 +95,6 @@ class Collector:
                                        labels=("op",))
         state = _active()
         if state is not None:
-            from . import _C
             for row in _C.table():
                 for route in ROUTES:
                     calls.add_metric([row["op"], route], row["calls"][route])
@@ -144,7 +144,6 @@ def start_http_server(port: int, addr: str = "127.0.0.1", chips: list[str] | Non
     this machine only; pass addr="0.0.0.0" for a Prometheus server elsewhere.
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        from .errors import ConfigError
         raise ConfigError(f"port must be an int from 0 to 65535 (0: any free port), not {port!r}")
     prometheus_client = _prometheus()
     try:

@@ -5,7 +5,7 @@
 # built in place, under `nice`. Resumable: interrupt it and run the same command again.
 #
 #   scripts/mutation_full.sh                          # every module: hours, not a CI job
-#   scripts/mutation_full.sh flagos/_env.py flagos/_schema.py
+#   scripts/mutation_full.sh flagos/core/_env.py flagos/core/_schema.py
 #   scripts/mutation_full.sh --sample 10 --seed 1     # 10 mutants per module, the same 10 each time
 #   scripts/mutation_full.sh --count                  # mutants per module, nothing run
 #   scripts/mutation_full.sh --report                 # the scores so far

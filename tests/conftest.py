@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import flagos
-import flagos._registration
+import flagos.runtime._registration
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 CHIP = os.environ.get("FLAGOS_TEST_CHIP", "cpu")
-DEVICE_MODE = flagos._registration.device_mode_supported()
+DEVICE_MODE = flagos.runtime._registration.device_mode_supported()
 # The suite's own process runs in device mode; on a PyTorch without the Python device guard
 # (2.9) only the tests that start their own native-mode processes run.
 device_mode_only = pytest.mark.skipif(
@@ -42,10 +42,10 @@ def clean_routes():
     if not DEVICE_MODE:
         yield
         return
-    flagos._routes.clear_routes()
+    flagos.core._routes.clear_routes()
     flagos.reset_report()
     yield
-    flagos._routes.clear_routes()
+    flagos.core._routes.clear_routes()
 
 
 @pytest.fixture(autouse=True)
@@ -56,14 +56,14 @@ def restore_process_state():
     if not DEVICE_MODE:
         yield
         return
-    overrides = dict(flagos._routes._overrides)
+    overrides = dict(flagos.core._routes._overrides)
     yield
-    flagos._C.set_fallback_policy(flagos._runtime._POLICIES[flagos._env.get("FLAGOS_FALLBACK") or "warn"])
-    if flagos._routes._overrides != overrides:
-        flagos._routes._overrides.clear()
-        flagos._routes._overrides.update(overrides)
+    flagos._C.set_fallback_policy(flagos._activation._POLICIES[flagos.core._env.get("FLAGOS_FALLBACK") or "warn"])
+    if flagos.core._routes._overrides != overrides:
+        flagos.core._routes._overrides.clear()
+        flagos.core._routes._overrides.update(overrides)
         flagos._C.invalidate()
-    if flagos._runtime.active_or_none() is None:
+    if flagos.core._state.active_or_none() is None:
         return
     if torch.flagos.current_device() != 0:
         torch.flagos.set_device(0)
@@ -89,6 +89,7 @@ class OpCounter:
 
     def __init__(self):
         from collections import Counter
+
         from torch.utils._python_dispatch import TorchDispatchMode
 
         counts = self.counts = Counter()
@@ -104,7 +105,7 @@ class OpCounter:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 if on_flagos(args) or on_flagos(tuple(kwargs.values())):
-                    counts[flagos._schema.op_name(func)] += 1
+                    counts[flagos.core._schema.op_name(func)] += 1
                 return func(*args, **kwargs)
 
         self.mode = Mode()

@@ -6,9 +6,9 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import CHIP, device_mode_only, run_python
 
 import flagos
-from conftest import CHIP, device_mode_only, run_python
 
 pytestmark = device_mode_only
 accelerate = pytest.importorskip("accelerate")
@@ -92,7 +92,7 @@ def test_accelerator_bf16_mixed_precision_matches_cpu(dev, fresh_state):
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         dtypes = []
-        model[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+        model[0].register_forward_hook(lambda module, args, out, dtypes=dtypes: dtypes.append(out.dtype))
         model, optimizer = accelerator.prepare(model, optimizer)
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).to(accelerator.device)
         y = model(x)

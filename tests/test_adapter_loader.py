@@ -2,11 +2,11 @@
 an adapter whose init() fails; `auto` moves past both and the process keeps working. Adapters
 built for an older minor of the ABI keep loading."""
 import pytest
+from conftest import device_mode_only, run_python
+from test_adapters import MAJOR, MINOR, build, guide_example
 
 import flagos
 from flagos.chips.adapter import load
-from conftest import device_mode_only, run_python
-from test_adapters import MAJOR, MINOR, build, guide_example
 
 pytestmark = device_mode_only
 

@@ -5,11 +5,11 @@ import re
 import subprocess
 
 import pytest
+from conftest import device_mode_only, run_python
 
 import flagos
 from flagos import _C
 from flagos.chips.adapter import load
-from conftest import device_mode_only, run_python
 
 pytestmark = device_mode_only
 

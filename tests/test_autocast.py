@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-
 from conftest import device_mode_only
 
 pytestmark = device_mode_only

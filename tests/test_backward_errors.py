@@ -5,7 +5,6 @@ exception, and the process stays usable: memory comes back and the next step is 
 Each case runs in its own process, so a regression (an abort) is a failed test, not a lost run.
 """
 import pytest
-
 from conftest import CHIP, device_mode_only, run_python
 
 pytestmark = device_mode_only
@@ -127,6 +126,7 @@ def test_out_of_memory_inside_backward_on_sim():
 def test_outside_backward_errors_raise_at_the_op(dev):
     """The deferral is for autograd's engine only: a failing forward op raises right there."""
     import torch
+
     import flagos
     flagos.set_route("aten::mul.Tensor", "error")
     with pytest.raises(flagos.FallbackError, match="routed to 'error'"):

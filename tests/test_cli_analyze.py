@@ -13,9 +13,9 @@ from html.parser import HTMLParser
 
 import pytest
 import torch
+from conftest import CHIP, device_mode_only
 
 import flagos
-from conftest import CHIP, device_mode_only
 
 pytestmark = device_mode_only
 
@@ -158,10 +158,10 @@ def test_target_sim_from_cpu_predicts_the_fallbacks_of_a_real_sim_run(analyze_ru
 def test_vendor_coverage_files_classify_the_ops_of_a_run(analyze_run):
     """mps and cuda answers come from PyTorch's own dispatch table (checked here in the raw
     native_functions.yaml): the adaptive 3-d pool the script runs has a CUDA kernel, no MPS one."""
-    import yaml
     import torchgen
+    import yaml
 
-    import flagos.coverage
+    import flagos.report.coverage
 
     yaml_path = os.path.join(os.path.dirname(torchgen.__file__), "packaged", "ATen", "native",
                              "native_functions.yaml")
@@ -175,21 +175,21 @@ def test_vendor_coverage_files_classify_the_ops_of_a_run(analyze_run):
     ops = [r["op"] for r in analysis["ops"]]
     assert "aten::_adaptive_avg_pool3d" in ops
     for chip, key in (("mps", "MPS"), ("cuda", "CUDA")):
-        coverage = flagos.coverage.for_chip(chip)
+        coverage = flagos.report.coverage.for_chip(chip)
         assert coverage.describe()["dispatch_key"] == key
         assert coverage.describe()["torch"] == torch.__version__.split("+")[0]
         routes = {op: coverage.classify(op) for op in ops}
         assert all(route != "unknown" for route, _ in routes.values())  # all in PyTorch's table
         fell_back = {op for op, (route, _) in routes.items() if route == "fallback"}
         assert fell_back == ({"aten::_adaptive_avg_pool3d"} if chip == "mps" else set()), chip
-    assert "no MPS kernel" in flagos.coverage.for_chip("mps").classify("aten::_adaptive_avg_pool3d")[1]
+    assert "no MPS kernel" in flagos.report.coverage.for_chip("mps").classify("aten::_adaptive_avg_pool3d")[1]
 
 
 def test_coverage_files_are_what_the_generator_writes(tmp_path):
-    shipped = json.load(open(os.path.join(ROOT, "flagos", "coverage", "cuda.json")))
+    shipped = json.load(open(os.path.join(ROOT, "flagos", "report", "coverage", "cuda.json")))
     if shipped["torch"] != torch.__version__.split("+")[0]:
         pytest.skip(f"cuda.json comes from PyTorch {shipped['torch']}; this is {torch.__version__}")
-    from flagos.coverage.generate import main  # `python -m flagos.coverage.generate`, here
+    from flagos.report.coverage.generate import main  # `python -m flagos.report.coverage.generate`, here
     assert main(["--out", str(tmp_path), "cuda"]) == 0
     assert json.load(open(tmp_path / "cuda.json")) == shipped
 
@@ -233,9 +233,9 @@ def test_html_page_of_the_analysis(analyze_run):
 def test_cpu_coverage_file_agrees_with_the_live_dispatcher():
     """The file's reading of PyTorch's yaml (structured delegates, ufunc loops, composites)
     against the kernels this process's dispatcher actually holds for CPU."""
-    from flagos.coverage.generate import dispatcher_table
+    from flagos.report.coverage.generate import dispatcher_table
 
-    shipped = json.load(open(os.path.join(ROOT, "flagos", "coverage", "cpu.json")))
+    shipped = json.load(open(os.path.join(ROOT, "flagos", "report", "coverage", "cpu.json")))
     if shipped["torch"] != torch.__version__.split("+")[0]:
         pytest.skip(f"cpu.json comes from PyTorch {shipped['torch']}; this is {torch.__version__}")
     live = dispatcher_table("cpu")
@@ -273,7 +273,7 @@ def test_a_run_without_flagos_gives_no_report(tmp_path, capfd):
 def test_sim_coverage_follows_the_dtypes_sim_computes_in():
     """An adapter kernel counts only for the dtypes the chip declares native (sim: float32 and
     float16 unless FLAGOS_SIM_DTYPES says more), as the adapter runner applies it."""
-    from flagos import coverage
+    from flagos.report import coverage
     sim = coverage.for_chip("sim")
     assert sim.classify("aten::add.Tensor", ["torch.float32"])[0] == "native"
     if "bfloat16" not in os.environ.get("FLAGOS_SIM_DTYPES", ""):

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import CHIP, device_mode_only
 
 import flagos.tools
-from conftest import CHIP, device_mode_only
 from flagos.tools import _models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

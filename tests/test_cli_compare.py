@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 import torch
+from conftest import CHIP, device_mode_only
 
 import flagos
-from conftest import CHIP, device_mode_only
 from flagos.tools import _compare
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

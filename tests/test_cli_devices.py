@@ -2,9 +2,10 @@
 import csv
 import io
 
+from flagos_cli import run_flagos, run_json
+
 import flagos
 from flagos.tools.cli import main
-from flagos_cli import run_flagos, run_json
 
 # three sim devices, the last one in a failed state
 SIM = {"FLAGOS_SIM_DEVICES": "3", "FLAGOS_SIM_MEMORY": "48M",

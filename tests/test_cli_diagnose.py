@@ -7,11 +7,11 @@ import subprocess
 
 import pytest
 import torch
+from conftest import CHIP
+from flagos_cli import ROOT, run_flagos, run_json
 
 import flagos
-from conftest import CHIP
 from flagos.tools.cli import main
-from flagos_cli import ROOT, run_flagos, run_json
 
 CHECKS = ["activate", "allocate", "copy round trip", "matmul vs CPU", "float16", "bfloat16"]
 
@@ -68,8 +68,8 @@ def test_broken_adapters_and_a_failed_device_are_reported_with_every_other_chip(
 
     # the other chips are still diagnosed in full
     assert (chips["cpu"]["status"], chips["sim"]["status"]) == ("available", "available")
-    assert chips["sim"]["versions"] == {"adapter_abi": "%d.%d" % flagos._C.load_adapter(
-        chips["sim"]["source"]).abi} and chips["sim"]["device_count"] == 2
+    assert chips["sim"]["versions"] == {"adapter_abi": "{}.{}".format(*flagos._C.load_adapter(
+        chips["sim"]["source"]).abi)} and chips["sim"]["device_count"] == 2
     smoke = {r["chip"]: r for r in found["smoke"]}
     assert sorted(smoke) == ["cpu", "sim"]
     assert [c["name"] for c in smoke["cpu"]["checks"]] == CHECKS

@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import CHIP, device_mode_only
+from flagos_cli import run_json, run_workload
 
 import flagos
-from conftest import CHIP, device_mode_only
 from flagos.tools.cli import main
-from flagos_cli import run_json, run_workload
 
 pytestmark = device_mode_only
 

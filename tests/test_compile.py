@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import CHIP, device_mode_only, run_python
 from torch._dynamo import output_graph
 from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd import graph_compile
@@ -19,8 +20,7 @@ from torch._inductor.utils import fresh_cache
 from torch.testing import assert_close
 
 import flagos
-from flagos import _compile
-from conftest import CHIP, device_mode_only, run_python
+from flagos.runtime import _tracing
 
 pytestmark = device_mode_only
 COMPILES = CHIP == "cpu"  # chips whose flagos tensors hold torch tensors
@@ -255,7 +255,7 @@ def test_cached_graphs_are_reused_and_counted(tmp_path):
 
 @pytest.mark.skipif(COMPILES, reason="only C-ABI chips refuse compilation")
 def test_adapter_chip_warns_once_and_runs_eagerly(dev):
-    _compile._warned = False  # the notice is once per process; this test wants to see it
+    _tracing._warned = False  # the notice is once per process; this test wants to see it
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     model = copy.deepcopy(ref).to(dev)

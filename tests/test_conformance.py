@@ -12,7 +12,6 @@ import sys
 import threading
 
 import pytest
-
 from conftest import device_mode_only
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "conformance"))

@@ -5,9 +5,9 @@ import re
 
 import pytest
 import torch
+from conftest import CHIP, assert_close, device_mode_only
 
 import flagos
-from conftest import CHIP, assert_close, device_mode_only
 
 pytestmark = device_mode_only
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()

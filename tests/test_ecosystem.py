@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-
 from conftest import CHIP, device_mode_only, run_python
 
 pytestmark = device_mode_only

@@ -12,7 +12,6 @@ import re
 import subprocess
 
 import pytest
-
 from conftest import device_mode_only, run_python
 from test_adapters import build, guide_example
 

@@ -2,7 +2,7 @@
 import pathlib
 import re
 
-from flagos._env import ENV_VARS
+from flagos.core._env import ENV_VARS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "environment.md").read_text()

@@ -1,9 +1,9 @@
 """Bad input gets a clear error that names the fix, and loses nothing."""
 import pytest
 import torch
+from conftest import CHIP, device_mode_only, run_python
 
 import flagos
-from conftest import CHIP, device_mode_only, run_python
 
 pytestmark = device_mode_only
 

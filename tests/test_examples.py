@@ -2,7 +2,6 @@
 import pathlib
 
 import pytest
-
 from conftest import DEVICE_MODE, device_mode_only, run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
+from conftest import device_mode_only
 
 import flagos
-from conftest import device_mode_only
 
 pytestmark = device_mode_only
 

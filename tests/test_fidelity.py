@@ -4,9 +4,9 @@ import copy
 
 import pytest
 import torch
+from conftest import device_mode_only, run_python
 
 import flagos
-from conftest import device_mode_only, run_python
 
 pytestmark = device_mode_only
 

@@ -4,11 +4,9 @@ and Diffusers pipelines seeded with one reproduce the plain CPU run."""
 import copy
 import pickle
 
+import models
 import pytest
 import torch
-
-import flagos
-import models
 from conftest import CHIP, device_mode_only, run_python
 
 pytestmark = device_mode_only
@@ -108,7 +106,7 @@ def test_ddpm_pipeline_seeded_with_a_flagos_generator_matches_cpu(dev):
 def test_release_gives_torch_generator_back():
     proc = run_python("""
         import torch, flagos
-        from flagos import _registration
+        from flagos.runtime import _registration
         flagos.activate("cpu")
         g = torch.Generator(flagos.device()).manual_seed(0)
         _registration.release()

@@ -9,9 +9,8 @@ import os
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import CHIP, device_mode_only, run_python
+from torch import nn
 
 pytestmark = device_mode_only
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -9,12 +9,12 @@ import sys
 import urllib.request
 
 import pytest
+from conftest import CHIP, device_mode_only
+from flagos_cli import command_env, run_workload
 from prometheus_client.parser import text_string_to_metric_families
 
 import flagos
-from conftest import CHIP, device_mode_only
 from flagos.tools.cli import main
-from flagos_cli import command_env, run_workload
 
 NAMES = {"flagos_device_memory_used_bytes", "flagos_device_memory_total_bytes",
          "flagos_device_utilization_ratio", "flagos_op_calls_total",
@@ -70,7 +70,7 @@ def test_exporter_in_a_program_reports_its_ops_and_devices(exporter, tmp_path):
     for labels, _ in metrics["flagos_device_memory_total_bytes"]:
         assert labels == {"chip": CHIP, "index": labels["index"], "name": info["devices"][int(labels["index"])]}
     assert sorted(total) == list(range(info["device_count"]))
-    chip = flagos._runtime.active().chip
+    chip = flagos.core._state.active().chip
     for i in total:
         free, capacity = chip.mem_get_info(i)
         assert total[i] == capacity

@@ -1,13 +1,13 @@
 """Real models on flagos, compared with plain PyTorch on CPU with the same seed."""
 import copy
 
+import models
 import numpy as np
 import pytest
 import torch
+from conftest import CHIP, OpCounter, assert_close, device_mode_only
 
 import flagos
-import models
-from conftest import CHIP, OpCounter, assert_close, device_mode_only
 
 pytestmark = device_mode_only
 

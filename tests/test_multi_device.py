@@ -6,7 +6,6 @@ work on every device matches plain CPU, and training on flagos:0 does when the e
 Each case runs in its own process: the engine's queues are sized once per process.
 """
 import pytest
-
 from conftest import device_mode_only, run_python
 
 pytestmark = device_mode_only
@@ -49,9 +48,9 @@ print("FORWARD OK {dev}")
 def test_backward_before_activation_gives_a_clear_error(chip):
     proc = run_python(PRELUDE + """
 ref(x).sum().backward()                         # plain CPU, before flagos exists
-flagos.activate("%s")
+flagos.activate(CHIP)
 print("BACKWARD_OK", flagos.info()["backward"])
-""" % chip + STEP + "step('flagos:0')\n" + forward_check("flagos:0"),
+""".replace("CHIP", repr(chip)) + STEP + "step('flagos:0')\n" + forward_check("flagos:0"),
         env={"FLAGOS_FALLBACK": "allow"}, check=False)
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{out}\n{proc.stderr[-3000:]}"

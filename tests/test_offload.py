@@ -6,7 +6,6 @@ import weakref
 import numpy as np
 import pytest
 import torch
-
 from conftest import CHIP, device_mode_only, run_python
 from models import ddpm_pipeline, run_ddpm
 
@@ -229,8 +228,7 @@ def test_ddpm_offload_matches_cpu(dev, mode, tmp_path):
 
 def tiny_stable_diffusion(seed: int = 0):
     """Text encoder, UNet and VAE of a Stable Diffusion pipeline, tiny and seeded."""
-    from diffusers import (AutoencoderKL, DDIMScheduler, StableDiffusionPipeline,
-                           UNet2DConditionModel)
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast
 

@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import CHIP, device_mode_only, run_python
 
 import flagos
-from conftest import CHIP, device_mode_only, run_python
 
 pytestmark = device_mode_only
 

@@ -4,10 +4,10 @@ import json
 from html.parser import HTMLParser
 
 import torch
+from conftest import CHIP, device_mode_only
 
 import flagos
-from conftest import CHIP, device_mode_only
-from flagos._report import _short_site
+from flagos.report._sites import short_site
 
 pytestmark = device_mode_only
 
@@ -112,7 +112,7 @@ def test_page_holds_the_report(dev, tmp_path):
         assert int(cells[4]["attrs"]["data-value"]) == r["fallback_ns"]
         assert cells[4]["text"] == f"{r['fallback_ns'] / 1e6:.2f}"
         # an op first seen where no frame is user code (autograd's engine thread) has no site
-        assert cells[8]["text"] == _short_site(r["site"]) and cells[8]["attrs"]["title"] == (r["site"] or "")
+        assert cells[8]["text"] == short_site(r["site"]) and cells[8]["attrs"]["title"] == (r["site"] or "")
         assert rows[r["op"]]["class"] == ("fallback" if r["calls"]["fallback"] else "native")
     assert rows["aten::gelu"]["cells"][3]["text"] == "3" and rows["aten::cumsum"]["cells"][3]["text"] == "3"
 
@@ -177,7 +177,7 @@ def test_an_op_without_a_call_site(dev, tmp_path):
     with flagos.track() as tracked:
         (-x.to(dev)).cpu()
     rows = [dict(r, site=None) if r["op"] == "aten::neg" else r for r in tracked.rows]
-    report = flagos._report.Report(rows, tracked.elapsed_s, tracked.chip)
+    report = flagos.report._report.Report(rows, tracked.elapsed_s, tracked.chip)
     report.save(tmp_path / "no-site.html")
     page = Page()
     page.feed((tmp_path / "no-site.html").read_text())

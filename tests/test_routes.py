@@ -5,9 +5,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import CHIP, assert_close, device_mode_only, run_python
 
 import flagos
-from conftest import CHIP, assert_close, device_mode_only, run_python
 
 pytestmark = device_mode_only
 

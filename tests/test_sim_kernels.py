@@ -16,9 +16,9 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import CHIP, device_mode_only, run_pytest
 
 import flagos
-from conftest import CHIP, device_mode_only, run_pytest
 
 pytestmark = device_mode_only
 

@@ -6,9 +6,9 @@ import time
 
 import pytest
 import torch
+from conftest import CHIP, assert_close, device_mode_only, run_python
 
 import flagos
-from conftest import CHIP, assert_close, device_mode_only, run_python
 
 pytestmark = device_mode_only
 
@@ -193,7 +193,7 @@ def test_record_stream_on_a_flagos_tensor(dev):
 
 def test_sim_uses_the_adapter_streams():
     if CHIP != "sim":
-        assert not flagos._streams.uses_adapter_streams()  # the cpu chip orders work itself
+        assert not flagos.runtime._streams.uses_adapter_streams()  # the cpu chip orders work itself
         return
     counters = sim_counters()
     created, destroyed = (counters.flagos_sim_calls(n) for n in (b"stream_create", b"stream_destroy"))
@@ -227,7 +227,7 @@ def test_diffusers_group_offloading_accepts_flagos_streams(dev):
 def test_release_gives_torch_accelerator_back():
     proc = run_python("""
         import torch, flagos
-        from flagos import _registration
+        from flagos.runtime import _registration
         original = torch._C._accelerator_synchronizeDevice
         stream_type, event_type = torch.Stream, torch.Event
         flagos.activate("cpu")
@@ -263,8 +263,8 @@ class RecordingEngine:
 def test_wait_stream_records_on_the_other_stream_and_waits_on_this_one(dev, monkeypatch):
     """a.wait_stream(b): an event recorded on b (b's work so far), and a made to wait for it."""
     waiting, working = torch.flagos.Stream(), torch.flagos.Stream()
-    recorder = RecordingEngine(flagos._streams.engine())
-    monkeypatch.setattr(flagos._streams, "engine", lambda: recorder)
+    recorder = RecordingEngine(flagos.runtime._streams.engine())
+    monkeypatch.setattr(flagos.runtime._streams, "engine", lambda: recorder)
     waiting.wait_stream(working)
     records = [args for name, args in recorder.calls if name == "event_record"]
     waits = [args for name, args in recorder.calls if name == "stream_wait_event"]

@@ -6,7 +6,6 @@ and a table rebuilt then (a new router configuration) must not free what the run
 Each case runs in its own process, so a crash is a failure and not the end of the suite.
 """
 import pytest
-
 from conftest import device_mode_only, run_python
 
 pytestmark = device_mode_only
@@ -15,7 +14,7 @@ WORKERS_AND_CHANGER = """
     import sys, threading, torch, flagos
     sys.setswitchinterval(1e-5)  # switch threads as often as possible: the races show sooner
     flagos.activate(CHIP)
-    state = flagos._runtime.active()
+    state = flagos.core._state.active()
     dev = flagos.device()
     torch.manual_seed(0)
     x, y = torch.randn(16, 16), torch.randn(16, 16)
@@ -54,8 +53,10 @@ WORKERS_AND_CHANGER = """
             flagos.set_route("aten::mm", ("fallback", "native", "auto")[i % 3])
             flagos.set_route("aten::relu", ("auto", "fallback")[i % 2])
             flagos.register_kernel("aten::add.Tensor", (add_on_payloads, declining_add)[i % 2])
+            if i % 3 == 2:  # a call routed to the kernel before this takes the op's route now
+                flagos.unregister_kernel("aten::add.Tensor")
             flagos.activate(CHIP)                          # same chip: stays as it is
-            flagos._runtime._configure_router(state)       # a new table
+            flagos._activation._configure_router(state)  # a new table
             flagos.fallback_report()                       # reads the table meanwhile
         stop.set()
 

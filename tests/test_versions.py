@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flagos
-from flagos import _runtime
+from flagos import _activation
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -59,7 +59,7 @@ def test_the_running_python_is_supported():
 
 def test_readme_states_the_tested_torch_range():
     low, high = re.search(r"flagos accepts PyTorch (\d+\.\d+) to (\d+\.\d+)", README).groups()
-    assert (low, high) == _runtime.TESTED_TORCH
+    assert (low, high) == _activation.TESTED_TORCH
     assert f'"torch>={low}"' in PYPROJECT
 
 
@@ -83,7 +83,7 @@ def test_torch_outside_the_tested_range_is_warned_about(monkeypatch, version, wa
     log.addHandler(records)
     monkeypatch.setattr(torch, "__version__", version)
     try:
-        _runtime._warn_untested_torch()
+        _activation._warn_untested_torch()
     finally:
         log.removeHandler(records)
     expected = [f"flagos is made for PyTorch 2.9 to 2.14; this is {version}"] if warned else []

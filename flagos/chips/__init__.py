@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 
+from .adapter import AdapterChip, discovered_names
 from .base import DeviceInfo, TorchChip
 
 VENDOR_PLUGINS = ("npu", "mlu", "musa")
@@ -16,7 +17,6 @@ EMULATED = ("sim",)  # never picked by "auto": it is for tests and for adapter a
 
 def auto_order() -> tuple[str, ...]:
     """Vendor plugins, then adapters found on FLAGOS_ADAPTER_PATH, then PyTorch's own devices."""
-    from .adapter import discovered_names
     adapters = tuple(n for n in discovered_names() if n not in VENDOR_PLUGINS + BUILT_IN + EMULATED)
     return VENDOR_PLUGINS + adapters + BUILT_IN
 
@@ -34,7 +34,6 @@ def profile(name: str):
         try:
             _profiles[name] = importlib.import_module(f"{__name__}.{name}").CHIP
         except ModuleNotFoundError:
-            from .adapter import AdapterChip
             _profiles[name] = AdapterChip(name)  # an adapter found on FLAGOS_ADAPTER_PATH
     return _profiles[name]
 

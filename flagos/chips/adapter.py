@@ -14,7 +14,8 @@ import re
 
 import torch
 
-from .. import _C, _env
+from .. import _C
+from ..core import _env
 from ..errors import AdapterError, DeviceError
 from .base import HostGenerator
 

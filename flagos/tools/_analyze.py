@@ -11,7 +11,7 @@ exit) and X is a lower bound of the fallbacks' share of the time spent in ops.
 
 --target CHIP answers "what would fall back there" without that chip: every op seen is
 classified against the target's coverage (an adapter chip's kernel table read from its
-library; for torch-native chips a coverage file shipped in flagos/coverage/).
+library; for torch-native chips a coverage file shipped in flagos/report/coverage/).
 
 Exit status: the script's own (0 when it succeeded); 1 when the run gave no report; 2 usage.
 """
@@ -23,8 +23,12 @@ import subprocess
 import sys
 import tempfile
 
-from .. import _env
-from ._common import write_json
+from .. import chips
+from ..core import _env
+from ..report._html import render
+from ..report._sites import short_site
+from ..report.coverage import ROUTES, for_chip
+from ._common import format_table, write_json
 
 EXIT_NO_REPORT, EXIT_USAGE = 1, 2
 
@@ -46,7 +50,6 @@ def add_arguments(parser) -> None:
 
 
 def _check_chip(chip: str) -> str:
-    from .. import chips
 
     name = chip.strip().lower()
     if name == "auto":
@@ -96,7 +99,6 @@ def _verdict(totals: dict, elapsed_s: float) -> str:
 
 def _classify(analysis: dict, target: str) -> None:
     """Add each op's route on `target` and the target's totals to the analysis."""
-    from ..coverage import ROUTES, for_chip
 
     coverage = for_chip(target)
     calls = dict.fromkeys(ROUTES, 0)
@@ -127,7 +129,6 @@ def analyze(command, chip: str | None = None, target: str | None = None,
     command = _command(command)
     chip = _check_chip(chip or _env.requested_device() or "auto")
     if target is not None:
-        from ..coverage import for_chip
         try:
             for_chip(target)  # before the run: a bad target is a usage error, not a lost run
         except ValueError as e:
@@ -162,8 +163,6 @@ def analyze(command, chip: str | None = None, target: str | None = None,
 
 def coverage_table(analysis: dict) -> str:
     """The per-op table: ops that fell back first (most time first), then by calls."""
-    from .._report import _short_site
-    from ._common import format_table
 
     target = analysis.get("target")
     headers = ["op", "route", "calls", "fallback calls", "fallback ms", "first call site"]
@@ -175,7 +174,7 @@ def coverage_table(analysis: dict) -> str:
     for r in ordered:
         c = r["calls"]
         row = [r["op"], "/".join(k for k in ("override", "native", "fallback") if c[k]),
-               sum(c.values()), c["fallback"], f"{r['fallback_ns'] / 1e6:.2f}", _short_site(r["site"])]
+               sum(c.values()), c["fallback"], f"{r['fallback_ns'] / 1e6:.2f}", short_site(r["site"])]
         if target:
             row.append(r["target"]["route"])
         rows.append(row)
@@ -207,7 +206,6 @@ def run(args) -> int:
         if args.json:
             write_json(analysis, args.json)
         if args.html:
-            from .._report_html import render
             with open(args.html, "w") as f:
                 f.write(render(analysis))
             print(f"report page: {args.html}", file=out)

@@ -18,6 +18,8 @@ import time
 
 import torch
 
+import flagos
+
 from . import _childrun, _models
 from ._common import format_bytes, format_table, non_negative_int, positive_int, write_json
 
@@ -83,8 +85,6 @@ def measure(chip: str, model: str, batch: int, warmup: int, iters: int, dtype: s
     net = _models.cast_model(work.model, device, _models.parse_dtype(dtype))
     inputs = _models.move(work.inputs, device, _models.parse_dtype(dtype))
     on_flagos = chip != _childrun.REFERENCE
-    if on_flagos:
-        import flagos
     bar = _ProgressBar(name, warmup + iters, progress)
 
     outputs = []

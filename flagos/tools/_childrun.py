@@ -21,6 +21,11 @@ import traceback
 
 import torch
 
+import flagos
+
+from .. import chips
+from ..core import _state
+
 REFERENCE = "torch-cpu"
 # The chip is the child's own (FLAGOS_DEVICE); one shared FLAGOS_REPORT path would be
 # overwritten by every child in turn. Every other FLAGOS_* setting (routes, mode) applies.
@@ -36,8 +41,7 @@ class ChildError(RuntimeError):
 
 
 def _active():
-    from .. import _runtime
-    return _runtime.active_or_none()
+    return _state.active_or_none()
 
 
 def runs_here(chip: str) -> bool:
@@ -53,7 +57,6 @@ def device_for(chip: str) -> torch.device:
     """The device a run on `chip` puts its model on (inside the process running it)."""
     if chip == REFERENCE:
         return torch.device("cpu")
-    import flagos
     return flagos.device()
 
 
@@ -94,7 +97,6 @@ def mode(chip: str) -> str | None:
 
 def check_chip(chip: str) -> str:
     """`chip` normalized, or ValueError naming the choices (cheap: initializes no chip)."""
-    from .. import chips
     name = chip.strip().lower()
     if name in (REFERENCE, "auto") or name in chips.known():
         return name
@@ -167,7 +169,6 @@ def _child_main(request_path: str, result_path: str) -> int:
     chip = request["chip"]
     try:
         if chip != REFERENCE:
-            import flagos
             flagos.activate(chip)
         answer = {"value": _resolve(request["target"])(chip=chip, **request["kwargs"])}
     except BaseException as e:  # the parent reports it; the traceback helps with model bugs

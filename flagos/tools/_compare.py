@@ -22,6 +22,8 @@ import tempfile
 
 import torch
 
+import flagos
+
 from . import _childrun, _models
 from ._common import format_table, non_negative_int, positive_int, write_json
 
@@ -89,7 +91,6 @@ def record(chip: str, out_path: str, model: str | None = None, pickled: str | No
     handles = _hook_every_module(net, records, order, types)
     on_flagos = chip != _childrun.REFERENCE
     if on_flagos:
-        import flagos
         flagos.reset_report()
     try:
         with torch.no_grad():

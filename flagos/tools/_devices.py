@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import sys
 
-from . import _probe
+from ..report import _probe
 from ._common import format_bytes, format_table, write_json
 
 COLUMNS = ("chip", "index", "name", "memory_used", "memory_total", "native_dtypes", "mode", "status")

@@ -19,7 +19,8 @@ import sys
 import time
 
 from ..errors import ChipNotFoundError
-from . import _probe, _smoke
+from ..report import _probe
+from . import _smoke
 from ._common import format_bytes, write_json
 
 _MARK = {"OK": "[OK]  ", "WARN": "[WARN]", "FAIL": "[FAIL]", "SKIP": "[--]  "}

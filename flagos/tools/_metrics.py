@@ -19,6 +19,9 @@ import signal
 import sys
 import threading
 
+from .. import chips
+from .. import metrics as flagos_metrics
+
 DEFAULT_PORT = 9491
 
 
@@ -37,8 +40,6 @@ def metrics(port: int | None = None, addr: str = "127.0.0.1"):
     port: start that exporter in this process and return it (flagos.metrics.Exporter;
     `.stop()` ends it). Unlike an exporter started inside a program, which shows its active
     chip, the machine's exporter shows every chip even where flagos is active."""
-    from .. import chips
-    from .. import metrics as flagos_metrics
     every_chip = list(chips.known())
     if port is None:
         return flagos_metrics.exposition(every_chip)

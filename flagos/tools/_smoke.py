@@ -21,7 +21,10 @@ import time
 import torch
 
 import flagos
-from .. import _runtime
+
+from .. import chips
+from ..chips.adapter import AdapterChip
+from ..core import _state
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 TIMEOUT_S = 60.0
@@ -62,7 +65,7 @@ def run_checks(chip: str) -> dict:
         return {"chip": chip, "verdict": "fail", "checks": checks}
     checks.append(_check("activate", OK, f"{info['mode']} mode, {info['device_count']} "
                          f"device(s), {flagos.device()}", start))
-    state = _runtime.active()
+    state = _state.active()
     steps = (("allocate", _allocate), ("copy round trip", _round_trip),
              ("matmul vs CPU", _matmul_float32), ("float16", _half), ("bfloat16", _half))
     for name, step in steps:
@@ -152,15 +155,13 @@ def _child_environment() -> dict:
 
 def host_side(chip: str) -> bool:
     """The host and C-ABI adapters: chips without GPU-driver state that a fork could break."""
-    from .. import chips
-    from ..chips.adapter import AdapterChip
     return chip == "cpu" or isinstance(chips.profile(chip), AdapterChip)
 
 
 def can_fork(chip: str) -> bool:
     """Forking is safe from a fresh process (no flagos activation, no other threads) for
     host-side chips."""
-    return (hasattr(os, "fork") and _runtime.active_or_none() is None
+    return (hasattr(os, "fork") and _state.active_or_none() is None
             and threading.active_count() == 1 and host_side(chip))
 
 

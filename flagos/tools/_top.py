@@ -19,8 +19,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
-from .. import _exporters
-from . import _probe
+from ..report import _exporters, _probe
 from ._common import format_bytes, format_share, format_table, positive_int, write_json
 
 SCRAPE_TIMEOUT_S = 1.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import __version__
 from . import SUBCOMMANDS, command_module
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -33,7 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        from .. import __version__
         print(f"flagos {__version__}")
         return EXIT_OK
     if args.command is None:

@@ -20,10 +20,10 @@ def main(chip: str) -> None:
     warnings.simplefilter("ignore")
     os.environ.setdefault("FLAGOS_FALLBACK", "allow")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import harness
     import torch
 
     import flagos
-    import harness
 
     torch.set_num_threads(1)
     flagos.activate(chip)

@@ -1,0 +1,79 @@
+"""Schema facts the C router needs about an op, computed once per overload."""
+from __future__ import annotations
+
+import re
+
+from .. import _C
+
+# Ops that make sparse tensors from strided ones (to_sparse, _to_sparse_csr, sparse_coo_tensor).
+_SPARSE_OP = re.compile(r"::_?(to_sparse|sparse_(coo|csr|csc|bsr|bsc|compressed))")
+
+# Ops whose tensor arguments may legitimately sit on different devices (copies,
+# and indexing with host index tensors, which PyTorch accepts on every device).
+CROSS_DEVICE_OPS = frozenset({
+    "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize", "aten::_to_copy",
+    "aten::to", "aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_put",
+    "aten::set_", "aten::_local_scalar_dense", "aten::_has_compatible_shallow_copy_type",
+})
+
+# In-place ops that change the metadata of the tensor they write.
+INPLACE_VIEW_OPS = frozenset({
+    "unsqueeze_", "squeeze_", "t_", "transpose_", "as_strided_", "swapdims_", "swapaxes_",
+    "resize_", "resize_as_", "set_", "detach_",
+})
+
+# Ops that mutate arguments their schema does not mark as written (legacy
+# schemas): argument indices the fallback must copy back anyway.
+UNANNOTATED_WRITES = {
+    "aten::native_batch_norm": (3, 4),  # running_mean, running_var in training
+}
+
+
+def op_name(func) -> str:
+    """'aten::add.Tensor' for an OpOverload; the default overload has no suffix."""
+    schema = func._schema
+    return f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
+
+
+def packet_name(name: str) -> str:
+    """'aten::add' for 'aten::add.Tensor'."""
+    ns, _, rest = name.partition("::")
+    return f"{ns}::{rest.split('.', 1)[0]}"
+
+
+def describe(func):
+    """(name, arg_names, write_args, return_alias, flags) for the C op table."""
+    schema = func._schema
+    name = op_name(func)
+    args = schema.arguments
+    arg_names = tuple(a.name for a in args)
+    write_args = tuple(i for i, a in enumerate(args)
+                       if a.alias_info is not None and a.alias_info.is_write)
+    write_args += tuple(i for i in UNANNOTATED_WRITES.get(name, ()) if i not in write_args)
+    return_alias = []
+    flags = 0
+    for ret in schema.returns:
+        info = ret.alias_info
+        if info is None:
+            return_alias.append(-1)
+            continue
+        if not info.is_write:
+            flags |= _C.OP_VIEW
+            return_alias.append(-1)
+            continue
+        sets = set(info.before_set)
+        match = next((i for i in write_args if set(args[i].alias_info.before_set) & sets), -1)
+        return_alias.append(match)
+    # Only out= arguments (resized to fit) and in-place view ops (unsqueeze_, t_, as_strided_,
+    # resize_, set_) change a written tensor's layout; plain in-place ops like add_ never do.
+    writes_out = any(args[i].kwarg_only for i in write_args)
+    inplace_view = packet_name(name).split("::")[1] in INPLACE_VIEW_OPS
+    if writes_out or inplace_view:
+        flags |= _C.OP_RELAYOUT
+    if packet_name(name) in CROSS_DEVICE_OPS:
+        flags |= _C.OP_CROSS_DEVICE
+    if any("Device" in str(a.type) for a in args):
+        flags |= _C.OP_DEVICE_ARG
+    if _SPARSE_OP.search(name):
+        flags |= _C.OP_SPARSE
+    return name, arg_names, write_args, tuple(return_alias), flags

@@ -1,0 +1,98 @@
+"""The chip flagos runs on in this process: what every layer above asks, and `info()`.
+
+Activation (flagos/_activation.py) sets it; everything else only reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import __version__
+from . import _env, _routes
+
+TESTED_TORCH = ("2.9", "2.14")
+
+
+@dataclass
+class Active:
+    """The chip flagos runs on in this process."""
+    chip: object                # a chips.base.TorchChip (an AdapterChip for C-ABI chips)
+    mode: str
+    device_count: int
+    current: int = 0
+    native_mode: object = None  # the dispatch mode object in native mode
+    native_thread: int = 0      # the thread whose dispatch mode stack holds it
+    backward_ok: bool = True    # autograd's engine has a queue for flagos (see _activation)
+    flagos_devices: tuple = field(default_factory=tuple)
+
+    def chip_index(self, index: int) -> int:
+        if not 0 <= index < self.device_count:
+            raise ValueError(f"flagos:{index} does not exist: chip '{self.chip.name}' has "
+                             f"{self.device_count} device(s)")
+        return index
+
+
+_active: Active | None = None
+
+
+def set_active(state: Active | None) -> None:
+    """Activation's word: the process now runs on `state` (None: native mode left)."""
+    global _active
+    _active = state
+
+
+def active_or_none() -> Active | None:
+    return _active
+
+
+def active() -> Active:
+    if _active is None:
+        raise RuntimeError("flagos is not active: call flagos.activate() first "
+                           "(or set FLAGOS_DEVICE=auto before `import torch`)")
+    return _active
+
+
+def flagos_device(index: int) -> torch.device:
+    return active().flagos_devices[index]
+
+
+def set_current(index: int) -> None:
+    state = active()
+    state.chip_index(index)
+    if not state.chip.payload_is_host:
+        state.chip.set_device(index)
+    state.current = index
+
+
+def device(index: int | None = None) -> torch.device:
+    """The device to move models and tensors to: flagos:N in device mode, the chip's own
+    device (npu:N, cpu) in native mode."""
+    state = active()
+    index = state.current if index is None else index
+    state.chip_index(index)
+    return state.flagos_devices[index]
+
+
+def info() -> dict:
+    """What flagos runs on, and how it is configured."""
+    state = _active
+    out = {
+        "version": __version__,
+        "torch": torch.__version__,
+        "torch_tested": f"{TESTED_TORCH[0]} to {TESTED_TORCH[1]}",
+        "active": state is not None,
+        "fallback": _env.get("FLAGOS_FALLBACK") or "warn",
+        "forced_routes": _routes.forced_routes(),
+        "report_path": _env.get("FLAGOS_REPORT") or None,
+    }
+    if state is not None:
+        out.update(
+            chip=state.chip.name, vendor=state.chip.vendor, mode=state.mode,
+            device=str(device()), device_count=state.device_count,
+            devices=[state.chip.device_name(i) for i in range(state.device_count)],
+            native_dtypes=list(state.chip.native_dtypes),
+            collective_backend=state.chip.collective_backend,
+            backward=state.backward_ok,
+        )
+    return out

@@ -1,0 +1,267 @@
+"""What Diffusers and accelerate decide about devices, answered for flagos.
+
+Neither library is edited. While flagos owns the device (device mode):
+
+- Diffusers decides its accelerator once (`TorchDeviceBackend._detect_device_type`, cached) when
+  `diffusers.pipelines` is imported. An import before `flagos.activate()` cached "cpu", and
+  `enable_model_cpu_offload()` then says no accelerator exists: activation clears that cache and
+  adds the flagos device to the device-map names computed from it.
+- accelerate picks its default device from a list of named backends (cuda, npu, xpu, ...) and
+  reads accelerator memory through each one's module, so it would never find flagos:
+  `PartialState().device` (and so `Accelerator().device`) becomes `flagos.device()`, and
+  `get_max_memory()` lists the flagos devices by index, as accelerate lists GPUs, with their free
+  memory from `torch.flagos.mem_get_info` (an index means the current accelerator to PyTorch:
+  `torch.device(0)` is flagos:0).
+- safetensors checks device names in Rust against the ones it knows, so
+  `safetensors.torch.load_file(path, device="flagos")` (Diffusers' group offloading to disk)
+  loads to the host and moves the tensors to flagos.
+- huggingface_hub finds tensors that share memory (tied weights, when `save_pretrained` splits a
+  state dict into shards) through the inner tensors of a wrapper subclass's
+  `__tensor_flatten__`; a C-ABI chip's tensor has none (its memory is an adapter buffer), so
+  such a tensor is answered as a plain tensor is, by its storage, which names the buffer.
+
+A library imported after activation is answered the moment its module is imported (an import
+hook runs the patch right after the module's own code); one imported before is answered at
+activation. Either order works.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import logging
+import sys
+import threading
+
+import torch
+
+from ..core import _state
+from ..runtime._tensor import FlagosTensor
+
+log = logging.getLogger("flagos")
+_lock = threading.Lock()
+_done: set[str] = set()
+_replaced: dict = {}  # id(original function) -> (original, replacement), until _rebind() runs
+
+
+# ---- Diffusers ----------------------------------------------------------------
+
+def _diffusers_torch_utils(module) -> None:
+    # The cache sits on TorchDeviceBackend in recent Diffusers, on get_device itself before.
+    backend = getattr(module, "TorchDeviceBackend", None)
+    for detect in (getattr(backend, "_detect_device_type", None), module.get_device):
+        if hasattr(detect, "cache_clear"):
+            detect.cache_clear()
+    if getattr(module, "torch_device", None) == "cpu":
+        module.torch_device = module.get_device()
+
+
+def _diffusers_pipeline_utils(module) -> None:
+    names = module.SUPPORTED_DEVICE_MAP  # the list object the pipelines check against
+    if "flagos" not in names:
+        names.insert(1, "flagos")
+
+
+# ---- accelerate ---------------------------------------------------------------
+
+def _flagos_default():
+    state = _state.active_or_none()
+    return _state.device() if state is not None and state.mode == "device" else None
+
+
+def _accelerate_state(module) -> None:
+    cls = module.PartialState
+    original = cls.default_device
+    if getattr(original.fget, "_flagos", False):
+        return
+
+    def default_device(self) -> torch.device:
+        device = _flagos_default()
+        return original.fget(self) if device is None else device
+
+    default_device._flagos = True
+    default_device.__doc__ = original.__doc__
+    cls.default_device = property(default_device)
+
+
+def _accelerate_modeling(module) -> None:
+    original = module.get_max_memory
+    if getattr(original, "_flagos", False):
+        return
+
+    def get_max_memory(max_memory=None):
+        state = _state.active_or_none()
+        if state is None or state.mode != "device":
+            return original(max_memory)
+        return _flagos_max_memory(state, max_memory, module.convert_file_size_to_int)
+
+    get_max_memory._flagos = True
+    get_max_memory.__doc__ = original.__doc__
+    get_max_memory.__wrapped__ = original
+    module.get_max_memory = get_max_memory
+    _replaced[id(original)] = (original, get_max_memory)
+
+
+def _rebind() -> None:
+    """Modules that imported a replaced function by name before activation (transformers,
+    Diffusers, a script's own `from accelerate.utils import get_max_memory`) get its
+    replacement. Modules imported later find the replacement where they import it from."""
+    if not _replaced:
+        return
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict):
+            continue
+        for key, value in list(names.items()):
+            pair = _replaced.get(id(value))
+            if pair is not None and pair[0] is value:
+                names[key] = pair[1]
+    _replaced.clear()
+
+
+def _flagos_max_memory(state, max_memory, to_bytes) -> dict:
+    """accelerate's get_max_memory for flagos: {0: free bytes of flagos:0, ..., "cpu": ...}."""
+    if max_memory is None:
+        import psutil
+
+        free = {i: torch.flagos.mem_get_info(i)[0] for i in range(state.device_count)}
+        return {**free, "cpu": psutil.virtual_memory().available}
+    out = {k: to_bytes(v) if isinstance(v, str) else v for k, v in max_memory.items()}
+    devices = sorted(k for k in out if isinstance(k, int))
+    for index in devices:
+        if not 0 <= index < state.device_count:
+            raise ValueError(f"max_memory names device {index}, but flagos has {state.device_count} "
+                             f"device(s) on chip '{state.chip.name}': use indices 0 to "
+                             f"{state.device_count - 1}, 'cpu' and 'disk'")
+    unknown = [k for k in out if not isinstance(k, int) and k not in ("cpu", "disk")]
+    if unknown:
+        raise ValueError(f"max_memory names {unknown}; with flagos active its keys are device "
+                         f"indices (flagos:N), 'cpu' and 'disk'")
+    return {k: out[k] for k in devices + [k for k in ("cpu", "disk") if k in out]}
+
+
+# ---- safetensors ---------------------------------------------------------------
+
+def _is_flagos(device) -> bool:
+    try:
+        return isinstance(device, (str, torch.device)) and torch.device(device).type == "flagos"
+    except RuntimeError:  # not a device name at all: safetensors says so in its own words
+        return False
+
+
+def _safetensors_torch(module) -> None:
+    original = module.load_file
+
+    def load_file(filename, device="cpu", **kwargs):
+        if not _is_flagos(device):
+            return original(filename, device, **kwargs)
+        return {k: v.to(device) for k, v in original(filename, "cpu", **kwargs).items()}
+
+    load_file.__doc__ = original.__doc__
+    load_file.__wrapped__ = original
+    module.load_file = load_file
+    _replaced[id(original)] = (original, load_file)
+
+
+# ---- huggingface_hub ------------------------------------------------------------
+
+def _on_adapter_buffer(tensor) -> bool:
+    return isinstance(tensor, FlagosTensor) and not isinstance(tensor._payload, torch.Tensor)
+
+
+def _huggingface_hub_torch(module) -> None:
+    unique_id, storage_size, is_complete = (module._get_unique_id, module.get_torch_storage_size,
+                                            module._is_complete)
+
+    def _get_unique_id(tensor):
+        if _on_adapter_buffer(tensor):
+            return tensor.untyped_storage().data_ptr()
+        return unique_id(tensor)
+
+    def get_torch_storage_size(tensor) -> int:
+        if _on_adapter_buffer(tensor):
+            return tensor.untyped_storage().nbytes()
+        return storage_size(tensor)
+
+    def _is_complete(tensor) -> bool:
+        if _on_adapter_buffer(tensor):
+            storage = tensor.untyped_storage()
+            return (tensor.data_ptr() == storage.data_ptr()
+                    and tensor.nelement() * tensor.element_size() == storage.nbytes())
+        return is_complete(tensor)
+
+    for original, replacement in ((unique_id, _get_unique_id), (storage_size, get_torch_storage_size),
+                                  (is_complete, _is_complete)):
+        replacement.__doc__ = original.__doc__
+        replacement.__wrapped__ = original
+        setattr(module, original.__name__, replacement)
+        _replaced[id(original)] = (original, replacement)
+
+
+_PATCHES = {
+    "diffusers.utils.torch_utils": _diffusers_torch_utils,
+    "diffusers.pipelines.pipeline_utils": _diffusers_pipeline_utils,
+    "accelerate.state": _accelerate_state,
+    "accelerate.utils.modeling": _accelerate_modeling,
+    "safetensors.torch": _safetensors_torch,
+    "huggingface_hub.serialization._torch": _huggingface_hub_torch,
+}
+
+
+def _patch(name: str, module) -> None:
+    with _lock:
+        if name in _done:
+            return
+        _done.add(name)
+    try:
+        _PATCHES[name](module)
+    except (AttributeError, TypeError) as e:  # another version of the library: never break its import
+        log.warning("flagos could not answer %s's device detection (%s: %s); pass "
+                    "flagos.device() to it explicitly", name, type(e).__name__, e)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for the modules above, wraps the real loader so the patch runs
+    right after the module's own code, before anything can import names from it."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _PATCHES or fullname in _done:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        real = spec.loader
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return real.create_module(spec)
+
+            def exec_module(self, module):
+                real.exec_module(module)
+                _patch(fullname, module)
+                _replaced.clear()  # imported just now: nothing else holds the originals yet
+
+            def __getattr__(self, name):  # get_source, is_package, resource readers, ...
+                return getattr(real, name)
+
+        spec.loader = Loader()
+        return spec
+
+
+_hook = _AfterImport()
+
+
+def install() -> None:
+    """Answer the libraries already imported now, and the others when they are imported."""
+    if _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)
+    for name in _PATCHES:
+        module = sys.modules.get(name)
+        if module is not None:
+            _patch(name, module)
+    _rebind()  # only what was imported before activation can hold the originals

@@ -1,0 +1,734 @@
+"""Running one aten op on a C-ABI chip (sim, vendor adapters).
+
+The C router calls `Runner.__call__` for every op on such a chip, after its table lookup and
+route resolution; counting, warnings and the report stay in C. A flagos tensor's payload is
+an adapter `Buffer`; the wrapper's own sizes, strides and storage offset say which part of
+the buffer it is, so views share buffers exactly as on a device.
+
+Per op, in order:
+- allocation, copies and views are metadata or adapter copies (never a fallback);
+- an adapter kernel runs when the op is in its table and the arguments fit its convention
+  (csrc/include/flagos/adapter.h); output shapes come from running the op on meta tensors;
+- everything else takes the host round trip: the touched bytes of each buffer go to the
+  host once, the op runs there, written arguments go back, new results are uploaded.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from .. import _C
+from ..core import _routes, _schema
+from ..errors import DeviceMismatchError
+from . import _math_keys
+from ._tensor import FlagosTensor, copy_math_bits, set_metadata
+
+NATIVE, FALLBACK, WOULD_FALL_BACK = _C.ROUTE_NATIVE, _C.ROUTE_FALLBACK, _C.ROUTE_ERROR
+OVERRIDE = _C.ROUTE_OVERRIDE
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3,
+               torch.int64: 4, torch.int32: 5, torch.int16: 6, torch.int8: 7, torch.uint8: 8,
+               torch.bool: 9}
+CPU = torch.device("cpu")
+TO_OPS = frozenset(f"aten::to.{o}" for o in ("dtype", "device", "dtype_layout", "other"))
+META = torch.device("meta")
+
+
+def _contiguous_strides(size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(tuple(size)):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def _dense_order(size, stride):
+    """The dims from outermost to innermost when (size, stride) is dense and non-overlapping
+    (contiguous in some order of its dims, as channels_last is); None otherwise."""
+    order = sorted(range(len(size)), key=lambda i: stride[i], reverse=True)
+    expected = 1
+    for i in reversed(order):
+        if size[i] != 1:
+            if stride[i] != expected:
+                return None
+            expected *= size[i]
+    return order
+
+
+def _permute(desc, order):
+    buf, offset, code, size, stride = desc
+    return buf, offset, code, tuple(size[i] for i in order), tuple(stride[i] for i in order)
+
+
+def _span(size, stride, offset) -> tuple[int, int]:
+    """[first, last + 1) element of the storage a strided view touches (empty: (offset, offset))."""
+    if any(s == 0 for s in size):
+        return offset, offset
+    return offset, offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
+
+
+def _tag(fresh: torch.Tensor, t) -> torch.Tensor:
+    """fresh (a new tensor over t's bytes, host, meta or flagos) given t's conjugate and
+    negative bits, which say how to read those bytes (x.conj(), torch._neg_view(x))."""
+    return copy_math_bits(t, fresh)
+
+
+def _physical(host: torch.Tensor) -> torch.Tensor:
+    """A host tensor whose memory holds its values: bits resolved, efficient zeros made real."""
+    if host._is_zerotensor():
+        return torch.zeros(host.shape, dtype=host.dtype)
+    if host.is_conj() or host.is_neg():
+        return host.resolve_conj().resolve_neg()
+    return host
+
+
+def _strided_only(t: torch.Tensor, what: str) -> None:
+    """Refuse a sparse (or other non-strided) tensor with a message that says what to do."""
+    if t.layout is not torch.strided:
+        raise RuntimeError(
+            f"{what}: sparse tensors are not supported on flagos (this one is {t.layout}); "
+            f"convert it with .to_dense() first, or keep the sparse work on the CPU")
+
+
+def _walk(value, fn):
+    """Apply fn to every flagos tensor in an argument (lists and tuples one level deep)."""
+    if isinstance(value, FlagosTensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_walk(v, fn) for v in value)
+    return value
+
+
+def _is_flagos_device(value) -> bool:
+    return isinstance(value, torch.device) and value.type == "flagos"
+
+
+def _host_scalar(value):
+    """A Python number for a number or a 0-dim host tensor; None otherwise."""
+    if isinstance(value, (int, float, bool)) and not isinstance(value, torch.Tensor):
+        return float(value)
+    if (isinstance(value, torch.Tensor) and not isinstance(value, FlagosTensor)
+            and value.dim() == 0 and value.device.type == "cpu"):
+        return float(value.item())
+    return None
+
+
+class _HostRegions:
+    """Host copies of the device bytes one fallback call touches: one region per buffer,
+    covering every view of it in the call, so host views of one buffer alias each other as
+    they do on the device."""
+
+    def __init__(self, tensors):
+        spans = {}  # id(buffer) -> [buffer, first byte, end byte, largest item size]
+        for t in tensors:
+            key = id(t._payload)
+            if t.numel() == 0:  # touches no byte (its offset may even lie past a 0-byte buffer)
+                spans.setdefault(key, [t._payload, 0, 0, 1])
+                continue
+            item = t.element_size()
+            lo, hi = _span(t.size(), t.stride(), t.storage_offset())
+            b0, b1 = lo * item, hi * item
+            span = spans.get(key)
+            if span is None or span[2] <= span[1]:
+                spans[key] = [t._payload, b0, b1, item]
+            else:
+                span[1], span[2], span[3] = min(span[1], b0), max(span[2], b1), max(span[3], item)
+        # Views of one buffer in other dtypes: the region starts where every item size used
+        # divides the offset (item sizes are powers of two, so the largest one does).
+        self.regions = {key: (buf, b0 - b0 % item, b1) for key, (buf, b0, b1, item) in spans.items()}
+        self.data = {}     # id(buffer) -> (host uint8 tensor, first byte)
+        self.views = {}    # id(flagos tensor) -> its host view
+        self.uploaded = set()
+
+    def download(self) -> int:
+        moved = 0
+        for key, (buf, b0, b1) in self.regions.items():
+            data = torch.empty(max(b1 - b0, 0), dtype=torch.uint8)
+            if b1 > b0:
+                buf.read(to_dlpack(data), b0)
+                moved += b1 - b0
+            self.data[key] = (data, b0)
+        return moved
+
+    def view(self, t: FlagosTensor) -> torch.Tensor:
+        data, b0 = self.data[id(t._payload)]
+        item = t.element_size()
+        usable = (data.numel() // item) * item
+        flat = data[:usable].view(t.dtype) if usable else torch.empty(0, dtype=t.dtype)
+        # offsets in bytes first: b0 is a multiple of every item size viewing this buffer
+        offset = (t.storage_offset() * item - b0) // item if t.numel() else 0
+        v = flat.as_strided(t.size(), t.stride(), offset)
+        self.views[id(t)] = v
+        return _tag(v, t)
+
+    def upload(self, buf) -> int:
+        """Write a buffer's region back (once per call); returns the bytes moved."""
+        key = id(buf)
+        if key in self.uploaded:
+            return 0
+        self.uploaded.add(key)
+        _, b0, b1 = self.regions[key]
+        if b1 <= b0:
+            return 0
+        buf.write(to_dlpack(self.data[key][0]), b0)
+        return b1 - b0
+
+
+class Runner:
+    def __init__(self, chip, flagos_devices):
+        self.chip = chip
+        self.adapter = chip.adapter
+        self.devices = flagos_devices
+        self.kernels = {op: (i, mask) for i, (op, mask) in enumerate(self.adapter.kernels())}
+        self.native = [self.adapter.props(i)["native_dtypes"] for i in range(len(flagos_devices))]
+        self.facts = {}
+        self.layouts = {}  # (op, operand layouts) -> result strides of elementwise kernels
+
+    # ---- entry ------------------------------------------------------------
+    def __call__(self, func, name, route, policy, flags, args, kwargs):
+        kwargs = kwargs or {}
+        special = SPECIAL.get(name)
+        if special is not None:
+            return special(self, func, args, kwargs), NATIVE, 0, 0, 0, ()
+        index = self._device_index(name, flags, args, kwargs)
+        if flags & _C.OP_VIEW:
+            if name in TO_OPS:
+                # aten::to (an alias only when nothing changes) reaches the router itself for
+                # inference tensors; its own decomposition copies when it must
+                return func.decompose(*args, **kwargs), NATIVE, 0, 0, 0, ()
+            if name in ("aten::detach", "aten::alias"):  # same view, new tensor: no meta needed
+                t = args[0]
+                out = self._wrap(t._payload, t.shape, t.stride(), t.storage_offset(), t.dtype, index)
+                return _tag(out, t), NATIVE, 0, 0, 0, ()
+            return self._view(func, args, kwargs), NATIVE, 0, 0, 0, ()
+        if route == OVERRIDE:
+            # None when another thread unregistered the kernel after the router resolved the
+            # route: this call takes the route the op has now (the chip's kernel, the fallback).
+            kernel = _routes._override_for(name)
+            if kernel is not None:
+                try:
+                    return kernel(*args, **kwargs), OVERRIDE, 0, 0, 0, ()
+                except NotImplementedError:
+                    pass
+        if route != FALLBACK:
+            out = self._try_kernel(func, name, index, args, kwargs)
+            if out is not NotImplemented:
+                return out, NATIVE, 0, 0, 0, ()
+        if policy:  # the router warns or raises first, then calls again with policy 0
+            return None, WOULD_FALL_BACK, 0, 0, 0, ()
+        start = time.perf_counter_ns()
+        out, to_host, to_device, dtypes = self._fallback(func, index, args, kwargs)
+        return out, FALLBACK, to_host, to_device, time.perf_counter_ns() - start, dtypes
+
+    def _device_index(self, name, flags, args, kwargs) -> int:
+        seen = set()
+        _walk((args, tuple(kwargs.values())), lambda t: seen.add(t.device.index))
+        if len(seen) > 1 and not flags & _C.OP_CROSS_DEVICE:
+            found = ", ".join(f"flagos:{i}" for i in sorted(seen))
+            raise DeviceMismatchError(
+                f"{name}: its tensors are on {found}; every tensor argument must be on the same "
+                f"device. Move them to one with .to('flagos:N').")
+        if seen:
+            return min(seen)
+        device = kwargs.get("device")
+        return device.index or 0 if _is_flagos_device(device) else 0
+
+    # ---- buffers and wrappers ------------------------------------------------
+    def _wrap(self, buffer, size, stride, offset, dtype, index) -> FlagosTensor:
+        out = torch.Tensor._make_wrapper_subclass(
+            FlagosTensor, size, strides=stride, storage_offset=offset, dtype=dtype,
+            device=self.devices[index], storage_size=_C.WRAPPER_STORAGE_BYTES)
+        out._payload = buffer
+        return out
+
+    def _alloc(self, size, dtype, index, stride=None) -> FlagosTensor:
+        # the layout is checked in C (negative sizes or strides, byte counts past 2**63)
+        buf = self.adapter.alloc_tensor(index, size, stride, dtype.itemsize)
+        size = tuple(size)
+        stride = _contiguous_strides(size) if stride is None else tuple(stride)
+        return self._wrap(buf, size, stride, 0, dtype, index)
+
+    def _upload(self, host: torch.Tensor, index: int, stride=None) -> FlagosTensor:
+        """A new flagos tensor with host's values: laid out as `stride`, or as host is when
+        host is dense (a channels_last result stays channels_last), or contiguous."""
+        _strided_only(host, "a result for the flagos device")
+        host = _physical(host)
+        if stride is None and not host.is_contiguous() and _dense_order(host.shape, host.stride()):
+            stride = host.stride()
+        if stride is None:
+            host = host.contiguous()
+        elif tuple(host.stride()) != tuple(stride):
+            host = torch.empty_strided(host.shape, stride, dtype=host.dtype).copy_(host)
+        out = self._alloc(host.shape, host.dtype, index, host.stride())
+        if host.numel():  # dense: its numel elements from its offset on are all it touches
+            flat = host.as_strided((host.numel(),), (1,), host.storage_offset())
+            out._payload.write(to_dlpack(flat), 0)
+        return out
+
+    def _like_strides(self, t, memory_format):
+        """The strides PyTorch gives a tensor made like t (empty_like, clone, _to_copy)."""
+        if memory_format in (None, torch.preserve_format) and t.is_contiguous():
+            return t.stride()
+        if memory_format is torch.contiguous_format:
+            return _contiguous_strides(t.shape)
+        return torch.empty_like(self._meta(t), memory_format=memory_format).stride()
+
+    def _meta(self, t: FlagosTensor) -> torch.Tensor:
+        numel = t._payload.nbytes // t.element_size()
+        m = torch.empty(numel, dtype=t.dtype, device=META).as_strided(
+            t.size(), t.stride(), t.storage_offset())
+        return _tag(m, t)
+
+    def _download(self, t: FlagosTensor) -> torch.Tensor:
+        """A host copy of the elements the view touches, with the view's layout and bits."""
+        return _tag(self._download_bytes(t), t)
+
+    def _download_bytes(self, t: FlagosTensor) -> torch.Tensor:
+        """A host copy of just the elements the view touches, with the view's layout."""
+        lo, hi = _span(t.size(), t.stride(), t.storage_offset())
+        item = t.element_size()
+        host = torch.empty(hi - lo, dtype=t.dtype)
+        if hi > lo:
+            t._payload.read(to_dlpack(host), lo * item)
+        return host.as_strided(t.size(), t.stride(), t.storage_offset() - lo)
+
+    # ---- views: metadata over the same buffer -----------------------------------
+    def _view(self, func, args, kwargs):
+        base = next(t for t in _flatten(args) if isinstance(t, FlagosTensor))
+        out = func(*_walk(args, self._meta), **self._meta_kwargs(kwargs))
+        index = base.device.index
+
+        def rewrap(m):
+            if isinstance(m, torch.Tensor):
+                # meta views are not bounds-checked against their storage: check the buffer's
+                base._payload.check_view(m.shape, m.stride(), m.storage_offset(), m.element_size())
+                out = self._wrap(base._payload, m.shape, m.stride(), m.storage_offset(), m.dtype, index)
+                return _tag(out, m)
+            if isinstance(m, (list, tuple)):
+                return type(m)(rewrap(x) for x in m)
+            return m
+        return rewrap(out)
+
+    def _meta_kwargs(self, kwargs):
+        return {k: META if _is_flagos_device(v) else _walk(v, self._meta) for k, v in kwargs.items()}
+
+    # ---- adapter kernels ------------------------------------------------------
+    def _try_kernel(self, func, name, index, args, kwargs):
+        builder = KERNEL_BUILDERS.get(name)
+        if builder is None:
+            return NotImplemented
+        plan = builder(self, name, args, kwargs)
+        if plan is None:
+            return NotImplemented
+        kname, inputs, scalars, ints, out_shapes, broadcast, finals = plan
+        entry = self.kernels.get(kname)
+        tensors = [t for t in inputs if t is not None]
+        if entry is None or not tensors:
+            return NotImplemented
+        dtype = tensors[0].dtype
+        code = DTYPE_CODES.get(dtype)
+        if code is None or any(t.dtype != dtype or t.is_neg() for t in tensors):
+            return NotImplemented  # mixed dtypes: type promotion happens on the host
+        if not (entry[1] >> code & 1) or not (self.native[index] >> code & 1):
+            return NotImplemented
+        order = stride = None
+        if name in ELEMENTWISE and not all(t.is_contiguous() for t in tensors):
+            # the output takes the layout PyTorch gives it (channels_last in, channels_last
+            # out); the kernel sees every operand with dims permuted so the output is contiguous
+            stride = self._elementwise_strides(func, args, kwargs, out_shapes[0], tensors)
+            order = _dense_order(out_shapes[0], stride)
+        outs = [self._alloc(shape, dtype, index, stride if order else None) for shape in out_shapes]
+        descs = [self._desc(t, broadcast[i] if broadcast else None) for i, t in enumerate(inputs)]
+        out_descs = [self._desc(o) for o in outs]
+        if order:
+            descs = [d if d is None else _permute(d, order) for d in descs]
+            out_descs = [_permute(d, order) for d in out_descs]
+        try:
+            self.adapter.run_kernel(entry[0], index, descs, out_descs,
+                                    tuple(float(s) for s in scalars), tuple(int(i) for i in ints))
+        except NotImplementedError:  # FLAGOS_STATUS_UNSUPPORTED: the kernel declined these arguments
+            return NotImplemented
+        if finals is not None:  # keepdim=False reductions: same bytes, the final shape
+            outs = [self._wrap(o._payload, f, _contiguous_strides(f), 0, dtype, index)
+                    for o, f in zip(outs, finals)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _elementwise_strides(self, func, args, kwargs, shape, tensors):
+        first = tensors[0].stride()
+        if all(tuple(t.shape) == tuple(shape) and t.stride() == first for t in tensors):
+            if _dense_order(shape, first):
+                return first  # operands laid out alike: so is the result
+        # PyTorch's rule (TensorIterator's) depends on the operands' layouts only: ask the meta
+        # kernel once per op and layouts, as a training loop repeats them
+        key = (func, tuple((t.shape, t.stride()) for t in tensors))
+        stride = self.layouts.get(key)
+        if stride is None:
+            if len(self.layouts) > 4096:
+                self.layouts.clear()
+            stride = self.layouts[key] = func(*_walk(args, self._meta),
+                                              **self._meta_kwargs(kwargs)).stride()
+        return stride
+
+    def _desc(self, t, shape=None):
+        """(buffer, offset, dtype code, sizes, strides) of a tensor, broadcast to `shape`."""
+        if t is None:
+            return None
+        size, stride = tuple(t.shape), tuple(t.stride())
+        if shape is not None and tuple(shape) != size:
+            pad = len(shape) - len(size)
+            stride = tuple(0 if i < pad or size[i - pad] == 1 and shape[i] != 1 else stride[i - pad]
+                           for i in range(len(shape)))
+            size = tuple(shape)
+        return (t._payload, t.storage_offset(), DTYPE_CODES[t.dtype], size, stride)
+
+    # ---- the host round trip ------------------------------------------------------
+    def _fallback(self, func, index, args, kwargs):
+        fts = [t for t in _flatten((args, tuple(kwargs.values()))) if isinstance(t, FlagosTensor)]
+        trip = _HostRegions(fts)
+        to_host = trip.download()
+        hargs = _walk(args, trip.view)
+        hkwargs = {k: CPU if _is_flagos_device(v) else _walk(v, trip.view) for k, v in kwargs.items()}
+        if any(isinstance(t, torch.Tensor) and t.is_complex()
+               for t in _flatten((hargs, tuple(hkwargs.values())))):
+            out = _math_keys.call(func, hargs, hkwargs)  # conjugate views inside composite ops
+        else:
+            out = func(*hargs, **hkwargs)
+
+        facts = self.facts.get(func)
+        if facts is None:
+            facts = self.facts[func] = _schema.describe(func)
+        _, arg_names, write_args, return_alias, _ = facts
+
+        def argument(i):
+            return args[i] if i < len(args) else kwargs.get(arg_names[i])
+
+        to_device = sum(self._write_back(trip, t) for i in write_args
+                        for t in _flatten((argument(i),)) if isinstance(t, FlagosTensor))
+        dtypes = tuple(sorted({t.dtype for t in fts}, key=str))
+        target = kwargs.get("device")
+        if isinstance(target, torch.device) and target.type != "flagos":
+            return out, to_host, to_device, dtypes  # the op asked for host results
+        if _is_flagos_device(target):
+            index = target.index or 0
+        uploaded = [0]
+
+        def to_chip(v):
+            if isinstance(v, torch.Tensor) and not isinstance(v, FlagosTensor):
+                uploaded[0] += v.numel() * v.element_size()
+                return self._upload(v, index)
+            if isinstance(v, (list, tuple)):
+                return type(v)(to_chip(x) for x in v)
+            return v
+
+        # results that are written arguments are the caller's own objects; the rest are uploaded
+        if len(return_alias) == 1:
+            result = argument(return_alias[0]) if return_alias[0] >= 0 else to_chip(out)
+        elif len(return_alias) > 1:
+            result = tuple(argument(a) if a >= 0 else to_chip(v) for a, v in zip(return_alias, out))
+        else:
+            result = out
+        return result, to_host, to_device + uploaded[0], dtypes
+
+    def _write_back(self, trip, t: FlagosTensor) -> int:
+        """Bring a written argument's new contents back to the chip; returns the bytes moved."""
+        view = trip.views[id(t)]
+        data = trip.data[id(t._payload)][0]
+        if (view.shape != t.shape or view.stride() != t.stride()
+                or view.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()):
+            # out= resized it (or an in-place op re-laid it): it gets a buffer of its own
+            fresh = self._upload(view, t.device.index)
+            t._payload = fresh._payload
+            set_metadata(t, fresh.shape, fresh.stride(), 0)
+            return fresh._payload.nbytes
+        return trip.upload(t._payload)
+
+    # ---- allocation and copies (never a fallback) ------------------------------------
+    def empty(self, func, args, kwargs):
+        size = args[0]
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+        memory_format = kwargs.get("memory_format")
+        stride = None
+        if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+            stride = torch.empty(size, device=META, memory_format=memory_format).stride()
+        return self._alloc(size, dtype, self._index_of(kwargs.get("device")), stride)
+
+    def empty_strided(self, func, args, kwargs):
+        size, stride = args[0], args[1]
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+        return self._alloc(size, dtype, self._index_of(kwargs.get("device")), stride)
+
+    def empty_like(self, func, args, kwargs):
+        t = args[0]
+        dtype = kwargs.get("dtype") or t.dtype
+        device = kwargs.get("device")
+        stride = self._like_strides(t, kwargs.get("memory_format"))
+        if isinstance(device, torch.device) and device.type != "flagos":
+            return torch.empty_strided(t.shape, stride, dtype=dtype, device=device)
+        return self._alloc(t.shape, dtype, self._index_of(device, t.device.index), stride)
+
+    def _index_of(self, device, default=0) -> int:
+        if _is_flagos_device(device) and device.index is not None:
+            if device.index >= len(self.devices):
+                raise RuntimeError(f"flagos:{device.index} does not exist: the active chip has "
+                                   f"{len(self.devices)} device(s) (see flagos.list_devices())")
+            return device.index
+        return default
+
+    def copy_(self, func, args, kwargs):
+        dst, src = args[0], args[1]
+        if not isinstance(dst, FlagosTensor):  # host destination: bring the source here
+            dst.copy_(self._download(src) if isinstance(src, FlagosTensor) else src)
+            return dst
+        _strided_only(src, "copying to the flagos device")
+        tagged = dst.is_conj() or dst.is_neg()
+        if (isinstance(src, FlagosTensor) and src.dtype == dst.dtype and src.shape == dst.shape
+                and src.is_contiguous() and dst.is_contiguous() and not tagged
+                and not src.is_conj() and not src.is_neg()):
+            item = dst.element_size()
+            if dst.numel():
+                dst._payload.copy_from(src._payload, dst.storage_offset() * item,
+                                       src.storage_offset() * item, dst.numel() * item)
+            return dst
+        host = self._download(src) if isinstance(src, FlagosTensor) else src
+        if dst.is_contiguous() and not tagged:
+            data = _physical(host.to(dst.dtype)).expand(dst.shape).contiguous()
+            if data.numel():
+                dst._payload.write(to_dlpack(data.view(-1)), dst.storage_offset() * dst.element_size())
+            return dst
+        region = self._download_bytes(dst)
+        _tag(region.view(region.shape), dst).copy_(host)  # writes the bytes dst's bits call for
+        self._write_region(dst, region)
+        return dst
+
+    def _write_region(self, t: FlagosTensor, region: torch.Tensor) -> None:
+        """Upload a host region made by _download(t) (after changing it) back to t's buffer."""
+        lo, hi = _span(t.size(), t.stride(), t.storage_offset())
+        if hi > lo:
+            flat = region.as_strided((hi - lo,), (1,), region.storage_offset() - (t.storage_offset() - lo))
+            t._payload.write(to_dlpack(flat.contiguous()), lo * t.element_size())
+
+    def to_copy(self, func, args, kwargs):
+        t = args[0]
+        _strided_only(t, "copying to the flagos device")
+        if kwargs.get("layout") not in (None, torch.strided):
+            raise RuntimeError(f"sparse tensors are not supported on flagos (layout "
+                               f"{kwargs['layout']} asked for); work with dense tensors")
+        dtype = kwargs.get("dtype") or t.dtype
+        device = kwargs.get("device")
+        stride = self._like_strides(t, kwargs.get("memory_format"))
+        if isinstance(device, torch.device) and device.type != "flagos":
+            return torch.empty_strided(t.shape, stride, dtype=dtype, device=device).copy_(self._download(t))
+        index = self._index_of(device, t.device.index)
+        if (dtype == t.dtype and tuple(stride) == t.stride() and not t.is_conj() and not t.is_neg()
+                and (t.is_contiguous() or _dense_order(t.shape, stride))):
+            # same bytes in the same layout: one device copy of the span
+            out = self._alloc(t.shape, dtype, index, stride)
+            if t.numel():
+                item = t.element_size()
+                out._payload.copy_from(t._payload, 0, t.storage_offset() * item, t.numel() * item)
+            return out
+        return self._upload(self._download(t).to(dtype), index, stride)
+
+    def clone(self, func, args, kwargs):
+        return self.to_copy(func, (args[0],), {"memory_format": kwargs.get("memory_format")})
+
+    def local_scalar(self, func, args, kwargs):
+        return self._download(args[0]).item()
+
+    def unsafe_view(self, func, args, kwargs):
+        t, size = args[0], args[1]
+        if not t.is_contiguous():
+            return self.to_copy(func, (t,), {"memory_format": torch.contiguous_format}).view(size)
+        meta = self._meta(t).view(size)
+        return _tag(self._wrap(t._payload, meta.shape, meta.stride(), meta.storage_offset(), t.dtype,
+                               t.device.index), t)
+
+    def fill_(self, func, args, kwargs):
+        t, value = args[0], args[1]
+        host = torch.full(t.shape, value.item() if isinstance(value, torch.Tensor) else value, dtype=t.dtype)
+        return self.copy_(func, (t, host), {})
+
+    def zero_(self, func, args, kwargs):
+        return self.fill_(func, (args[0], 0), {})
+
+    def lift_fresh(self, func, args, kwargs):
+        return args[0]
+
+    def inplace_view(self, func, args, kwargs):
+        """unsqueeze_, t_, as_strided_, ...: new metadata over the same buffer."""
+        t = args[0]
+        m = func(self._meta(t), *_walk(args[1:], self._meta), **self._meta_kwargs(kwargs))
+        set_metadata(t, m.shape, m.stride(), m.storage_offset())
+        return t
+
+
+def _flatten(value):
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flatten(v)
+    else:
+        yield value
+
+
+SPECIAL = {
+    "aten::empty.memory_format": Runner.empty,
+    "aten::empty_strided": Runner.empty_strided,
+    "aten::empty_like": Runner.empty_like,
+    "aten::copy_": Runner.copy_,
+    "aten::_to_copy": Runner.to_copy,
+    "aten::clone": Runner.clone,
+    "aten::_local_scalar_dense": Runner.local_scalar,
+    "aten::_unsafe_view": Runner.unsafe_view,
+    "aten::fill_.Scalar": Runner.fill_,
+    "aten::zero_": Runner.zero_,
+    "aten::lift_fresh": Runner.lift_fresh,
+    **{f"aten::{op}": Runner.inplace_view for op in (
+        "unsqueeze_", "squeeze_", "squeeze_.dim", "squeeze_.dims", "t_", "transpose_",
+        "as_strided_", "swapdims_", "swapaxes_")},
+}
+
+
+# ---- kernel argument builders: aten arguments -> adapter calling convention -------------
+# Each returns (kernel name, inputs, scalars, ints, output shapes, broadcast shape per input or
+# None, final output shapes or None), or None when the call does not fit the convention or its
+# shapes are invalid (the host then runs it and raises PyTorch's own error).
+
+def _broadcast(a, b):
+    a, b = tuple(a), tuple(b)
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    if any(x != y and x != 1 and y != 1 for x, y in zip(a, b)):
+        return None
+    return tuple(y if x == 1 else x for x, y in zip(a, b))
+
+
+def _number(value):
+    return None if isinstance(value, torch.Tensor) else value
+
+
+def _binary(runner, name, args, kwargs, with_alpha):
+    self, other = args[0], args[1]
+    alpha = _number(kwargs.get("alpha", args[2] if len(args) > 2 else 1))
+    if not isinstance(self, FlagosTensor) or alpha is None:
+        return None
+    if isinstance(other, FlagosTensor):
+        shape = _broadcast(self.shape, other.shape)
+        if shape is None:
+            return None
+        return name, [self, other], ([alpha] if with_alpha else []), [], [shape], [shape, shape], None
+    value = _host_scalar(other)
+    if value is None:
+        return None
+    scalar_name = name.replace(".Tensor", ".Scalar")
+    return (scalar_name, [self], ([value, alpha] if with_alpha else [value]), [], [tuple(self.shape)],
+            None, None)
+
+
+def _binary_scalar(runner, name, args, kwargs, with_alpha):
+    self, other = args[0], args[1]
+    alpha = _number(kwargs.get("alpha", args[2] if len(args) > 2 else 1))
+    value = _host_scalar(other)
+    if value is None or alpha is None:
+        return None
+    return name, [self], ([value, alpha] if with_alpha else [value]), [], [tuple(self.shape)], None, None
+
+
+def _unary(runner, name, args, kwargs):
+    return name, [args[0]], [], [], [tuple(args[0].shape)], None, None
+
+
+def _gelu(runner, name, args, kwargs):
+    approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+    return name, [args[0]], [], [1 if approximate == "tanh" else 0], [tuple(args[0].shape)], None, None
+
+
+def _mm(runner, name, args, kwargs):
+    a, b = args[0], args[1]
+    if not isinstance(b, FlagosTensor) or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        return None
+    return name, [a, b], [], [], [(a.shape[0], b.shape[1])], None, None
+
+
+def _bmm(runner, name, args, kwargs):
+    a, b = args[0], args[1]
+    if (not isinstance(b, FlagosTensor) or a.dim() != 3 or b.dim() != 3
+            or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]):
+        return None
+    return name, [a, b], [], [], [(a.shape[0], a.shape[1], b.shape[2])], None, None
+
+
+def _addmm(runner, name, args, kwargs):
+    self, mat1, mat2 = args[0], args[1], args[2]
+    beta = _number(kwargs.get("beta", args[3] if len(args) > 3 else 1))
+    alpha = _number(kwargs.get("alpha", args[4] if len(args) > 4 else 1))
+    if (not all(isinstance(t, FlagosTensor) for t in (self, mat1, mat2)) or beta is None
+            or alpha is None or mat1.dim() != 2 or mat2.dim() != 2 or mat1.shape[1] != mat2.shape[0]):
+        return None
+    shape = (mat1.shape[0], mat2.shape[1])
+    if _broadcast(self.shape, shape) != shape:
+        return None
+    return name, [self, mat1, mat2], [beta, alpha], [], [shape], [shape, None, None], None
+
+
+def _reduce(runner, name, args, kwargs):
+    self = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    if kwargs.get("dtype", args[3] if len(args) > 3 else None) is not None:
+        return None
+    ndim = self.dim()
+    if dim and any(not -max(ndim, 1) <= d < max(ndim, 1) for d in dim):
+        return None
+    dims = sorted({d % ndim for d in dim} if dim else range(ndim)) if ndim else []
+    keep = tuple(1 if i in dims else s for i, s in enumerate(self.shape))
+    final = keep if keepdim else tuple(s for i, s in enumerate(self.shape) if i not in dims)
+    return name, [self], [], dims, [keep], None, [final]
+
+
+def _softmax(runner, name, args, kwargs):
+    self, dim, half_to_float = args[0], args[1], args[2]
+    if half_to_float or self.dim() == 0 or not -self.dim() <= dim < self.dim():
+        return None
+    return name, [self], [], [dim % self.dim()], [tuple(self.shape)], None, None
+
+
+def _layer_norm(runner, name, args, kwargs):
+    inp, normalized_shape, weight, bias, eps = args
+    k = len(normalized_shape)
+    shape = tuple(inp.shape)
+    if not 1 <= k <= len(shape) or shape[len(shape) - k:] != tuple(normalized_shape):
+        return None
+    for t in (weight, bias):
+        if t is not None and (not isinstance(t, FlagosTensor) or tuple(t.shape) != tuple(normalized_shape)):
+            return None
+    stats = shape[:len(shape) - k] + (1,) * k
+    return name, [inp, weight, bias], [eps], [k], [shape, stats, stats], None, None
+
+
+ELEMENTWISE = frozenset(("aten::add.Tensor", "aten::sub.Tensor", "aten::mul.Tensor", "aten::div.Tensor",
+                         "aten::add.Scalar", "aten::sub.Scalar", "aten::mul.Scalar", "aten::div.Scalar",
+                         "aten::neg", "aten::relu", "aten::silu", "aten::sigmoid", "aten::tanh",
+                         "aten::exp", "aten::gelu"))
+
+KERNEL_BUILDERS = {
+    "aten::add.Tensor": lambda r, n, a, k: _binary(r, n, a, k, True),
+    "aten::sub.Tensor": lambda r, n, a, k: _binary(r, n, a, k, True),
+    "aten::mul.Tensor": lambda r, n, a, k: _binary(r, n, a, k, False),
+    "aten::div.Tensor": lambda r, n, a, k: _binary(r, n, a, k, False),
+    "aten::add.Scalar": lambda r, n, a, k: _binary_scalar(r, n, a, k, True),
+    "aten::sub.Scalar": lambda r, n, a, k: _binary_scalar(r, n, a, k, True),
+    "aten::mul.Scalar": lambda r, n, a, k: _binary_scalar(r, n, a, k, False),
+    "aten::div.Scalar": lambda r, n, a, k: _binary_scalar(r, n, a, k, False),
+    **{op: _unary for op in ("aten::neg", "aten::relu", "aten::silu", "aten::sigmoid",
+                             "aten::tanh", "aten::exp")},
+    "aten::gelu": _gelu,
+    "aten::mm": _mm,
+    "aten::bmm": _bmm,
+    "aten::addmm": _addmm,
+    "aten::sum.dim_IntList": _reduce,
+    "aten::mean.dim": _reduce,
+    "aten::_softmax": _softmax,
+    "aten::native_layer_norm": _layer_norm,
+}

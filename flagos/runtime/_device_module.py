@@ -1,0 +1,149 @@
+"""`torch.flagos`: the device module PyTorch looks up for the flagos device.
+
+Every function answers for the active chip, so the same code reads CUDA's
+allocator on the cuda chip and the host on the cpu chip.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..core import _state
+from ._streams import Event, Stream, StreamContext, current_stream, default_stream, set_stream, stream  # noqa: F401
+
+
+def _index(device=None) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return current_device() if device.index is None else device.index
+
+
+def is_available() -> bool:
+    return _state.active_or_none() is not None
+
+
+def is_initialized() -> bool:
+    return is_available()
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    state = _state.active_or_none()
+    return state.device_count if state else 0
+
+
+def current_device() -> int:
+    return _state.active().current
+
+
+def set_device(device) -> None:
+    _state.set_current(_index(device))
+
+
+class device:
+    """Context manager that makes `device` the current flagos device."""
+
+    def __init__(self, device):
+        self.index = _index(device)
+        self.prev = None
+
+    def __enter__(self):
+        self.prev = current_device()
+        set_device(self.index)
+
+    def __exit__(self, *exc):
+        set_device(self.prev)
+        return False
+
+
+def synchronize(device=None) -> None:
+    state = _state.active()
+    state.chip.synchronize(state.chip_index(_index(device)))
+
+
+def memory_allocated(device=None) -> int:
+    state = _state.active()
+    return state.chip.memory_allocated(state.chip_index(_index(device)))
+
+
+def max_memory_allocated(device=None) -> int:
+    state = _state.active()
+    return state.chip.max_memory_allocated(state.chip_index(_index(device)))
+
+
+def memory_reserved(device=None) -> int:
+    state = _state.active()
+    return state.chip.memory_reserved(state.chip_index(_index(device)))
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    state = _state.active()
+    state.chip.reset_peak_memory_stats(state.chip_index(_index(device)))
+
+
+def max_memory_reserved(device=None) -> int:
+    """Peak of memory_reserved(): the chip's own figure where it keeps one; otherwise the best
+    lower bound flagos has (the reserved bytes now, or the peak of allocated bytes)."""
+    state = _state.active()
+    index = state.chip_index(_index(device))
+    own = getattr(state.chip, "_mem", None)   # torch-native chips: torch.<chip>'s figure
+    peak = own("max_memory_reserved", index, None) if own else None
+    if peak is not None:
+        return int(peak)
+    return max(state.chip.memory_reserved(index), state.chip.max_memory_allocated(index))
+
+
+def memory_stats(device=None) -> OrderedDict[str, int]:
+    """The allocator statistics every chip reports, under PyTorch's key names (the subset of
+    torch.cuda.memory_stats() that flagos can answer on every chip)."""
+    index = _index(device)
+    allocated, peak = memory_allocated(index), max_memory_allocated(index)
+    reserved, reserved_peak = memory_reserved(index), max_memory_reserved(index)
+    return OrderedDict([
+        ("allocated_bytes.all.current", allocated), ("allocated_bytes.all.peak", peak),
+        ("reserved_bytes.all.current", reserved), ("reserved_bytes.all.peak", reserved_peak),
+    ])
+
+
+def empty_cache() -> None:
+    _state.active().chip.empty_cache()
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    state = _state.active()
+    return state.chip.mem_get_info(state.chip_index(_index(device)))
+
+
+def manual_seed(seed: int) -> None:
+    _state.active().chip.manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    _state.active().chip.manual_seed_all(int(seed))
+
+
+def get_rng_state(device=None) -> torch.Tensor:
+    state = _state.active()
+    return state.chip.get_rng_state(state.chip_index(_index(device)))
+
+
+def set_rng_state(new_state: torch.Tensor, device=None) -> None:
+    state = _state.active()
+    state.chip.set_rng_state(new_state, state.chip_index(_index(device)))
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    # Both run on every chip: natively where the chip declares them, else through the
+    # fallback (and the report says so). Refusing one would silently turn autocast off.
+    return [torch.float16, torch.bfloat16]
+
+
+def info() -> dict:
+    return _state.info()

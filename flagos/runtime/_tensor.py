@@ -1,0 +1,337 @@
+"""FlagosTensor: what a tensor on the flagos device is.
+
+A traceable wrapper subclass: its device is `flagos:N`, it owns no memory, and
+its `_payload` is the chip's own tensor (a CPU tensor on the cpu chip, a CUDA
+tensor on the cuda chip). `__torch_dispatch__` is the C router, so every aten
+op on it is routed, counted and rewrapped in C. Autograd, views and in-place
+ops work at the wrapper level exactly as on any PyTorch device; torch.compile
+sees through the wrapper with `__tensor_flatten__`.
+"""
+from __future__ import annotations
+
+import copy
+import copyreg
+import warnings
+import weakref
+
+import torch
+
+from .. import _C
+from ..core import _state
+from . import _tracing
+
+_META = torch.device("meta")
+
+_BASE_DATA = torch._C.TensorBase.data
+_BASE_COMPATIBLE = torch._has_compatible_shallow_copy_type
+
+
+class FlagosTensor(torch.Tensor):
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_dispatch__ = classmethod(_C.dispatch)
+
+    # -- parameters: a module's parameter on flagos is a FlagosTensor marked `_is_param` (PyTorch's
+    # rule for tensor subclasses), so `type(param)` is FlagosTensor. Libraries rebuild parameters
+    # with `type(param)(tensor, requires_grad=...)` (accelerate's set_module_tensor_to_device, its
+    # offload hooks): that means nn.Parameter(tensor, requires_grad) here, as on every device.
+    def __new__(cls, data=None, requires_grad=True):
+        return torch.nn.Parameter(data, requires_grad)
+
+    # -- `.data = other`: PyTorch swaps the TensorImpl's metadata but not the Python object's
+    # payload, which would keep the old values under the new shape.
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new):
+        if not isinstance(new, FlagosTensor):
+            take_memory_of(self, new)  # PyTorch refuses set_data across flagos and other devices
+            return
+        take_payload_of(self, new)
+
+    # -- host views of the values, as on every PyTorch device -------------
+    def tolist(self):
+        return torch.Tensor.cpu(self).tolist()
+
+    def numpy(self, *, force: bool = False):
+        if not force:
+            raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use "
+                            f"Tensor.cpu() to copy the tensor to host memory first.")
+        return torch.Tensor.cpu(self.detach()).numpy()
+
+    def __format__(self, spec):
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return object.__format__(self, spec)
+
+    def untyped_storage(self):
+        # The wrapper owns no memory; its payload's storage is the memory it views (a chip
+        # storage with a valid data_ptr(), which safetensors, huggingface_hub and transformers
+        # read to find tensors that share memory, e.g. tied weights).
+        # While torch.compile traces, the wrapper's own storage is what its fake tensors describe.
+        payload = self._payload
+        if torch.compiler.is_compiling():
+            return torch.Tensor.untyped_storage(self)
+        if isinstance(payload, torch.Tensor):
+            return payload.untyped_storage()
+        # An adapter buffer: a storage that names the buffer (data_ptr() its handle, nbytes() its
+        # size), so every view of one buffer has the same storage and other buffers have others.
+        # It holds no data, so it is a meta storage: reading through it raises PyTorch's meta
+        # error. (A storage on the flagos device would crash on clone(): PyTorch has no allocator
+        # for a PrivateUse1 device registered from Python.) Values are read through the tensor.
+        return torch._C._construct_storage_from_data_pointer(payload.handle, _META, payload.nbytes)
+
+    def data_ptr(self) -> int:
+        # PyTorch answers 0 for a wrapper that owns no memory; libraries that key tensors by
+        # data_ptr() (accelerate's tied-weights map when it dispatches a model) would take every
+        # flagos tensor for the same one. The address is the payload's (an adapter buffer's
+        # handle on C-ABI chips), as a CUDA tensor's is its device address.
+        payload = self._payload
+        if torch.compiler.is_compiling():
+            return torch.Tensor.data_ptr(self)
+        if isinstance(payload, torch.Tensor):
+            return payload.data_ptr()
+        return payload.handle + self.storage_offset() * self.element_size()
+
+    def __deepcopy__(self, memo):
+        # torch.Tensor.__deepcopy__ would deep-copy the payload object too (an adapter buffer
+        # cannot be pickled, a chip tensor would be copied twice): clone once instead.
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone(memory_format=torch.preserve_format)
+        new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        for key, value in self.__dict__.items():
+            if key != "_payload":
+                setattr(new, key, copy.deepcopy(value, memo))
+        return new
+
+    # -- torch.compile: one inner tensor, no extra metadata (runtime/_tracing.py) --
+    def __tensor_flatten__(self):
+        return _tracing.flatten(self)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        return wrap(inner_tensors["_payload"])
+
+    def _stable_hash_for_caching(self) -> str:
+        return _tracing.cache_key(self)
+
+    # -- pickling: saved as a CPU copy, restored with map_location --------
+    def __reduce_ex__(self, proto):
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad))
+
+    def __repr__(self, *, tensor_contents=None):
+        if tensor_contents is None:
+            tensor_contents = _tracing.traced_contents(self)
+        if tensor_contents is None:
+            payload = self._payload
+            if isinstance(payload, torch.Tensor):
+                host = payload.detach().cpu()
+            else:  # an adapter buffer: copy the view to the host through the router
+                with torch.no_grad():
+                    host = torch.Tensor.cpu(self)
+            tensor_contents = torch._tensor_str._tensor_str(host, len("tensor("))
+        text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
+        # Print like a tensor on any other device: tensor([...], device='flagos:0').
+        prefix = type(self).__name__ + "("
+        return "tensor(" + text[len(prefix):] if text.startswith(prefix) else text
+
+
+_META_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
+
+
+def set_metadata(wrapper, size, stride, offset) -> None:
+    """Give a flagos tensor new sizes/strides/offset in place. The wrapper owns no memory, so
+    the meta kernel of as_strided_ (pure metadata) is the right tool."""
+    torch.ops.aten.as_strided_.default.redispatch(_META_KEYS, wrapper, list(size), list(stride), offset)
+
+
+
+def wrap(payload: torch.Tensor, index: int | None = None) -> FlagosTensor:
+    """The flagos tensor whose payload is `payload` (no copy)."""
+    if index is None:
+        index = max(payload.get_device(), 0)
+    out = torch.Tensor._make_wrapper_subclass(
+        FlagosTensor, payload.shape, strides=payload.stride(),
+        storage_offset=payload.storage_offset(), dtype=payload.dtype,
+        device=_state.flagos_device(index), requires_grad=payload.requires_grad,
+        storage_size=_C.WRAPPER_STORAGE_BYTES)
+    out._payload = payload
+    # PyTorch's conjugate/negative fallbacks act on the wrapper's bits (see router.c).
+    return copy_math_bits(payload, out)
+
+
+def copy_math_bits(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """dst, given src's conjugate and negative bits (how to read the same bytes)."""
+    if src.is_conj():
+        torch._C._set_conj(dst, True)
+    if src.is_neg():
+        torch._C._set_neg(dst, True)
+    return dst
+
+
+def payload(tensor: torch.Tensor) -> torch.Tensor:
+    """The chip's own tensor behind a flagos tensor (the tensor itself otherwise)."""
+    return tensor._payload if isinstance(tensor, FlagosTensor) else tensor
+
+
+def take_payload_of(target: FlagosTensor, new: FlagosTensor) -> None:
+    """`target.data = new` for two flagos tensors, as on any one device: PyTorch's set_data gives
+    target's TensorImpl new's sizes, strides, dtype and storage, and the impl keeps its Python
+    object, its autograd state (version counter, grad, hooks) and its place in every graph that
+    saved it. The payload belongs to the Python object, so it follows by hand."""
+    _BASE_DATA.__set__(target, new)
+    target._payload = new._payload
+
+
+def exchange_in_place(t1: FlagosTensor, t2: FlagosTensor) -> bool:
+    """torch.utils.swap_tensors(t1, t2) for two flagos leaves, done as `t1.data, t2.data =
+    t2.data, t1.data` would be on CPU: the data (metadata and payload) is exchanged, and each
+    object keeps its TensorImpl, with its autograd state (requires_grad, grad, hooks) and its
+    attributes.
+
+    module.to(dtype), .half() and .float() swap every parameter of a wrapper subclass, and a
+    whole-object swap takes the parameter's TensorImpl out of the autograd graph that holds it
+    (PyTorch then refuses the swap, or poisons the graph's AccumulateGrad node). Here the graph
+    keeps the same impl, so backward reads the parameter as it is now and accumulates into its
+    .grad, exactly as after `param.data = param.data.half()` on CPU. False (nothing done) where
+    set_data cannot serve: a non-leaf, or wrappers whose dispatch keys differ (conj/neg bits)."""
+    if t1.grad_fn is not None or t2.grad_fn is not None or not _BASE_COMPATIBLE(t1, t2):
+        return False
+    before = t1.detach()  # t1's metadata and payload, for t2
+    take_payload_of(t1, t2)
+    take_payload_of(t2, before)
+    return True
+
+
+def take_memory_of(target: torch.Tensor, new: torch.Tensor) -> None:
+    """`target.data = new` where one of them is on flagos and the other is not.
+
+    PyTorch's set_data accepts only pairs its shallow-copy list calls compatible (CPU, CUDA, MPS,
+    HIP, XPU, HPU among themselves), never a PrivateUse1 tensor with another device. Swapping the
+    whole tensor object does work (swap_keeping_graph): target becomes an alias of new's memory,
+    keeping its identity (dicts keyed by the parameter, optimizer references), its
+    requires_grad, its parameter-ness and its attributes, as `.data =` keeps them.
+    """
+    is_param = isinstance(target, torch.nn.Parameter)
+    requires_grad = target.requires_grad
+    grad = target._grad
+    with torch.no_grad():
+        alias = new.detach()  # shares new's memory; the swap leaves `new` itself untouched
+    if isinstance(alias, FlagosTensor):
+        alias.requires_grad_(requires_grad)
+        if is_param:
+            alias._is_param = True
+    elif is_param:  # back to a plain device: a real nn.Parameter again
+        alias = torch.nn.Parameter(alias, requires_grad)
+    else:
+        alias.requires_grad_(requires_grad)
+    for key, value in vars(target).items():
+        if key not in ("_payload", "_is_param"):
+            setattr(alias, key, value)
+    if not swappable(target):
+        raise RuntimeError(
+            f"`tensor.data = other` from {target.device} to {new.device}: PyTorch refuses set_data "
+            f"between flagos and another device, so flagos swaps the tensor object instead, and "
+            f"a tensor with a weak reference cannot be swapped (torch.compile keeps one to the "
+            f"parameters it compiled). Move the tensor before compiling, or move the module with "
+            f"module.to(device), which makes new parameters where it cannot move them.")
+    if grad is not None:
+        target._grad = None  # the grad stays with the tensor object, not with the memory
+    swap_keeping_graph(target, alias)
+    if grad is not None:
+        with torch.no_grad():
+            target._grad = grad.to(target.device)  # the gradient follows, as module.to() moves it
+
+
+def swap_keeping_graph(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """torch.utils.swap_tensors(t1, t2) for a flagos tensor and a host one, valid while an
+    autograd graph holds t1.
+
+    The two Python objects exchange their TensorImpls (PyTorch's set_data cannot move an impl
+    between flagos and another device). A graph that saved t1 keeps t1's former impl, with the
+    values it saved (a flagos one keeps its payload: the impl's Python object carries it), so
+    backward computes what it would have computed; PyTorch's own swap_tensors refuses such a
+    tensor, or poisons its AccumulateGrad node when only that node holds it. The gradient the
+    graph accumulates into the former impl is handed on to t1's .grad (_GradientHandOver), on
+    t1's device, as if the graph had held t1 itself.
+    """
+    for t, name in ((t1, "t1"), (t2, "t2")):
+        if weakref.getweakrefs(t):
+            raise RuntimeError(f"Cannot swap {name} because it has weakref associated with it")
+    slots = set(copyreg._slotnames(t1.__class__))
+    if slots != set(copyreg._slotnames(t2.__class__)):
+        raise RuntimeError("Cannot swap t1 and t2 if they have different slots")
+    held = t1.requires_grad and t1.grad_fn is None and t1._use_count() > 1
+
+    def exchange(name):
+        first = getattr(t1, name)
+        setattr(t1, name, getattr(t2, name))
+        setattr(t2, name, first)
+
+    exchange("__class__")
+    exchange("__dict__")
+    for slot in slots:
+        if hasattr(t1, slot) and hasattr(t2, slot):
+            exchange(slot)
+        elif hasattr(t1, slot):
+            setattr(t2, slot, getattr(t1, slot))
+            delattr(t1, slot)
+        elif hasattr(t2, slot):
+            setattr(t1, slot, getattr(t2, slot))
+            delattr(t2, slot)
+    torch._C._swap_tensor_impl(t1, t2)
+    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        hooks = getattr(t1, name)  # the object's own; its new TensorImpl has none registered
+        if hooks is not None:
+            setattr(t1, name, hooks)  # registers them there, as `.data =` would have kept them
+    if held:  # t2 is now the Python object of the impl the graph holds
+        node = torch.autograd.graph.get_gradient_edge(t2).node
+        node.register_hook(_GradientHandOver(former=t2, owner=t1))
+        if t1._post_accumulate_grad_hooks is not None:
+            t2._post_accumulate_grad_hooks = {}  # they run from the hand-over, on t1 itself
+
+
+class _GradientHandOver:
+    """Post hook of the AccumulateGrad node of a tensor's former TensorImpl: moves what autograd
+    accumulated there into the tensor's own .grad, then runs the tensor's post-accumulate-grad
+    hooks on the tensor itself (optimizers in backward key them by parameter). It holds the
+    former impl's Python object, not the node (a node that held its own hook would never be
+    freed), and the owner strongly: a weak reference to a parameter would stop its next move."""
+
+    def __init__(self, former: torch.Tensor, owner: torch.Tensor):
+        self.former = former
+        self.owner = owner
+
+    def __call__(self, grad_inputs, grad_outputs):
+        grad = self.former._grad
+        if grad is None:
+            return
+        owner = self.owner
+        try:
+            with torch.no_grad():
+                grad = grad.to(device=owner.device, dtype=owner.dtype)
+                if owner._grad is None:
+                    owner._grad = grad
+                else:
+                    owner._grad.add_(grad)
+        except (RuntimeError, TypeError) as e:  # raised here it would end the process
+            warnings.warn(f"the gradient of a tensor that moved between flagos and another device "
+                          f"during forward/backward stays on its former memory: {e}", stacklevel=1)
+            return
+        self.former._grad = None
+        hooks = owner._post_accumulate_grad_hooks
+        for hook in tuple(hooks.values()) if hooks else ():
+            hook(owner)
+
+
+def swappable(tensor: torch.Tensor) -> bool:
+    """Whether the tensor object can exchange its TensorImpl with another (swap_keeping_graph):
+    not while a weak reference points at it. An autograd graph that holds it is no obstacle."""
+    return not weakref.getweakrefs(tensor)
