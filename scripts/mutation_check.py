@@ -92,8 +92,10 @@ MUTATIONS = [
              "    if (out != NULL && check_policy(st, e) < 0)\n        Py_CLEAR(out);\n")]),
     M("mixed_devices_on_fallback", "the mixed-device check is skipped on the fallback route",
       ROUTER,
-      "            if (unwrap_call(st, e, args, kwargs, 1, &uargs, &ukwargs) < 0)\n                goto error;",
-      "            if (unwrap_call(st, e, args, kwargs, 0, &uargs, &ukwargs) < 0)\n                goto error;",
+      "            if (flagos_unwrap_call(st, e, args, kwargs, 1, &uargs, &ukwargs) < 0)\n"
+      "                goto error;",
+      "            if (flagos_unwrap_call(st, e, args, kwargs, 0, &uargs, &ukwargs) < 0)\n"
+      "                goto error;",
       cpu(POLICY, k="mixed_devices")),
     M("chip_not_implemented_raises", "a chip kernel's NotImplementedError propagates instead of falling back",
       ROUTER,
@@ -154,10 +156,10 @@ MUTATIONS = [
       "written argument (BatchNorm's running_var is lost)", FALLBACK,
       "    for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(e->write_args); w++) {\n"
       "        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(e->write_args, w));\n"
-      "        PyObject *orig = argument_of",
+      "        PyObject *orig = flagos_argument_value",
       "    for (Py_ssize_t w = 0; w < 1 && w < PyTuple_GET_SIZE(e->write_args); w++) {\n"
       "        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(e->write_args, w));\n"
-      "        PyObject *orig = argument_of",
+      "        PyObject *orig = flagos_argument_value",
       cpu(COUNTERS, k="batch_norm")),
     M("fallback_time_unmeasured_sim", "C-ABI chips: the fallback's wall time is not counted",
       ROUTER, "    e->fallback_ns += ns;", "    e->fallback_ns += 0 * ns;",

@@ -89,7 +89,9 @@ TESTS: dict[str, list[Run]] = {
     "flagos/tools/_top.py": [cpu(TOP)],
     # ---- the C router and loader ----
     "csrc/module.c": [cpu(DEVICE, ROUTES, ERRORS), sim(DEVICE)],
+    "csrc/state.c": [cpu(DEVICE, ROUTES)],
     "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS), sim(ROUTES, POLICY, COUNTERS)],
+    "csrc/payload.c": [cpu(ROUTES, POLICY, COUNTERS), sim(ROUTES, POLICY, COUNTERS)],
     "csrc/fallback.c": [cpu(COUNTERS, POLICY, FIDELITY), sim(COUNTERS)],
     "csrc/callsite.c": [cpu(ANALYZE)],
     "csrc/adapter.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
