@@ -64,7 +64,7 @@ def M(name, what, path, original, replacement, *runs, more=()):
     return Mutation(name, what, [(path, original, replacement), *more], list(runs))
 
 
-ROUTER, FALLBACK, ADAPTER = "csrc/router.c", "csrc/fallback.c", "csrc/adapter.c"
+ROUTER, FALLBACK, ADAPTER_LOAD = "csrc/router.c", "csrc/fallback.c", "csrc/adapter_load.c"
 KERNELS, SIM = "backends/sim/kernels.c", "backends/sim/sim.c"
 ENV_TESTS, POLICY = "tests/test_env.py", "tests/test_policy.py"
 COUNTERS, KERNEL_TESTS = "tests/test_fallback_counters.py", "tests/test_sim_kernels.py"
@@ -129,7 +129,7 @@ MUTATIONS = [
       KERNELS, "(shift_right_round_even(magnitude, 13) - (112u << 10))",
       "((magnitude >> 13) - (112u << 10))",
       sim(KERNEL_TESTS, k="round_to_nearest")),
-    M("short_table_accepted", "the loader accepts a table shorter than the ABI requires", ADAPTER,
+    M("short_table_accepted", "the loader accepts a table shorter than the ABI requires", ADAPTER_LOAD,
       "    if (api->struct_size < needed) {", "    if (api->struct_size < needed && 0) {",
       cpu(LOADER, k="shorter")),
     M("sim_devices_ignored", "FLAGOS_SIM_DEVICES is ignored (always 2 devices)", SIM,
@@ -144,7 +144,7 @@ MUTATIONS = [
       "sum(self._write_back(trip, t) for i in write_args\n",
       "sum(self._write_back(trip, t) for i in write_args if i in return_alias\n",
       sim(COUNTERS, k="batch_norm")),
-    M("init_failure_accepted", "the loader ignores a failed init() of an adapter", ADAPTER,
+    M("init_failure_accepted", "the loader ignores a failed init() of an adapter", ADAPTER_LOAD,
       "    int32_t rc = api->init(&st);\n    if (rc != 0) {",
       "    int32_t rc = api->init(&st);\n    if (rc != 0 && 0) {",
       cpu(LOADER, k="init")),
