@@ -94,6 +94,7 @@ TESTS: dict[str, list[Run]] = {
     "csrc/payload.c": [cpu(ROUTES, POLICY, COUNTERS), sim(ROUTES, POLICY, COUNTERS)],
     "csrc/fallback.c": [cpu(COUNTERS, POLICY, FIDELITY), sim(COUNTERS)],
     "csrc/callsite.c": [cpu(ANALYZE)],
+    "csrc/guard.c": [cpu(BACKWARD)],
     "csrc/adapter_load.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
     "csrc/adapter_checks.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
     "csrc/adapter_memory.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
