@@ -1,28 +1,12 @@
-/* flagos._C's side of chip adapters: the loader and the Adapter/Buffer types (adapter.c). */
+/* flagos._C's side of chip adapters, as module.c uses it: the loader and the Adapter/Buffer
+ * types (adapter_load.c), and the flagos error types adapter calls raise (adapter_checks.c).
+ * What the adapter units share among themselves is in adapter_internal.h.
+ */
 #ifndef FLAGOS_ADAPTER_LOADER_H
 #define FLAGOS_ADAPTER_LOADER_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
-
-#include <flagos/adapter.h>
-
-typedef struct {
-    PyObject_HEAD
-    void *library;              /* dlopen handle, closed with the object */
-    const flagos_adapter *api;  /* the adapter's static table */
-    int has_streams;            /* it fills the ABI 1.1 stream/event entries */
-    PyObject *path;
-} AdapterObject;
-
-typedef struct {
-    PyObject_HEAD
-    AdapterObject *adapter;     /* strong: the library stays loaded while buffers live */
-    int32_t device;
-    flagos_buffer buffer;
-    uint64_t nbytes;
-} BufferObject;
 
 PyObject *flagos_load_adapter(PyObject *module, PyObject *path);
 PyObject *flagos_set_error_types(PyObject *module, PyObject *args);

@@ -2,7 +2,7 @@
  * torch and flagos. Captured once per op, when the op is first seen, so the
  * report can say where a fallback came from without a per-call cost.
  */
-#include "router.h"
+#include "callsite.h"
 
 #include <frameobject.h>
 
@@ -18,7 +18,6 @@ static int is_library_file(flagos_state *st, PyObject *filename)
     return 0;
 }
 
-/* New reference: "file:line", or None when every frame is library code. */
 PyObject *flagos_user_call_site(flagos_state *st)
 {
     PyFrameObject *frame = PyEval_GetFrame(); /* borrowed */

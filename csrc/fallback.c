@@ -5,11 +5,11 @@
  * are copied back into the caller's tensors, and results that are those
  * arguments are returned as the caller's own objects.
  */
-#include "router.h" /* first: Python.h sets the feature macros */
+#include "fallback.h" /* first: Python.h sets the feature macros */
+
+#include "payload.h"
 
 #include <time.h>
-
-PyObject *flagos_alias_outputs(op_entry *e, PyObject *args, PyObject *kwargs, PyObject *out);
 
 static uint64_t now_ns(void)
 {
@@ -40,7 +40,6 @@ static int add_bytes(PyObject *t, uint64_t *counter)
     return 0;
 }
 
-/* Record that the op's fallback saw this dtype (a torch.dtype object). */
 void flagos_note_dtype(flagos_state *st, op_entry *e, PyObject *dtype)
 {
     int i;
@@ -195,15 +194,6 @@ static PyObject *to_chip(copy_ctx *c, PyObject *v, int target)
     return w;
 }
 
-static PyObject *argument_of(op_entry *e, PyObject *args, PyObject *kwargs, Py_ssize_t i)
-{
-    if (i < PyTuple_GET_SIZE(args))
-        return PyTuple_GET_ITEM(args, i);
-    if (kwargs == NULL || i >= PyTuple_GET_SIZE(e->arg_names))
-        return NULL;
-    return PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(e->arg_names, i));
-}
-
 /* Result values that are not the caller's own (written) tensors go to the chip. */
 static PyObject *results_to_chip(copy_ctx *c, PyObject *out, int target)
 {
@@ -263,12 +253,12 @@ PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyO
         goto done;
     for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(e->write_args); w++) {
         Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(e->write_args, w));
-        PyObject *orig = argument_of(e, args, kwargs, i);
-        PyObject *host = argument_of(e, hargs, hkwargs, i);
+        PyObject *orig = flagos_argument_value(e, args, kwargs, i);
+        PyObject *host = flagos_argument_value(e, hargs, hkwargs, i);
         if (PyErr_Occurred() || write_back(&c, orig, host) < 0)
             goto done;
     }
-    if (st->device_mode && target == -2) {
+    if (st->device_mode && target == TARGET_HOST) {
         res = Py_NewRef(out); /* the op asked for host results (e.g. .cpu()) */
     } else {
         res = results_to_chip(&c, out, target);

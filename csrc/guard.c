@@ -10,7 +10,7 @@
  *
  * A GuardDeviceType answers without failing: before anything else it takes a pending error out
  * of the thread and hands it to its `keep` callable, which keeps it for the caller of backward()
- * (flagos/_backward_errors.py); raise_kept() raises it there as it was (docs/design.md §11).
+ * (flagos/integrations/_backward_errors.py and flagos/runtime/_guard_errors.py); raise_kept() raises it there as it was (docs/design.md §11).
  * It is a callable object rather than a function: pybind11 takes a builtin function for "not
  * overridden in Python" and calls the pure virtual instead.
  */

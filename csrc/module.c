@@ -5,10 +5,11 @@
  * state gives it one owner and one cleanup path.
  */
 #include "router.h"
+#include "state.h"
 #include "adapter.h"
 #include "guard.h"
 
-flagos_state *flagos_get_state(PyObject *module)
+static flagos_state *flagos_get_state(PyObject *module)
 {
     return (flagos_state *)PyModule_GetState(module);
 }
@@ -289,35 +290,9 @@ static void fl_free(void *module)
     fl_clear((PyObject *)module);
 }
 
-static int intern_names(void)
-{
-    if (fl_names.payload != NULL)
-        return 0;
-#define NAME(field, text)                                      \
-    if ((fl_names.field = PyUnicode_InternFromString(text)) == NULL) \
-        return -1;
-    NAME(payload, "_payload")
-    NAME(shape, "shape")
-    NAME(stride, "stride")
-    NAME(storage_offset, "storage_offset")
-    NAME(dtype, "dtype")
-    NAME(nbytes, "nbytes")
-    NAME(get_device, "get_device")
-    NAME(type, "type")
-    NAME(index, "index")
-    NAME(op, "_op")
-    NAME(strides, "strides")
-    NAME(device, "device")
-    NAME(requires_grad, "requires_grad")
-    NAME(dim, "dim")
-    NAME(cpu, "is_cpu")
-#undef NAME
-    return 0;
-}
-
 static int fl_exec(PyObject *module)
 {
-    if (intern_names() < 0)
+    if (flagos_intern_names() < 0)
         return -1;
     flagos_state *st = flagos_get_state(module);
     memset(st, 0, sizeof(*st));

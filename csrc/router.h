@@ -1,136 +1,24 @@
-/* The per-op router: dispatch table, routes and counters.
+/* The per-op router (router.c): the dispatch table, routes, the fallback policy and counters.
  *
- * One entry per aten overload, created on the first call of that overload and
- * kept until the table is cleared (a new configuration). A call can run Python,
- * which lets another thread change routes or clear the table meanwhile: the call
- * holds its entry (users), a clear leaves an entry in use to its last user, and a
- * route change only marks entries unresolved. Everything on the per-call path lives in router.c; the rare
- * paths (fallback, wrapping errors, call sites) live in their own files.
+ * One entry per aten overload, created on the first call of that overload and kept until the
+ * table is cleared (a new configuration). A call can run Python, which lets another thread
+ * change routes or clear the table meanwhile: the call holds its entry (users), a clear leaves
+ * an entry in use to its last user, and a route change only marks entries unresolved.
+ *
+ * The router calls payload.c (unwrap, rewrap, the call on payloads), fallback.c (the CPU
+ * round trip) and callsite.c (where an op was called from); none of them calls the router.
  */
 #ifndef FLAGOS_ROUTER_H
 #define FLAGOS_ROUTER_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <uthash.h>
+#include "state.h"
 
-/* Route values; the numbering is shared with flagos/_routes.py. */
-enum flagos_route {
-    ROUTE_UNRESOLVED = -1,
-    ROUTE_OVERRIDE = 0,
-    ROUTE_NATIVE = 1,
-    ROUTE_FALLBACK = 2,
-    ROUTE_ERROR = 3,
-    N_ROUTES = 4
-};
-
-/* op_entry.flags */
-#define OP_VIEW (1u << 0)         /* returns an alias of an input: never falls back */
-#define OP_CROSS_DEVICE (1u << 1) /* copy-like: inputs may live on other devices */
-#define OP_DEVICE_ARG (1u << 2)   /* has a Device argument: it decides the output side */
-#define OP_WARNED (1u << 3)       /* the fallback warning was given */
-#define OP_NOT_IMPLEMENTED (1u << 4) /* the chip kernel raised NotImplementedError */
-#define OP_FALLBACK_SITE (1u << 5) /* site is where the op first fell back */
-#define OP_RELAYOUT (1u << 6)     /* may change a written tensor's shape/strides (out=, t_) */
-#define OP_SPARSE (1u << 7)       /* makes a sparse tensor: flagos tensors are strided only */
-
-typedef struct op_entry {
-    PyObject *func;          /* key: the OpOverload (strong ref keeps the pointer valid) */
-    PyObject *call;          /* func._op when present: skips a Python frame per call */
-    PyObject *name;          /* "aten::add.Tensor" */
-    PyObject *arg_names;     /* tuple of schema argument names, positional order */
-    PyObject *write_args;    /* tuple of argument indices written by the op (schema "!") */
-    PyObject *return_alias;  /* tuple: per return, index of the written argument it is, or -1 */
-    PyObject *override;      /* override kernel for the active chip, or NULL */
-    PyObject *site;          /* first call site in user code ("file:line"), or NULL */
-    int route;               /* resolved route, or ROUTE_UNRESOLVED */
-    unsigned flags;
-    uint64_t calls[N_ROUTES];
-    uint64_t fallback_ns;
-    uint64_t bytes_to_host;
-    uint64_t bytes_to_device;
-    uint64_t dtype_mask;     /* bit i: dtype i of the state's dtype registry seen in fallback */
-    Py_ssize_t users;        /* calls running with this entry (and exports reading it) */
-    int detached;            /* cleared from the table while in use: its last user frees it */
-    struct op_entry *next_cleared; /* flagos_table_clear's list of the entries it removed */
-    UT_hash_handle hh;
-} op_entry;
-
-/* Wrappers own no memory; their nominal storage is this large so that their metadata can be
- * updated in place (out= resizes, in-place view ops) without a bounds error. */
-#define WRAPPER_STORAGE_BYTES ((long long)1 << 62)
-
-#define MAX_DTYPES 64
-#define MAX_DEVICES 64
-
-/* What the router needs to know about the active chip and torch, set by configure(). */
-typedef struct flagos_state {
-    op_entry *table;
-    uint64_t routes_generation; /* bumped by every route change and table clear */
-    int configured;
-    int device_mode;           /* 1: flagos owns PrivateUse1 and tensors are wrappers */
-    int chip_is_host;          /* the chip's payloads live in host memory (cpu chip) */
-    int fallback_policy;       /* 0 allow, 1 warn, 2 error */
-    PyObject *tensor_type;     /* torch.Tensor */
-    PyObject *device_type;     /* torch.device */
-    PyObject *wrapper_type;    /* flagos.FlagosTensor (device mode) */
-    PyObject *make_wrapper;    /* torch.Tensor._make_wrapper_subclass */
-    PyObject *to_copy;         /* aten._to_copy.default */
-    PyObject *copy_;           /* aten.copy_.default */
-    PyObject *host_device;     /* torch.device("cpu") */
-    PyObject *chip_devices;    /* tuple: payload device per flagos index */
-    PyObject *flagos_devices;  /* tuple: torch.device("flagos", i) */
-    PyObject *describe;        /* Python: OpOverload -> schema facts (once per op) */
-    PyObject *resolve;         /* Python: op name -> (route, override) */
-    PyObject *fallback_warning;/* warning category */
-    PyObject *fallback_error;  /* exception type for policy "error" */
-    PyObject *device_mismatch; /* exception type for mixed devices */
-    PyObject *skip_prefixes;   /* tuple of path prefixes that are not user code */
-    PyObject *adapter_dispatch;/* C-ABI chips: Python runner of one op, or NULL */
-    PyObject *set_metadata;    /* (wrapper, size, stride, offset): resync a wrapper's view */
-    PyObject *math_call;       /* Python: (fn, args, kwargs) with the conj/neg keys enabled */
-    PyObject *complex_dtypes;  /* tuple of the complex torch.dtype objects */
-    PyObject *dtypes[MAX_DTYPES]; /* registry for dtype_mask (strong refs) */
-    int n_dtypes;
-} flagos_state;
-
-/* Interned attribute names, created once at module init. */
-typedef struct flagos_names {
-    PyObject *payload, *shape, *stride, *storage_offset, *dtype, *nbytes, *get_device,
-        *type, *index, *op, *strides, *device, *requires_grad, *dim, *cpu;
-} flagos_names;
-extern flagos_names fl_names;
-
-flagos_state *flagos_get_state(PyObject *module);
-
-/* router.c */
+/* One op call: func(*args, **kwargs) routed for the active chip. from_factory: no flagos tensor
+ * argument (PrivateUse1's fallback for factories), so no mixed-device check. */
 PyObject *flagos_route_call(flagos_state *st, PyObject *func, PyObject *args, PyObject *kwargs,
                             int from_factory);
-PyObject *flagos_call_payload(flagos_state *st, PyObject *fn, PyObject *args, PyObject *kwargs);
 void flagos_table_clear(flagos_state *st);
 void flagos_table_invalidate(flagos_state *st);
 PyObject *flagos_table_export(flagos_state *st, int include_routes_only);
-
-/* A new list or tuple (the type of seq) holding fn(ctx, item) for each item; NULL on error.
- * fn returns a new reference. */
-typedef PyObject *(*flagos_item_fn)(void *ctx, PyObject *item);
-PyObject *flagos_map_sequence(PyObject *seq, flagos_item_fn fn, void *ctx);
-
-/* Unwrapping helpers shared by the native and fallback routes (router.c). */
-int flagos_is_chip_tensor(flagos_state *st, PyObject *obj);
-PyObject *flagos_payload(flagos_state *st, PyObject *obj);
-PyObject *flagos_wrap_outputs(flagos_state *st, op_entry *e, PyObject *out, PyObject *target);
-
-int flagos_sync_written(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs);
-
-/* fallback.c: run the op on the host, copying chip tensors there and back. */
-PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs,
-                              PyObject *target);
-
-void flagos_note_dtype(flagos_state *st, op_entry *e, PyObject *dtype);
-
-/* callsite.c: first frame outside torch and flagos, as "file:line". */
-PyObject *flagos_user_call_site(flagos_state *st);
 
 #endif

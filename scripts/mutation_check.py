@@ -64,7 +64,7 @@ def M(name, what, path, original, replacement, *runs, more=()):
     return Mutation(name, what, [(path, original, replacement), *more], list(runs))
 
 
-ROUTER, FALLBACK, ADAPTER = "csrc/router.c", "csrc/fallback.c", "csrc/adapter.c"
+ROUTER, FALLBACK, ADAPTER_LOAD = "csrc/router.c", "csrc/fallback.c", "csrc/adapter_load.c"
 KERNELS, SIM = "backends/sim/kernels.c", "backends/sim/sim.c"
 ENV_TESTS, POLICY = "tests/test_env.py", "tests/test_policy.py"
 COUNTERS, KERNEL_TESTS = "tests/test_fallback_counters.py", "tests/test_sim_kernels.py"
@@ -92,8 +92,10 @@ MUTATIONS = [
              "    if (out != NULL && check_policy(st, e) < 0)\n        Py_CLEAR(out);\n")]),
     M("mixed_devices_on_fallback", "the mixed-device check is skipped on the fallback route",
       ROUTER,
-      "            if (unwrap_call(st, e, args, kwargs, 1, &uargs, &ukwargs) < 0)\n                goto error;",
-      "            if (unwrap_call(st, e, args, kwargs, 0, &uargs, &ukwargs) < 0)\n                goto error;",
+      "            if (flagos_unwrap_call(st, e, args, kwargs, 1, &uargs, &ukwargs) < 0)\n"
+      "                goto error;",
+      "            if (flagos_unwrap_call(st, e, args, kwargs, 0, &uargs, &ukwargs) < 0)\n"
+      "                goto error;",
       cpu(POLICY, k="mixed_devices")),
     M("chip_not_implemented_raises", "a chip kernel's NotImplementedError propagates instead of falling back",
       ROUTER,
@@ -107,7 +109,7 @@ MUTATIONS = [
       cpu(POLICY, k="override_declining")),
     M("fallback_time_unmeasured", "the fallback's wall time is not measured (torch-native chips)",
       FALLBACK, "    e->fallback_ns += now_ns() - t0;", "    e->fallback_ns += 0 * (now_ns() - t0);",
-      cpu(COUNTERS, k="wall_time")),
+      cpu(COUNTERS, k="fallback_time")),
     M("written_bytes_uncounted", "bytes copied back for written arguments are not counted",
       FALLBACK, "        if (same == 1 && add_bytes(host, &c->e->bytes_to_device) == 0)",
       "        if (same == 1)",
@@ -127,7 +129,7 @@ MUTATIONS = [
       KERNELS, "(shift_right_round_even(magnitude, 13) - (112u << 10))",
       "((magnitude >> 13) - (112u << 10))",
       sim(KERNEL_TESTS, k="round_to_nearest")),
-    M("short_table_accepted", "the loader accepts a table shorter than the ABI requires", ADAPTER,
+    M("short_table_accepted", "the loader accepts a table shorter than the ABI requires", ADAPTER_LOAD,
       "    if (api->struct_size < needed) {", "    if (api->struct_size < needed && 0) {",
       cpu(LOADER, k="shorter")),
     M("sim_devices_ignored", "FLAGOS_SIM_DEVICES is ignored (always 2 devices)", SIM,
@@ -142,7 +144,7 @@ MUTATIONS = [
       "sum(self._write_back(trip, t) for i in write_args\n",
       "sum(self._write_back(trip, t) for i in write_args if i in return_alias\n",
       sim(COUNTERS, k="batch_norm")),
-    M("init_failure_accepted", "the loader ignores a failed init() of an adapter", ADAPTER,
+    M("init_failure_accepted", "the loader ignores a failed init() of an adapter", ADAPTER_LOAD,
       "    int32_t rc = api->init(&st);\n    if (rc != 0) {",
       "    int32_t rc = api->init(&st);\n    if (rc != 0 && 0) {",
       cpu(LOADER, k="init")),
@@ -154,14 +156,14 @@ MUTATIONS = [
       "written argument (BatchNorm's running_var is lost)", FALLBACK,
       "    for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(e->write_args); w++) {\n"
       "        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(e->write_args, w));\n"
-      "        PyObject *orig = argument_of",
+      "        PyObject *orig = flagos_argument_value",
       "    for (Py_ssize_t w = 0; w < 1 && w < PyTuple_GET_SIZE(e->write_args); w++) {\n"
       "        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(e->write_args, w));\n"
-      "        PyObject *orig = argument_of",
+      "        PyObject *orig = flagos_argument_value",
       cpu(COUNTERS, k="batch_norm")),
     M("fallback_time_unmeasured_sim", "C-ABI chips: the fallback's wall time is not counted",
       ROUTER, "    e->fallback_ns += ns;", "    e->fallback_ns += 0 * ns;",
-      sim(COUNTERS, k="wall_time")),
+      sim(COUNTERS, k="fallback_time")),
     M("route_env_ignored", "FLAGOS_ROUTE in the environment is ignored", "flagos/core/_routes.py",
       '    _forced.update(parse_route_spec(_env.get("FLAGOS_ROUTE")))',
       '    parse_route_spec(_env.get("FLAGOS_ROUTE"))',

@@ -98,10 +98,17 @@ TESTS: dict[str, list[Run]] = {
     "flagos/tools/_top.py": [cpu(TOP)],
     # ---- the C router and loader ----
     "csrc/module.c": [cpu(DEVICE, ROUTES, ERRORS), sim(DEVICE)],
+    "csrc/state.c": [cpu(DEVICE, ROUTES)],
     "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS), sim(ROUTES, POLICY, COUNTERS)],
+    "csrc/payload.c": [cpu(ROUTES, POLICY, COUNTERS), sim(ROUTES, POLICY, COUNTERS)],
     "csrc/fallback.c": [cpu(COUNTERS, POLICY, FIDELITY), sim(COUNTERS)],
     "csrc/callsite.c": [cpu(ANALYZE)],
-    "csrc/adapter.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
+    "csrc/guard.c": [cpu(BACKWARD)],
+    "csrc/adapter_load.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
+    "csrc/adapter_checks.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
+    "csrc/adapter_memory.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
+    "csrc/adapter_streams.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
+    "csrc/adapter_kernels.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
     # ---- the emulated accelerator ----
     "backends/sim/kernels.c": [sim(KERNELS), cpu(KERNEL_CHECKS)],
     "backends/sim/sim.c": [sim(SIM_TESTS, SIM_FIDELITY, STREAMS, MULTI), cpu(ENV, k="sim")],

@@ -1,0 +1,103 @@
+/* The state the router's units share: the op table's entries, the module state that
+ * configure() fills, and the interned attribute names (state.c). Types and data only: no unit
+ * is called through this header but state.c's flagos_intern_names().
+ */
+#ifndef FLAGOS_STATE_H
+#define FLAGOS_STATE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <uthash.h>
+
+/* Route values; the numbering is shared with flagos/core/_routes.py. */
+enum flagos_route {
+    ROUTE_UNRESOLVED = -1,
+    ROUTE_OVERRIDE = 0,
+    ROUTE_NATIVE = 1,
+    ROUTE_FALLBACK = 2,
+    ROUTE_ERROR = 3,
+    N_ROUTES = 4
+};
+
+/* op_entry.flags */
+#define OP_VIEW (1u << 0)         /* returns an alias of an input: never falls back */
+#define OP_CROSS_DEVICE (1u << 1) /* copy-like: inputs may live on other devices */
+#define OP_DEVICE_ARG (1u << 2)   /* has a Device argument: it decides the output side */
+#define OP_WARNED (1u << 3)       /* the fallback warning was given */
+#define OP_NOT_IMPLEMENTED (1u << 4) /* the chip kernel raised NotImplementedError */
+#define OP_FALLBACK_SITE (1u << 5) /* site is where the op first fell back */
+#define OP_RELAYOUT (1u << 6)     /* may change a written tensor's shape/strides (out=, t_) */
+#define OP_SPARSE (1u << 7)       /* makes a sparse tensor: flagos tensors are strided only */
+
+typedef struct op_entry {
+    PyObject *func;          /* key: the OpOverload (strong ref keeps the pointer valid) */
+    PyObject *call;          /* func._op when present: skips a Python frame per call */
+    PyObject *name;          /* "aten::add.Tensor" */
+    PyObject *arg_names;     /* tuple of schema argument names, positional order */
+    PyObject *write_args;    /* tuple of argument indices written by the op (schema "!") */
+    PyObject *return_alias;  /* tuple: per return, index of the written argument it is, or -1 */
+    PyObject *override;      /* override kernel for the active chip, or NULL */
+    PyObject *site;          /* first call site in user code ("file:line"), or NULL */
+    int route;               /* resolved route, or ROUTE_UNRESOLVED */
+    unsigned flags;
+    uint64_t calls[N_ROUTES];
+    uint64_t fallback_ns;
+    uint64_t bytes_to_host;
+    uint64_t bytes_to_device;
+    uint64_t dtype_mask;     /* bit i: dtype i of the state's dtype registry seen in fallback */
+    Py_ssize_t users;        /* calls running with this entry (and exports reading it) */
+    int detached;            /* cleared from the table while in use: its last user frees it */
+    struct op_entry *next_cleared; /* flagos_table_clear's list of the entries it removed */
+    UT_hash_handle hh;
+} op_entry;
+
+/* Wrappers own no memory; their nominal storage is this large so that their metadata can be
+ * updated in place (out= resizes, in-place view ops) without a bounds error. */
+#define WRAPPER_STORAGE_BYTES ((long long)1 << 62)
+
+#define MAX_DTYPES 64
+#define MAX_DEVICES 64
+
+/* What the router needs to know about the active chip and torch, set by configure(). */
+typedef struct flagos_state {
+    op_entry *table;
+    uint64_t routes_generation; /* bumped by every route change and table clear */
+    int configured;
+    int device_mode;           /* 1: flagos owns PrivateUse1 and tensors are wrappers */
+    int chip_is_host;          /* the chip's payloads live in host memory (cpu chip) */
+    int fallback_policy;       /* 0 allow, 1 warn, 2 error */
+    PyObject *tensor_type;     /* torch.Tensor */
+    PyObject *device_type;     /* torch.device */
+    PyObject *wrapper_type;    /* flagos.FlagosTensor (device mode) */
+    PyObject *make_wrapper;    /* torch.Tensor._make_wrapper_subclass */
+    PyObject *to_copy;         /* aten._to_copy.default */
+    PyObject *copy_;           /* aten.copy_.default */
+    PyObject *host_device;     /* torch.device("cpu") */
+    PyObject *chip_devices;    /* tuple: payload device per flagos index */
+    PyObject *flagos_devices;  /* tuple: torch.device("flagos", i) */
+    PyObject *describe;        /* Python: OpOverload -> schema facts (once per op) */
+    PyObject *resolve;         /* Python: op name -> (route, override) */
+    PyObject *fallback_warning;/* warning category */
+    PyObject *fallback_error;  /* exception type for policy "error" */
+    PyObject *device_mismatch; /* exception type for mixed devices */
+    PyObject *skip_prefixes;   /* tuple of path prefixes that are not user code */
+    PyObject *adapter_dispatch;/* C-ABI chips: Python runner of one op, or NULL */
+    PyObject *set_metadata;    /* (wrapper, size, stride, offset): resync a wrapper's view */
+    PyObject *math_call;       /* Python: (fn, args, kwargs) with the conj/neg keys enabled */
+    PyObject *complex_dtypes;  /* tuple of the complex torch.dtype objects */
+    PyObject *dtypes[MAX_DTYPES]; /* registry for dtype_mask (strong refs) */
+    int n_dtypes;
+} flagos_state;
+
+/* Interned attribute names, created once at module init. */
+typedef struct flagos_names {
+    PyObject *payload, *shape, *stride, *storage_offset, *dtype, *nbytes, *get_device,
+        *type, *index, *op, *strides, *device, *requires_grad, *dim, *cpu;
+} flagos_names;
+extern flagos_names fl_names;
+
+/* Creates fl_names once per process (module init); 0, or -1 with an error set. */
+int flagos_intern_names(void);
+
+#endif
