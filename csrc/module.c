@@ -171,6 +171,20 @@ static PyObject *fl_set_fallback_policy(PyObject *module, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* The current device (torch.flagos.set_device): what "flagos" without an index means. */
+static PyObject *fl_set_current_device(PyObject *module, PyObject *arg)
+{
+    long i = PyLong_AsLong(arg);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    if (i < 0 || i >= MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "device index %ld is out of range", i);
+        return NULL;
+    }
+    flagos_get_state(module)->current_device = (int)i;
+    Py_RETURN_NONE;
+}
+
 /* New calls see flagos inactive; a call still running keeps a whole configuration, which the
  * next configure() (or the module's end) releases. */
 static PyObject *fl_deconfigure(PyObject *module, PyObject *Py_UNUSED(arg))
@@ -221,6 +235,8 @@ static PyMethodDef fl_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))fl_configure, METH_VARARGS | METH_KEYWORDS,
      "Set the active chip's configuration; clears the dispatch table."},
     {"deconfigure", fl_deconfigure, METH_NOARGS, "Refuse new calls and clear the table."},
+    {"set_current_device", fl_set_current_device, METH_O,
+     "The index that a flagos device without one stands for (the current device)."},
     {"set_fallback_policy", fl_set_fallback_policy, METH_O,
      "0 allow, 1 warn once per op, 2 raise before running."},
     {"set_math_call", fl_set_math_call, METH_VARARGS,

@@ -67,6 +67,7 @@ typedef struct flagos_state {
     int device_mode;           /* 1: flagos owns PrivateUse1 and tensors are wrappers */
     int chip_is_host;          /* the chip's payloads live in host memory (cpu chip) */
     int fallback_policy;       /* 0 allow, 1 warn, 2 error */
+    int current_device;        /* the index a device without one means ("flagos": flagos:N) */
     PyObject *tensor_type;     /* torch.Tensor */
     PyObject *device_type;     /* torch.device */
     PyObject *wrapper_type;    /* flagos.FlagosTensor (device mode) */

@@ -124,6 +124,7 @@ def _configure_router(state: Active) -> None:
         adapter_dispatch=_adapter_runner(state) if isinstance(chip, AdapterChip) else None,
     )
     _C.set_fallback_policy(_POLICIES[_env.get("FLAGOS_FALLBACK") or "warn"])
+    _C.set_current_device(state.current)
     _math_keys.install()
     if device_mode:
         _backward_errors.install()

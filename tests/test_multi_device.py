@@ -85,3 +85,34 @@ def test_second_sim_device_forward_works_and_backward_says_why():
     assert "flagos:1 or above" in line and "Train on flagos:0" in line
     assert "INTERNAL ASSERT" not in out + proc.stderr
     assert "TRAINED flagos:0" in out and out.count("FORWARD OK flagos:1") == 2
+
+
+def test_factories_without_an_index_land_on_the_current_device():
+    """As on CUDA, `torch.zeros(n, device="flagos")` after `torch.flagos.set_device(1)` is on
+    flagos:1, with CPU's values. `.to("flagos")` and `torch.tensor(data, device="flagos")` give
+    flagos:0: PyTorch fills in the index itself there, from its Python device guard, which
+    answers 0 (docs/design.md §14, "The current device")."""
+    proc = run_python("""
+import torch, flagos
+flagos.activate("sim")
+torch.flagos.set_device(1)
+made = {
+    "zeros": (torch.zeros(2, 3, device="flagos"), torch.zeros(2, 3)),
+    "full": (torch.full((4,), 2.5, device="flagos"), torch.full((4,), 2.5)),
+    "arange": (torch.arange(5, device="flagos"), torch.arange(5)),
+    "empty": (torch.empty(3, device="flagos"), None),
+    "randn": (torch.randn(3, device="flagos", generator=torch.Generator("flagos").manual_seed(1)),
+              torch.randn(3, generator=torch.Generator().manual_seed(1))),
+}
+for name, (got, expected) in made.items():
+    assert got.device == torch.device("flagos", 1), (name, got.device)
+    if expected is not None:
+        torch.testing.assert_close(got.cpu(), expected)
+assert torch.zeros(2, device="flagos:0").device == torch.device("flagos", 0)
+print("TO", torch.ones(2).to("flagos").device, torch.tensor([1.0], device="flagos").device)
+torch.flagos.set_device(0)
+assert torch.zeros(2, device="flagos").device == torch.device("flagos", 0)
+print("OK")
+""", env={"FLAGOS_FALLBACK": "allow", "FLAGOS_SIM_DEVICES": "2"}, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "TO flagos:0 flagos:0" in proc.stdout and "OK" in proc.stdout

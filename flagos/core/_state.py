@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import __version__
+from .. import _C, __version__
 from . import _env, _routes
 
 TESTED_TORCH = ("2.9", "2.14")
@@ -62,6 +62,7 @@ def set_current(index: int) -> None:
     state.chip_index(index)
     if not state.chip.payload_is_host:
         state.chip.set_device(index)
+    _C.set_current_device(index)  # torch.zeros(n, device="flagos") is then on flagos:index
     state.current = index
 
 

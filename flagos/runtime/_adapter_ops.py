@@ -20,7 +20,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from .. import _C
-from ..core import _routes, _schema
+from ..core import _routes, _schema, _state
 from ..errors import DeviceMismatchError
 from . import _math_keys
 from ._tensor import FlagosTensor, copy_math_bits, set_metadata
@@ -99,6 +99,11 @@ def _walk(value, fn):
     if isinstance(value, (list, tuple)):
         return type(value)(_walk(v, fn) for v in value)
     return value
+
+
+def _flagos_index(device: torch.device) -> int:
+    """A flagos device's index; "flagos" without one is the current device (set_device)."""
+    return _state.active().current if device.index is None else device.index
 
 
 def _is_flagos_device(value) -> bool:
@@ -233,7 +238,7 @@ class Runner:
         if seen:
             return min(seen)
         device = kwargs.get("device")
-        return device.index or 0 if _is_flagos_device(device) else 0
+        return _flagos_index(device) if _is_flagos_device(device) else 0
 
     # ---- buffers and wrappers ------------------------------------------------
     def _wrap(self, buffer, size, stride, offset, dtype, index) -> FlagosTensor:
@@ -411,7 +416,7 @@ class Runner:
         if isinstance(target, torch.device) and target.type != "flagos":
             return out, to_host, to_device, dtypes  # the op asked for host results
         if _is_flagos_device(target):
-            index = target.index or 0
+            index = _flagos_index(target)
         uploaded = [0]
 
         def to_chip(v):
@@ -469,11 +474,12 @@ class Runner:
         return self._alloc(t.shape, dtype, self._index_of(device, t.device.index), stride)
 
     def _index_of(self, device, default=0) -> int:
-        if _is_flagos_device(device) and device.index is not None:
-            if device.index >= len(self.devices):
-                raise RuntimeError(f"flagos:{device.index} does not exist: the active chip has "
+        if _is_flagos_device(device):
+            index = _flagos_index(device)
+            if index >= len(self.devices):
+                raise RuntimeError(f"flagos:{index} does not exist: the active chip has "
                                    f"{len(self.devices)} device(s) (see flagos.list_devices())")
-            return device.index
+            return index
         return default
 
     def copy_(self, func, args, kwargs):
