@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import mutation_common as common
 from mutation_check import ROOT, build, built_libraries
-from mutation_map import source_files, tests_for, unmapped
+from mutation_map import source_files, tests_for
 
 
 @dataclass(frozen=True)
@@ -206,24 +206,14 @@ def file_score(path: str, entry: dict, chosen_ids: list[str]) -> common.Score:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="*", help="C files (default: csrc/*.c and backends/sim/*.c)")
-    parser.add_argument("--work", default=os.path.join(ROOT, ".mutation"))
-    parser.add_argument("--seed", type=int, default=1)
+    common.add_run_options(parser)
     parser.add_argument("--cap", type=int, default=60, help="mutants per file (0: every candidate)")
-    parser.add_argument("--timeout-factor", type=float, default=3.0)
-    parser.add_argument("--min-timeout", type=float, default=60.0)
     parser.add_argument("--list", action="store_true", help="print the chosen mutants; run nothing")
-    parser.add_argument("--report", action="store_true", help="only write and print the scores")
-    parser.add_argument("--rerun-survivors", action="store_true",
-                        help="run the surviving mutants again (after a test or the map was added to)")
     opts = parser.parse_args()
 
-    missing = unmapped("c")
-    if missing:
-        print("no tests named in scripts/mutation_map.py for:", *missing, sep="\n  ", file=sys.stderr)
+    files = common.mapped_files("c", opts.files)
+    if files is None:
         return 2
-    files = opts.files or source_files("c")
-    for f in files:
-        tests_for(f)
     texts = {f: open(os.path.join(ROOT, f)).read() for f in source_files("c")}
     if opts.list:
         for f in files:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from mutation_check import COPIED, ROOT, Run, build, built_libraries, test_env
-from mutation_map import tests_for
+from mutation_map import source_files, tests_for, unmapped
 
 # The three outcomes that count; anything else is reported but left out of the score.
 KILLED, SURVIVED, TIMEOUT = "killed", "survived", "timeout"
@@ -276,6 +276,31 @@ def write_scores(out_base: str, scores: list[Score], command: str, note: str = "
     with open(out_base + ".md", "w") as f:
         f.write(table)
     return table
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options both passes (Python and C) take, with the same meaning."""
+    parser.add_argument("--work", default=os.path.join(ROOT, ".mutation"),
+                        help="folder for the scratch tree, sessions and scores (default: .mutation)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--timeout-factor", type=float, default=3.0)
+    parser.add_argument("--min-timeout", type=float, default=60.0)
+    parser.add_argument("--report", action="store_true", help="only write and print the scores")
+    parser.add_argument("--rerun-survivors", action="store_true",
+                        help="run the surviving mutants again (after a test or the map was added to)")
+
+
+def mapped_files(kind: str, asked: list[str]) -> list[str] | None:
+    """The files to mutate (those asked for, else every file of the kind), or None after saying
+    which files have no tests in scripts/mutation_map.py (the map must be completed first)."""
+    missing = unmapped(kind)
+    if missing:
+        print("no tests named in scripts/mutation_map.py for:", *missing, sep="\n  ", file=sys.stderr)
+        return None
+    files = asked or source_files(kind)
+    for f in files:
+        tests_for(f)
+    return files
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ except ImportError:
 
 import mutation_common as common
 from mutation_check import ROOT
-from mutation_map import source_files, tests_for, unmapped
+from mutation_map import source_files
 
 # One replacement per operator instead of cosmic-ray's every-operator-for-every-operator (which
 # multiplies the mutants by 12 for little more information): the arithmetic inverse, the
@@ -179,29 +179,18 @@ def survivor_diffs(work: str, modules: list[str]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", help="modules (paths under flagos/); default: all of them")
-    parser.add_argument("--work", default=os.path.join(ROOT, ".mutation"),
-                        help="folder for the scratch tree, sessions and scores (default: .mutation)")
+    common.add_run_options(parser)
     parser.add_argument("--operators", choices=("reduced", "all"), default="reduced")
     parser.add_argument("--sample", type=int, default=0, metavar="N",
                         help="run N mutants per module picked by --seed (default: every mutant)")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--timeout-factor", type=float, default=3.0)
-    parser.add_argument("--min-timeout", type=float, default=60.0)
     parser.add_argument("--count", action="store_true",
                         help="make the sessions and print the mutants per module; run nothing")
-    parser.add_argument("--report", action="store_true", help="only write and print the scores")
     parser.add_argument("--survivors", action="store_true", help="print each surviving mutant's diff")
-    parser.add_argument("--rerun-survivors", action="store_true",
-                        help="run the surviving mutants again (after a test or the map was added to)")
     opts = parser.parse_args()
 
-    missing = unmapped("python")
-    if missing:
-        print("no tests named in scripts/mutation_map.py for:", *missing, sep="\n  ", file=sys.stderr)
+    modules = common.mapped_files("python", opts.modules)
+    if modules is None:
         return 2
-    modules = opts.modules or source_files("python")
-    for m in modules:
-        tests_for(m)
     work = os.path.abspath(opts.work)
     os.makedirs(work, exist_ok=True)
     common.be_nice()
