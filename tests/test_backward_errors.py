@@ -307,6 +307,14 @@ HOOK_PATHS = {
     "sigint_during_backward": dict(
         after="out.register_hook(sigint)",
         expect=("KeyboardInterrupt: ", "KeyboardInterrupt: ")),
+    # torch.compiler patches the engine's entry while it traces and then puts back what it
+    # found: flagos's check must be what it finds.
+    "after_torch_compiler_patched_the_engine": dict(
+        before=("import contextlib\n"
+                "patch = getattr(torch.compiler, '_patch_engine_backward', contextlib.nullcontext)\n"
+                "with patch():\n"
+                "    pass"),
+        after="out.register_hook(fail)", expect=(FAILED, FAILED)),
     "swap_tensors_poisoned_accumulate_grad": dict(
         after=("w = model[0].weight\n"
                "torch.utils.swap_tensors(w, torch.nn.Parameter(w.detach().clone()))"),

@@ -67,8 +67,9 @@ def _install_engine_check() -> None:
     """Wrap the engine's entry (used by backward() and autograd.grad()) once: an error the device
     guard kept reaches the caller as itself, the engine's assert on a missing queue as a
     NoEngineQueueError."""
-    run = torch.autograd._engine_run_backward
+    run = torch.autograd.graph._engine_run_backward
     if getattr(run, "_flagos_checked", False):
+        torch.autograd._engine_run_backward = run  # put back by whoever replaced it last
         return
 
     @functools.wraps(run)
@@ -95,4 +96,7 @@ def _install_engine_check() -> None:
         _C.raise_kept(error)  # a `raise` would set its __context__ to what the caller handles
 
     run_backward._flagos_checked = True
+    # Both names: backward() and grad() call torch.autograd's, and code that patches the entry
+    # for a while (torch.compiler's tracing) saves torch.autograd.graph's and puts it back in both.
+    torch.autograd.graph._engine_run_backward = run_backward
     torch.autograd._engine_run_backward = run_backward
