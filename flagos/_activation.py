@@ -60,11 +60,11 @@ def _pick_chip(device: str) -> TorchChip:
             raise ChipNotFoundError(f"{shown}: its adapter reports no devices")
         return profile
     if not profile.detect():
-        install = f" To use it, install {profile.install}." if profile.install else ""
+        install = f". To use it, install {profile.install}" if profile.install else ""
         raise ChipNotFoundError(
-            f"{shown} is not available on this machine: {profile.why_unavailable()}."
-            f"{install} Available here: {', '.join(_available_chips())} (or 'auto' for the best "
-            f"of them); `flagos diagnose` says what this machine has.")
+            f"{shown} is not available on this machine: {profile.why_unavailable()}{install}; "
+            f"available here: {', '.join(_available_chips())} (or 'auto' for the best of them). "
+            f"`flagos diagnose` says what this machine has.")
     if asked.vendor and profile.vendor != asked.vendor:
         raise ChipNotFoundError(
             f"{shown} is not on this machine: the {name} devices here are "

@@ -26,6 +26,7 @@ class Alias:
 
 # name typed -> chip (and vendor, for vendors reached through the torch.cuda API)
 ALIASES: dict[str, Alias] = {
+    "host": Alias("cpu"),
     "ascend": Alias("npu"), "huawei": Alias("npu"),
     "cambricon": Alias("mlu"),
     "mthreads": Alias("musa"), "moore": Alias("musa"), "moorethreads": Alias("musa"),
