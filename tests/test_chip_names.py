@@ -157,3 +157,12 @@ def test_unknown_and_unsupported_names_at_autoload(typed, expected):
     assert proc.returncode == 1
     assert expected in proc.stderr and "Traceback" not in proc.stderr
     assert "Failed to load the backend extension" not in proc.stderr
+
+
+def test_adapter_library_that_does_not_load_at_autoload_is_one_message(tmp_path):
+    (tmp_path / "libflagos_bogus_adapter.so").write_bytes(b"not a shared library")
+    proc = run_python("import torch", check=False,
+                      env={"FLAGOS_DEVICE": "bogus", "FLAGOS_ADAPTER_PATH": str(tmp_path)})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("flagos: FLAGOS_DEVICE=bogus at `import torch`: ")
+    assert "libflagos_bogus_adapter.so" in proc.stderr
