@@ -233,6 +233,28 @@ def test_npu_coverage_file_from_op_plugin_names_what_the_list_lacks(tmp_path):
     assert main(["--out", str(tmp_path), "npu", "--op-plugin", EXCERPT, "--op-plugin-version", "3.0"]) == 1
 
 
+@pytest.mark.parametrize("version, cumsum", [("2.10", "fallback"), ("2.5", "native")])
+def test_analyze_target_npu_from_op_plugin_coverage_names_the_ops_it_lacks(script, tmp_path, version, cumsum):
+    """`--target ascend` (npu) with an npu.json made from the op-plugin excerpt, found on
+    FLAGOS_COVERAGE_PATH: the workload's cumsum, listed for PyTorch 2.1 to 2.5 only, falls back
+    at 2.10; addmm, which the excerpt does not list, falls back at both."""
+    from flagos.report.coverage.generate import main
+    assert main(["--out", str(tmp_path), "npu", "--op-plugin", EXCERPT,
+                 "--op-plugin-version", version]) == 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", FLAGOS_COVERAGE_PATH=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "flagos", "analyze", "--chip", "cpu", "--target",
+                           "ascend", "--json", "-", "--", sys.executable, str(script), "0"],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    target = json.loads(proc.stdout)["target"]
+    assert (target["chip"], target["source"]) == ("npu", str(tmp_path / "npu.json"))
+    assert "aten::addmm" in target["fallback_ops"]
+    assert ("aten::cumsum" in target["fallback_ops"]) == (cumsum == "fallback")
+    assert not {"aten::abs", "aten::add.Tensor"} & set(target["fallback_ops"])
+
+
 class _Rows(HTMLParser):
     def __init__(self):
         super().__init__()
