@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
 from . import _C, chips
+from .chips import names
 from .chips.adapter import AdapterChip
 from .chips.base import DeviceInfo, TorchChip
 from .core import _env, _routes, _schema, _state
@@ -42,28 +43,33 @@ def _available_chips() -> list[str]:
 
 
 def _pick_chip(device: str) -> TorchChip:
-    name = device.strip().lower()
-    if name in ("", "auto"):
+    """The chip a typed name stands for (a chip, a vendor or product alias: chips/names.py)."""
+    asked = names.resolve(device, chips.known())
+    name = asked.chip
+    if name == "auto":
         for candidate in chips.auto_order():
             profile = chips.profile(candidate)
             if profile.detect():
                 return profile
         raise ChipNotFoundError("no chip found (not even cpu)")  # unreachable: cpu is always there
-    if name not in chips.known():
-        raise ChipNotFoundError(
-            f"unknown chip {device!r}; known chips: {', '.join(chips.known())} "
-            f"(available here: {', '.join(_available_chips())}), or 'auto'")
+    typed = device.strip()
+    shown = f"chip {name!r}" if typed.lower() == name else f"{typed!r} (chip {names.describe(asked)})"
     profile = chips.profile(name)
     if isinstance(profile, AdapterChip):
         if profile.adapter.device_count() < 1:  # a broken library raises AdapterError here
-            raise ChipNotFoundError(f"chip {name!r}: its adapter reports no devices")
+            raise ChipNotFoundError(f"{shown}: its adapter reports no devices")
         return profile
     if not profile.detect():
-        how = f"its plugin {profile.plugin} is not importable or " if profile.plugin else ""
+        install = f". To use it, install {profile.install}" if profile.install else ""
         raise ChipNotFoundError(
-            f"chip {name!r} is not available on this machine ({how}torch.{profile.torch_type}"
-            f".is_available() is False); available here: {', '.join(_available_chips())}. "
-            f"Use 'auto' to take the best available chip.")
+            f"{shown} is not available on this machine: {profile.why_unavailable()}{install}; "
+            f"available here: {', '.join(_available_chips())} (or 'auto' for the best of them). "
+            f"`flagos diagnose` says what this machine has.")
+    if asked.vendor and profile.vendor != asked.vendor:
+        raise ChipNotFoundError(
+            f"{shown} is not on this machine: the {name} devices here are "
+            f"{names.CUDA_VENDORS[profile.vendor].label} ({profile.device_name(0)}). Ask for "
+            f"{name!r} (or {profile.vendor!r}) to use them; `flagos diagnose` says more.")
     return profile
 
 
@@ -152,8 +158,9 @@ def _apply_log_level() -> None:
 def activate(device: str | None = "auto", mode: str | None = None) -> dict:
     """Activate flagos on a chip; returns `info()`.
 
-    device: "auto" (best available chip), a chip name ("cpu", "cuda", "npu", ...),
-    or None to read FLAGOS_DEVICE. mode: "device" (tensors live on the `flagos`
+    device: "auto" (best available chip), a chip name ("cpu", "cuda", "npu", ...), a vendor
+    or product name standing for one ("ascend", "cambricon", "hygon", ...: chips/names.py,
+    docs/chips.md), or None to read FLAGOS_DEVICE. mode: "device" (tensors live on the `flagos`
     device) or "native" (the chip keeps its own device type and flagos routes
     every op through a dispatch mode); None reads FLAGOS_MODE, then picks the
     chip's natural mode.

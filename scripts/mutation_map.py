@@ -30,6 +30,7 @@ METRICS, HTML, ECOSYSTEM = T + "metrics.py", T + "report_html.py", T + "ecosyste
 GENERATORS, OFFLOAD, ACCELERATE = T + "generators.py", T + "offload.py", T + "accelerate.py"
 AUTOCAST, COMPILE, BACKWARD = T + "autocast.py", T + "compile.py", T + "backward_errors.py"
 MODELS, KERNEL_CHECKS = T + "models.py", T + "sim_kernel_checks.py"
+CHIP_NAMES = T + "chip_names.py"
 
 TESTS: dict[str, list[Run]] = {
     # ---- the Python package ----
@@ -43,7 +44,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_adapter_ops.py": [sim(SIM_TESTS, COUNTERS, SIM_FIDELITY, ROUTES)],
     "flagos/runtime/_attention.py": [cpu(MODELS, k="attention"), sim(MODELS, k="attention")],
     "flagos/runtime/_autocast.py": [cpu(AUTOCAST), sim(AUTOCAST)],
-    "flagos/_autoload.py": [cpu(AUTOLOAD)],
+    "flagos/_autoload.py": [cpu(AUTOLOAD, CHIP_NAMES)],
     "flagos/integrations/_backward_errors.py": [cpu(BACKWARD)],
     "flagos/integrations/_compile.py": [cpu(COMPILE)],
     "flagos/runtime/_device_module.py": [cpu(DEVICE, MULTI), sim(STREAMS)],
@@ -59,7 +60,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/report/_report.py": [cpu(ROUTES, COUNTERS, HTML)],
     "flagos/report/_html.py": [cpu(HTML)],
     "flagos/core/_routes.py": [cpu(ROUTES, POLICY), cpu(ENV, k="route"), cpu(ERRORS, k="environment")],
-    "flagos/_activation.py": [cpu(DEVICE, ERRORS, VERSIONS, ENV)],
+    "flagos/_activation.py": [cpu(DEVICE, ERRORS, VERSIONS, ENV, CHIP_NAMES)],
     "flagos/core/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD), sim(COUNTERS, FIDELITY)],
     "flagos/runtime/_streams.py": [sim(STREAMS), cpu(STREAMS)],
     "flagos/runtime/_tensor.py": [cpu(DEVICE, FIDELITY), sim(DEVICE, SIM_FIDELITY)],
@@ -73,7 +74,8 @@ TESTS: dict[str, list[Run]] = {
     "flagos/chips/adapter.py": [cpu(LOADER, ADAPTERS)],
     "flagos/chips/base.py": [cpu(DEVICE, ERRORS), sim(DEVICE)],
     "flagos/chips/cpu.py": [cpu(DEVICE, ERRORS)],
-    "flagos/chips/cuda.py": [cpu(ERRORS, DIAGNOSE)],
+    "flagos/chips/cuda.py": [cpu(CHIP_NAMES, ERRORS, DIAGNOSE)],
+    "flagos/chips/names.py": [cpu(CHIP_NAMES, ERRORS)],
     "flagos/chips/mlu.py": [cpu(ERRORS, DIAGNOSE)],
     "flagos/chips/mps.py": [cpu(ERRORS, DIAGNOSE)],
     "flagos/chips/musa.py": [cpu(ERRORS, DIAGNOSE)],

@@ -194,6 +194,67 @@ def test_coverage_files_are_what_the_generator_writes(tmp_path):
     assert json.load(open(tmp_path / "cuda.json")) == shipped
 
 
+EXCERPT = os.path.join(ROOT, "tests", "data", "op_plugin_functions_excerpt.yaml")
+
+
+def test_op_plugin_coverage_versions_are_read_as_the_file_states_them():
+    from flagos.report.coverage.generate import op_plugin_ops
+    text = open(EXCERPT).read()
+    always = {"aten::abs", "aten::add.Tensor", "aten::_fft_r2c", "aten::_conv_depthwise2d.out",
+              "aten::_foreach_norm.Scalar"}
+    fake_quant = "aten::_fake_quantize_per_tensor_affine_cachemask_tensor_qparams"
+    ops, version, versions = op_plugin_ops(text)
+    assert (version, versions[0], len(versions)) == ("v2.10", "v2.1", 10)
+    assert ops == always  # custom npu_* ops are torch_npu's own, not aten's
+    assert op_plugin_ops(text, "2.2")[0] == always | {"aten::cumsum", fake_quant}   # a comma list
+    assert op_plugin_ops(text, "v2.5")[0] == always | {"aten::cumsum"}              # a closed range
+    assert op_plugin_ops(text, "2.6")[0] == always
+    with pytest.raises(ValueError, match="covers v2.1, .*v2.10, not v2.11"):
+        op_plugin_ops(text, "2.11")
+
+
+def test_npu_coverage_file_from_op_plugin_names_what_the_list_lacks(tmp_path):
+    from flagos.report.coverage import FileCoverage
+    from flagos.report.coverage.generate import main
+    assert main(["--out", str(tmp_path), "npu", "--op-plugin", EXCERPT,
+                 "--op-plugin-source", "the test's excerpt"]) == 0
+    table = json.load(open(tmp_path / "npu.json"))
+    assert (table["chip"], table["dispatch_key"], table["op_plugin_version"]) == ("npu", "PrivateUse1", "v2.10")
+    assert table["source"].startswith("the test's excerpt (Ascend op-plugin")
+    assert table["torch"] == torch.__version__.split("+")[0]
+    kernel, no_kernel = set(table["kernel"]), set(table["no_kernel"])
+    assert {"aten::abs", "aten::add.Tensor", "aten::_fft_r2c"} <= kernel
+    # listed only up to v2.5, and PyTorch's own kernels for it are per device: a fallback on npu
+    assert "aten::cumsum" in no_kernel and "aten::mm" in no_kernel
+    # a decomposition counts as covered, as for cpu/cuda/mps
+    assert "aten::linear" in kernel
+    cov = FileCoverage("npu", str(tmp_path / "npu.json"))
+    assert cov.classify("aten::cumsum")[0] == "fallback" and cov.classify("aten::abs")[0] == "native"
+    assert main(["--out", str(tmp_path), "npu", "--op-plugin", EXCERPT, "--op-plugin-version", "3.0"]) == 1
+
+
+@pytest.mark.parametrize("version, cumsum", [("2.10", "fallback"), ("2.5", "native")])
+def test_analyze_target_npu_from_op_plugin_coverage_names_the_ops_it_lacks(script, tmp_path, version, cumsum):
+    """`--target ascend` (npu) with an npu.json made from the op-plugin excerpt, found on
+    FLAGOS_COVERAGE_PATH: the workload's cumsum, listed for PyTorch 2.1 to 2.5 only, falls back
+    at 2.10; addmm, which the excerpt does not list, falls back at both."""
+    from flagos.report.coverage.generate import main
+    assert main(["--out", str(tmp_path), "npu", "--op-plugin", EXCERPT,
+                 "--op-plugin-version", version]) == 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", FLAGOS_COVERAGE_PATH=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "flagos", "analyze", "--chip", "cpu", "--target",
+                           "ascend", "--json", "-", "--", sys.executable, str(script), "0"],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    target = json.loads(proc.stdout)["target"]
+    assert (target["chip"], target["source"]) == ("npu", str(tmp_path / "npu.json"))
+    assert "aten::addmm" in target["fallback_ops"]
+    assert ("aten::cumsum" in target["fallback_ops"]) == (cumsum == "fallback")
+    assert not {"aten::abs", "aten::add.Tensor"} & set(target["fallback_ops"])
+
+
 class _Rows(HTMLParser):
     def __init__(self):
         super().__init__()

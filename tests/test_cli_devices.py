@@ -19,13 +19,14 @@ def test_json_has_one_row_per_device_and_names_the_failed_one():
 
     host = next(d for d in flagos.list_devices() if d.chip == "cpu")
     cpu = by_device[("cpu", 0)]
-    assert (cpu["name"], cpu["memory_total"], cpu["native_dtypes"], cpu["mode"], cpu["status"]) == \
-        (host.name, host.total_memory, list(host.native_dtypes), "device", "ok")
+    assert (cpu["name"], cpu["vendor"], cpu["memory_total"], cpu["native_dtypes"], cpu["mode"], cpu["status"]) == \
+        (host.name, host.vendor, host.total_memory, list(host.native_dtypes), "device", "ok")
     assert 0 < cpu["memory_used"] < cpu["memory_total"]
 
     for i in (0, 1):
         assert by_device[("sim", i)] == {
-            "chip": "sim", "index": i, "name": f"flagos sim device {i}", "memory_used": 0,
+            "chip": "sim", "index": i, "name": f"flagos sim device {i}",
+            "vendor": "flagos (emulated accelerator)", "memory_used": 0,
             "memory_total": 48 * 2**20, "native_dtypes": ["float32", "float16", "bfloat16"],
             "mode": "device", "status": "ok"}
     failed = by_device[("sim", 2)]
@@ -37,7 +38,7 @@ def test_csv_has_the_same_rows():
     proc = run_flagos("devices", "--csv", env=SIM)
     assert proc.returncode == 1, proc.stderr
     rows = list(csv.DictReader(io.StringIO(proc.stdout)))
-    assert list(rows[0]) == ["chip", "index", "name", "memory_used", "memory_total",
+    assert list(rows[0]) == ["chip", "index", "name", "vendor", "memory_used", "memory_total",
                              "native_dtypes", "mode", "status"]
     sim = [r for r in rows if r["chip"] == "sim"]
     assert [r["index"] for r in sim] == ["0", "1", "2"]

@@ -127,6 +127,10 @@ def test_python_function_keeps_this_process_as_it_is():
 def test_unknown_chip_is_a_usage_error_and_bad_settings_fail(monkeypatch, capsys):
     assert main(["diagnose", "--chip", "nosuchchip"]) == 2
     assert "unknown chip 'nosuchchip'; flagos knows: " in capsys.readouterr().err
+    assert main(["diagnose", "--chip", "rknn", "--no-smoke"]) == 2
+    assert "'rknn' cannot run under flagos: Rockchip NPUs have no PyTorch device" in capsys.readouterr().err
+    assert main(["diagnose", "--chip", "Ascend", "--no-smoke", "--json"]) == 1  # vendor name of npu
+    assert '"chip": "npu"' in capsys.readouterr().out
 
     monkeypatch.setenv("FLAGOS_FALLBACK", "sometimes")
     assert main(["diagnose", "--chip", "mps", "--no-smoke", "--json"]) == 1

@@ -49,6 +49,18 @@ class TorchChip:
     native_dtypes: tuple[str, ...] = _COMMON_DTYPES + ("float64",)
     oom_patterns: tuple[str, ...] = ("out of memory",)
     extra: dict = field(default_factory=dict)
+    install: str = ""                     # what a user installs to get the chip
+
+    def why_unavailable(self) -> str:
+        """Why detect() says no, in words: the plugin is missing or broken, or no device."""
+        if self.plugin:
+            if importlib.util.find_spec(self.plugin) is None:
+                return f"{self.plugin} is not installed"
+            try:
+                importlib.import_module(self.plugin)
+            except Exception as e:  # a broken vendor package: say how it breaks
+                return f"{self.plugin} is installed but fails to import ({type(e).__name__}: {e})"
+        return f"torch.{self.torch_type}.is_available() is False (no device, or no driver)"
 
     # -- detection -------------------------------------------------------
     def _module(self):

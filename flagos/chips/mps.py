@@ -27,4 +27,5 @@ class MpsChip(TorchChip):
 
 
 CHIP = MpsChip(name="mps", torch_type="mps", vendor="apple", collective_backend="gloo",
-               native_dtypes=_COMMON_DTYPES, oom_patterns=("mps backend out of memory",))
+               native_dtypes=_COMMON_DTYPES, oom_patterns=("mps backend out of memory",),
+               install="PyTorch on macOS 12.3+ on Apple silicon (the standard macOS wheels)")

@@ -22,7 +22,8 @@ class EnvVar:
 
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLAGOS_DEVICE", "", "chip to activate at `import torch` (autoload) or by "
-           "`activate()` with no argument: auto, cpu, cuda, npu, ... ; unset: autoload does nothing"),
+           "`activate()` with no argument: auto, cpu, cuda, npu, ..., or a vendor name (ascend, hygon, "
+           "...: docs/chips.md); unset: autoload does nothing"),
     EnvVar("FLAGOS_DEVICE_BACKEND", "", "alias of FLAGOS_DEVICE (the name FlagOS users know); "
            "FLAGOS_DEVICE wins when both are set"),
     EnvVar("FLAGOS_MODE", "", "device (flagos owns PrivateUse1) or native (the chip keeps its own "
@@ -30,6 +31,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            ("device", "native")),
     EnvVar("FLAGOS_ADAPTER_PATH", "", "folders (os.pathsep-separated) searched for chip adapter "
            "libraries `libflagos_<chip>_adapter.so` before the package's own"),
+    EnvVar("FLAGOS_COVERAGE_PATH", "", "folders (os.pathsep-separated) searched for coverage "
+           "files `<chip>.json` (`flagos analyze --target`) before the package's own"),
     EnvVar("FLAGOS_FALLBACK", "warn", "what a CPU fallback does: allow (silently), warn (once per "
            "op) or error (raise before running the op)", ("allow", "warn", "error")),
     EnvVar("FLAGOS_ROUTE", "", "forced routes, comma-separated `op=route` pairs, e.g. "

@@ -287,14 +287,15 @@ def _memory(profile, index: int) -> tuple[int, int]:
 
 
 def device_row(profile, index: int, mode: str, utilization: bool = False) -> dict:
-    """One device: chip, index, name, memory used/total (bytes), native dtypes, mode, status
+    """One device: chip, index, name, vendor, memory used/total (bytes), native dtypes, mode, status
     ("ok" or "error: ..."), and utilization (0..1, None where the chip does not expose it)."""
-    row = {"chip": profile.name, "index": index, "name": None, "memory_used": None,
+    row = {"chip": profile.name, "index": index, "name": None, "vendor": "", "memory_used": None,
            "memory_total": None, "native_dtypes": [], "mode": mode, "status": "ok"}
     if utilization:
         row["utilization"] = None
     try:
         row["name"] = profile.device_name(index)
+        row["vendor"] = profile.vendor  # after the name: the cuda chip reads its vendor from it
         row["memory_used"], row["memory_total"] = _memory(profile, index)
         row["native_dtypes"] = _native_dtypes(profile, index)
         if utilization:

@@ -24,7 +24,9 @@ import sys
 import tempfile
 
 from .. import chips
+from ..chips import names
 from ..core import _env
+from ..errors import ChipNotFoundError
 from ..report._html import render
 from ..report._sites import short_site
 from ..report.coverage import ROUTES, for_chip
@@ -51,11 +53,12 @@ def add_arguments(parser) -> None:
 
 def _check_chip(chip: str) -> str:
 
-    name = chip.strip().lower()
+    try:
+        name = names.resolve(chip, chips.known()).chip  # vendor names too: "ascend" is npu
+    except ChipNotFoundError as e:
+        raise UsageError(str(e)) from None
     if name == "auto":
         return name
-    if name not in chips.known():
-        raise UsageError(f"unknown chip {chip!r}; known chips: {', '.join(chips.known())}, or 'auto'")
     if not chips.profile(name).detect():
         available = [n for n in chips.known() if chips.profile(n).detect()]
         raise UsageError(f"chip {name!r} is not available on this machine; available here: "
@@ -130,6 +133,8 @@ def analyze(command, chip: str | None = None, target: str | None = None,
     chip = _check_chip(chip or _env.requested_device() or "auto")
     if target is not None:
         try:
+            alias = names.ALIASES.get(target.strip().lower())
+            target = alias.chip if alias else target  # a vendor name: "ascend" is npu
             for_chip(target)  # before the run: a bad target is a usage error, not a lost run
         except ValueError as e:
             raise UsageError(str(e)) from None

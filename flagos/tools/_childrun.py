@@ -24,6 +24,7 @@ import torch
 import flagos
 
 from .. import chips
+from ..chips import names
 from ..core import _state
 
 REFERENCE = "torch-cpu"
@@ -100,6 +101,8 @@ def check_chip(chip: str) -> str:
     name = chip.strip().lower()
     if name in (REFERENCE, "auto") or name in chips.known():
         return name
+    if name in names.ALIASES:  # a vendor name: "ascend" is npu
+        return names.ALIASES[name].chip
     raise ValueError(f"unknown chip {chip!r}; use {REFERENCE} (plain PyTorch on the CPU), auto, "
                      f"or one of: {', '.join(chips.known())}")
 

@@ -1,6 +1,7 @@
 """One row per device of every available chip.
 
-Columns: chip, index, name, memory used/total, native dtypes, mode, status.
+Columns: chip, index, name, vendor (for the cuda chip: NVIDIA, AMD, Hygon, Iluvatar or MetaX,
+as PyTorch reports the device), memory used/total, native dtypes, mode, status.
 
 Memory used is the whole device's (total - free, as nvidia-smi counts it); for the cpu chip it
 is the host's. A C-ABI chip's memory (sim) belongs to the process that loads its adapter, so
@@ -17,7 +18,7 @@ import sys
 from ..report import _probe
 from ._common import format_bytes, format_table, write_json
 
-COLUMNS = ("chip", "index", "name", "memory_used", "memory_total", "native_dtypes", "mode", "status")
+COLUMNS = ("chip", "index", "name", "vendor", "memory_used", "memory_total", "native_dtypes", "mode", "status")
 
 
 def add_arguments(parser) -> None:
@@ -42,8 +43,8 @@ def _write_csv(rows: list[dict]) -> None:
 
 
 def format_text(rows: list[dict]) -> str:
-    headers = ["CHIP", "INDEX", "NAME", "MEMORY USED", "MEMORY TOTAL", "NATIVE DTYPES", "MODE", "STATUS"]
-    body = [[r["chip"], r["index"], r["name"], format_bytes(r["memory_used"]),
+    headers = ["CHIP", "INDEX", "NAME", "VENDOR", "MEMORY USED", "MEMORY TOTAL", "NATIVE DTYPES", "MODE", "STATUS"]
+    body = [[r["chip"], r["index"], r["name"], r["vendor"], format_bytes(r["memory_used"]),
              format_bytes(r["memory_total"]), ",".join(r["native_dtypes"]), r["mode"], r["status"]]
             for r in rows]
     return format_table(headers, body)

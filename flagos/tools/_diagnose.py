@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import time
 
+from ..chips import names as chip_names
 from ..errors import ChipNotFoundError
 from ..report import _probe
 from . import _smoke
@@ -45,6 +46,9 @@ def diagnose(chip: str | None = None, smoke: bool = True, _allow_fork: bool = Fa
     """
     start = time.perf_counter()
     known = _probe.known_chips()
+    if chip is not None and chip not in known and chip.strip().lower() in (
+            *chip_names.ALIASES, *chip_names.UNSUPPORTED):
+        chip = chip_names.resolve(chip, known).chip  # "ascend" is npu; "rknn" says why not
     if chip is not None and chip not in known:
         raise ChipNotFoundError(f"unknown chip {chip!r}; flagos knows: {', '.join(known)} "
                          f"(adapters are found on FLAGOS_ADAPTER_PATH)")

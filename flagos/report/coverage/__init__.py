@@ -21,7 +21,7 @@ from ... import _C
 from ...chips import adapter as adapter_mod
 from ...chips import known, profile
 from ...chips.adapter import DTYPE_NAMES, AdapterChip
-from ...core import _schema
+from ...core import _env, _schema
 from ...runtime import _adapter_ops
 
 ROUTES = ("native", "fallback", "unknown")
@@ -120,9 +120,14 @@ class AdapterCoverage(Coverage):
 
 
 def shipped_files() -> dict[str, str]:
-    """chip -> path of the coverage file shipped for it."""
-    return {name[:-5]: os.path.join(HERE, name) for name in sorted(os.listdir(HERE))
-            if name.endswith(".json")}
+    """chip -> path of its coverage file: in the folders of FLAGOS_COVERAGE_PATH (the first
+    that has one), else the one shipped in this folder."""
+    found = {}
+    for folder in [HERE] + [d for d in _env.get("FLAGOS_COVERAGE_PATH").split(os.pathsep) if d][::-1]:
+        if os.path.isdir(folder):
+            found.update({name[:-5]: os.path.join(folder, name) for name in sorted(os.listdir(folder))
+                          if name.endswith(".json")})
+    return found
 
 
 def for_chip(chip: str) -> Coverage:

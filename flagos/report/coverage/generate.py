@@ -2,6 +2,7 @@
 
     python -m flagos.report.coverage.generate            # rewrites flagos/report/coverage/{cpu,cuda,mps}.json
     python -m flagos.report.coverage.generate npu        # where torch_npu is installed: npu.json
+    python -m flagos.report.coverage.generate npu --op-plugin op_plugin_functions.yaml   # anywhere
 
 cpu, cuda, mps: PyTorch ships its operator declarations
 (torchgen/packaged/ATen/native/native_functions.yaml) with every wheel, CPU-only ones included,
@@ -14,7 +15,9 @@ or a decomposition (CompositeImplicitAutograd, whose parts are what reach the ch
 Vendor plugins (npu, mlu, musa) and xpu register their kernels at import, outside that file:
 on a machine where the plugin is installed, the file is read from the live dispatcher instead
 (the same question asked of `torch._C._dispatch_has_kernel_for_dispatch_key`), and
-`--from-dispatcher` asks the dispatcher for any chip.
+`--from-dispatcher` asks the dispatcher for any chip. npu can also be written without
+torch_npu: Ascend publishes the aten ops torch_npu implements, per PyTorch version, in its
+op-plugin repository (op_plugin/config/op_plugin_functions.yaml); `--op-plugin` reads that file.
 """
 from __future__ import annotations
 
@@ -44,8 +47,9 @@ def _yaml_paths() -> tuple[str, str]:
     return paths
 
 
-def kernel_table(chip: str) -> dict:
-    """{"kernel": [ops], "no_kernel": [ops]} for one chip, from the installed PyTorch."""
+def kernel_table(chip: str, listed: set[str] | None = None) -> dict:
+    """{"kernel": [ops], "no_kernel": [ops]} for one chip, from the installed PyTorch. listed:
+    ops with a kernel from elsewhere (a vendor's op list), which then replaces the chip's key."""
     import torch
     from torchgen.gen import parse_native_yaml
     from torchgen.model import DispatchKey
@@ -54,9 +58,12 @@ def kernel_table(chip: str) -> dict:
     parsed = parse_native_yaml(yaml_path, tags_path)
     indices = parsed.backend_indices
     by_name = {str(f.func.name): f for f in parsed.native_functions}
-    keys = [DispatchKey.parse(CHIP_KEYS[chip])] + [DispatchKey.parse(k) for k in GENERIC_KEYS]
+    keys = ([] if listed is not None else [DispatchKey.parse(CHIP_KEYS[chip])]) + \
+        [DispatchKey.parse(k) for k in GENERIC_KEYS]
 
     def has_kernel(f) -> bool:
+        if listed is not None and f"aten::{f.func.name}" in listed:
+            return True
         if any(indices[k].has_kernel(f) for k in keys):
             return True
         delegate = f.structured_delegate and by_name.get(str(f.structured_delegate))
@@ -75,6 +82,63 @@ def kernel_table(chip: str) -> dict:
         "kernel": kernel,
         "no_kernel": no_kernel,
     }
+
+
+def op_plugin_ops(text: str, version: str | None = None) -> tuple[set[str], str, list[str]]:
+    """The aten ops Ascend's op-plugin (torch_npu's kernels) implements for one PyTorch version,
+    read from the text of its `op_plugin/config/op_plugin_functions.yaml`: (ops as
+    "aten::name.overload", the version read, every version the file covers).
+
+    The file lists the versions it covers (`all_version: [v2.1, ...]`) and, under `official:`,
+    one entry per aten op with the versions each implementation (`acl_op`, `op_api`, ...) exists
+    for: `all_version`, a range `[v2.1, newest]` / `[v2.1, v2.6]`, or a list `v2.1, v2.2`.
+    `custom:` ops (npu_*) are torch_npu's own, not aten's, and are left out. version: "2.10" or
+    "v2.10"; None takes the newest the file covers."""
+    import yaml
+
+    data = yaml.safe_load(text)
+    versions = [str(v) for v in data["all_version"]]
+    want = versions[-1] if version is None else ("v" + version.lstrip("v"))
+    if want not in versions:
+        raise ValueError(f"op_plugin_functions.yaml covers {', '.join(versions)}, not {want}")
+
+    def covers(spec) -> bool:
+        if spec == "all_version":
+            return True
+        if isinstance(spec, list) and len(spec) == 2:  # an inclusive range; "newest" is the last
+            low, high = (versions.index(v) if v in versions else len(versions) - 1
+                         for v in (str(spec[0]), str(spec[1]).replace("newest", versions[-1])))
+            return low <= versions.index(want) <= high
+        listed = spec if isinstance(spec, list) else str(spec).split(",")
+        return want in (str(v).strip() for v in listed)
+
+    ops = set()
+    for entry in data.get("official") or []:
+        specs = [v for k, v in entry.items() if k != "func" and (
+            v == "all_version" or isinstance(v, list) or (isinstance(v, str) and v.startswith("v")))]
+        if any(covers(spec) for spec in specs):
+            ops.add("aten::" + entry["func"].split("(", 1)[0].strip())
+    return ops, want, versions
+
+
+def op_plugin_table(path: str, version: str | None = None, source: str | None = None) -> dict:
+    """npu's coverage: an op has a kernel when op-plugin lists it for `version`, or when its
+    kernel is device-generic or a decomposition in the installed PyTorch's native_functions.yaml
+    (as for cpu, cuda and mps). Ops op-plugin lists that this PyTorch lacks are left out."""
+    with open(path) as f:
+        listed, version, _ = op_plugin_ops(f.read(), version)
+    table = kernel_table("cpu", listed=listed)
+    table.update({
+        "chip": "npu",
+        "dispatch_key": "PrivateUse1",
+        "op_plugin_version": version,
+        "source": f"{source or path} (Ascend op-plugin, the aten ops torch_npu implements), "
+                  f"ops listed for {version}; device-generic kernels and decompositions from "
+                  f"native_functions.yaml shipped with PyTorch, parsed with torchgen",
+        "generated_by": f"python -m flagos.report.coverage.generate npu --op-plugin PATH "
+                        f"--op-plugin-version {version}",
+    })
+    return table
 
 
 def dispatcher_table(chip: str) -> dict:
@@ -119,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=HERE, help="folder to write <chip>.json into")
     parser.add_argument("--from-dispatcher", action="store_true",
                         help="read every chip's kernels from the dispatcher of this process")
+    parser.add_argument("--op-plugin", metavar="YAML",
+                        help="npu without torch_npu: Ascend op-plugin's op_plugin_functions.yaml")
+    parser.add_argument("--op-plugin-version", metavar="V",
+                        help="the PyTorch version of that file to read (default: its newest)")
+    parser.add_argument("--op-plugin-source", metavar="TEXT",
+                        help="what to record as the file's origin (repository, commit, path)")
     parser.add_argument("chips", nargs="*", default=sorted(CHIP_KEYS),
                         help=f"chips to write, of {', '.join(known)} (default: "
                              f"{' '.join(sorted(CHIP_KEYS))})")
@@ -128,11 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no dispatch key known for {', '.join(unknown)}; choose from {', '.join(known)}")
     for chip in args.chips:
         try:
-            if args.from_dispatcher or chip in PLUGIN_KEYS:
+            if chip == "npu" and args.op_plugin:
+                table = op_plugin_table(args.op_plugin, args.op_plugin_version, args.op_plugin_source)
+            elif args.from_dispatcher or chip in PLUGIN_KEYS:
                 table = dispatcher_table(chip)
             else:
                 table = kernel_table(chip)
-        except (RuntimeError, FileNotFoundError) as e:
+        except (RuntimeError, FileNotFoundError, ValueError) as e:
             print(f"{parser.prog}: {e}", file=sys.stderr)
             return 1
         path = os.path.join(args.out, f"{chip}.json")
