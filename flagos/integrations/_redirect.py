@@ -24,6 +24,7 @@ import sys
 import types
 
 import torch
+import torch.utils._pytree as pytree
 
 from ..core import _state
 from ..runtime import _device_module
@@ -56,7 +57,7 @@ ENTRY_POINTS = (
     + tuple(f"torch.cuda.{n}" for n in CUDA_FUNCTIONS)
 )
 
-_DEVICE_KWARGS = ("device", "map_location")
+_DEVICE_KWARGS = ("device",)
 _saved: list[tuple[object, str, object]] = []   # (owner, attribute, original), to uninstall
 _target_type = ""                               # "flagos" (device mode) or the chip's type
 
@@ -90,12 +91,6 @@ def _map_index(device):
     return _map(device)
 
 
-def _map_location(value):
-    if isinstance(value, dict):
-        return {k: _map(v) if isinstance(v, (str, torch.device)) else v for k, v in value.items()}
-    return _map(value)
-
-
 def _rewrite(fn, ints=False):
     """`fn` with its device arguments (positional or keyword) mapped to the active chip."""
     @functools.wraps(fn)
@@ -104,7 +99,7 @@ def _rewrite(fn, ints=False):
             for key in _DEVICE_KWARGS:
                 value = kwargs.get(key)
                 if value is not None:
-                    kwargs[key] = _map_location(value)
+                    kwargs[key] = _map(value)
         for i, arg in enumerate(args):
             tp = type(arg)
             if tp is str or tp is torch.device or (ints and tp is int and i == 1):
@@ -115,6 +110,36 @@ def _rewrite(fn, ints=False):
 
 
 _ABSENT = object()   # the attribute was inherited: uninstall deletes it again
+
+
+def _load(load):
+    """torch.load(map_location="cuda"): tensors of a host checkpoint land on the chip, as on
+    CUDA (map_location="flagos" alone keeps host-saved storages on the host, design §8). They
+    are loaded to the host and moved, through the containers pytree knows (dicts, lists,
+    tuples: state dicts and checkpoints)."""
+    @functools.wraps(load)
+    def redirected(*args, **kwargs):
+        location = kwargs.get("map_location")
+        if len(args) > 1:
+            location, args = args[1], args[:1]
+        if isinstance(location, dict):
+            target = next((_map(v) for v in location.values() if _is_cuda(v)), None)
+            host = {k: "cpu" if _is_cuda(v) else v for k, v in location.items()}
+        else:
+            target = _map(location) if _is_cuda(location) else None
+            host = "cpu"
+        if target is None:
+            return load(*args, **kwargs)
+        kwargs["map_location"] = host
+        result = load(*args, **kwargs)
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(target), result)
+    redirected.__flagos_redirect__ = load
+    return redirected
+
+
+def _is_cuda(value) -> bool:
+    return (type(value) is str and value.startswith("cuda")) or \
+        (type(value) is torch.device and value.type == "cuda")
 
 
 def _set(owner, name: str, value) -> None:
@@ -249,7 +274,7 @@ def install(state) -> bool:
     for name in TENSOR_METHODS[2:]:
         _set(torch.Tensor, name, _rewrite(getattr(torch.Tensor, name)))
     _set(torch.nn.Module, "cuda", _module_cuda)
-    _set(torch, "load", _rewrite(torch.load))
+    _set(torch, "load", _load(torch.load))
     _set(torch, "Generator", _generator_class(torch.Generator))
     autocast = torch.amp.autocast_mode.autocast
     _set(autocast, "__init__", _autocast_init(autocast.__init__))
