@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import CHIP, device_mode_only
 
 import flagos
@@ -166,8 +167,6 @@ def _check_cuda_amp_grad_scaler(dev):
 
 
 def _check_init_process_group(dev):
-    import torch.distributed as dist
-
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert dist.get_backend() == (_state.active().chip.collective_backend or "gloo")

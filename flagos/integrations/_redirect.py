@@ -60,6 +60,7 @@ ENTRY_POINTS = (
 _DEVICE_KWARGS = ("device",)
 _saved: list[tuple[object, str, object]] = []   # (owner, attribute, original), to uninstall
 _target_type = ""                               # "flagos" (device mode) or the chip's type
+_strings: dict[str, torch.device] = {}          # "cuda:N" -> the chip's device, parsed once
 
 
 # ---- mapping one device argument -----------------------------------------------------
@@ -74,8 +75,11 @@ def _map(value):
     if tp is str:
         if not value.startswith("cuda"):
             return value
-        value = torch.device(value)
-    elif tp is not torch.device or value.type != "cuda":
+        mapped = _strings.get(value)
+        if mapped is None:
+            mapped = _strings[value] = _map(torch.device(value))
+        return mapped
+    if tp is not torch.device or value.type != "cuda":
         return value
     return torch.device(_target_type, value.index) if value.index is not None \
         else torch.device(_target_type)
@@ -291,6 +295,7 @@ def install(state) -> bool:
 
 def uninstall() -> None:
     """Put every replaced entry point back (native mode's deactivate(), the tests)."""
+    _strings.clear()
     while _saved:
         owner, name, original = _saved.pop()
         if original is _ABSENT:

@@ -20,8 +20,8 @@ import time
 import torch
 
 from .. import __version__, chips
-from ..chips.base import torch_module
 from ..chips.adapter import DTYPE_NAMES, PACKAGE_DIR, AdapterChip, find_library, load
+from ..chips.base import torch_module
 from ..core import _env, _state
 from ..errors import AdapterError, DeviceError
 from ..runtime._registration import device_mode_supported
