@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import CHIP, device_mode_only
+from conftest import CHIP, device_mode_only, run_python
 
 import flagos
 from flagos import chips
@@ -301,6 +301,11 @@ def test_every_entry_point_is_replaced(redirect):
         assert (id(torch), name) in replaced
     for name in _redirect.TENSOR_METHODS:
         assert (id(torch.Tensor), name) in replaced
+    for owner, name in ((torch.nn.Module, "cuda"), (torch, "load"), (torch, "Generator"),
+                        (torch.amp.autocast_mode.autocast, "__init__"),
+                        (torch.amp.grad_scaler.GradScaler, "__init__"),
+                        (dist, "init_process_group"), (torch, "cuda")):
+        assert (id(owner), name) in replaced, (owner, name)
     real = sys.modules["torch.cuda"]
     for name in _redirect.CUDA_FUNCTIONS:
         assert getattr(torch.cuda, name) is not getattr(real, name), name
@@ -429,3 +434,48 @@ def test_cuda_script_runs_unchanged(tmp_path, script):
     tol = dict(rtol=1e-4, atol=1e-5) if CHIP == "cpu" else dict(rtol=2e-3, atol=2e-4)
     for key in want:
         torch.testing.assert_close(got[key], want[key], **tol, msg=key)
+
+
+ONCE = pytest.mark.skipif(CHIP != "cpu", reason="activates the cpu chip itself: runs once, in the cpu run")
+
+
+@ONCE
+def test_cuda_script_runs_unchanged_in_native_mode(tmp_path):
+    """Native mode: "cuda" means the chip's own device type (cpu for the cpu chip)."""
+    got = _run(TRAIN_SCRIPT, str(tmp_path / "script_chip"),
+               {"FLAGOS_DEVICE": "cpu", "FLAGOS_MODE": "native", "FLAGOS_REDIRECT_CUDA": "1"})
+    want = _run(_as_cpu_script(TRAIN_SCRIPT), str(tmp_path / "script_cpu"), {})
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@ONCE
+def test_native_mode_entry_points_and_deactivate():
+    proc = run_python("""
+        import sys
+        import torch
+        import flagos
+        flagos.activate("cpu", mode="native", redirect_cuda=True)
+        cpu = torch.device("cpu")
+        assert torch.randn(3, device="cuda").device == cpu
+        assert torch.zeros(2).cuda().device == cpu
+        assert torch.nn.Linear(2, 2).cuda().weight.device == cpu
+        assert torch.Generator("cuda").device == cpu
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert (torch.ones(2, 2, device="cuda") @ torch.ones(2, 2)).dtype == torch.bfloat16
+        assert torch.amp.GradScaler("cuda")._device == "cpu"
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); end.record(); end.synchronize()
+        assert start.elapsed_time(end) >= 0
+        flagos.deactivate()
+        assert torch.cuda is sys.modules["torch.cuda"] and not torch.cuda.is_available()
+        try:
+            torch.zeros(1, device="cuda")
+        except (AssertionError, RuntimeError) as e:
+            assert "not compiled with CUDA" in str(e), e
+        else:
+            raise AssertionError("'cuda' still redirected after deactivate()")
+        print("ok")
+    """)
+    assert proc.stdout.strip().endswith("ok")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import time
 import types
 
 import torch
@@ -178,6 +179,31 @@ def get_device_properties(device=None) -> _Properties:
                        major=0, minor=0, multi_processor_count=0, type=state.chip.name)
 
 
+class _HostEvent:
+    """`torch.cuda.Event` for the cpu chip in native mode, where PyTorch has no CPU events:
+    host work is synchronous, so recording is reading the clock."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self._time = None
+
+    def record(self, stream=None) -> None:
+        self._time = time.perf_counter()
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        if self._time is None or end._time is None:
+            raise RuntimeError("both events must be recorded before elapsed_time()")
+        return (end._time - self._time) * 1000.0
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 def _cuda_namespace(real: types.ModuleType, state) -> types.ModuleType:
     """The module `torch.cuda` becomes: the common functions answer for the active chip, every
     other name is PyTorch's own."""
@@ -188,6 +214,8 @@ def _cuda_namespace(real: types.ModuleType, state) -> types.ModuleType:
     for name in CUDA_FUNCTIONS:
         if name in own:
             value = own[name]
+        elif name == "Event" and state.mode != "device" and state.chip.payload_is_host:
+            value = _HostEvent
         elif name in ("Event", "Stream", "stream", "current_stream", "default_stream"):
             value = getattr(streams, name, None)
             if value is None:
