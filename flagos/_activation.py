@@ -175,7 +175,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
         if current is not None:
             if (current.chip.name, current.mode) == (chip.name, mode):
                 if redirect_cuda:
-                    _redirect.install(current)
+                    current.redirect_cuda = _redirect.install(current)
                 return info()
             if current.mode == "device":
                 raise ConfigError(
@@ -213,7 +213,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
             state.native_mode.__enter__()
             state.native_thread = threading.get_ident()
         if redirect_cuda:
-            _redirect.install(state)
+            state.redirect_cuda = _redirect.install(state)
         _report.on_activate()
         _warn_untested_torch()
         log.info("flagos active on chip %s (%s mode, %d device(s), fallback=%s)",
@@ -287,6 +287,7 @@ def deactivate() -> None:
                               "registration lasts for the life of the process")
         _check_native_mode_on_top(state)
         _redirect.uninstall()
+        state.redirect_cuda = False
         state.native_mode.__exit__(None, None, None)
         _C.deconfigure()
         _registration.release()  # torch.Generator and torch.accelerator back to PyTorch's own

@@ -27,10 +27,11 @@ pytestmark = device_mode_only
 
 @pytest.fixture
 def redirect():
-    flagos.activate(CHIP, redirect_cuda=True)   # already active: installs the redirect only
+    assert flagos.activate(CHIP, redirect_cuda=True)["redirect_cuda"] is True  # installs only
     assert _redirect.is_installed()
     yield flagos.device()
     _redirect.uninstall()
+    _state.active().redirect_cuda = False
 
 
 def _on_chip(t, dev):
