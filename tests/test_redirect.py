@@ -135,6 +135,16 @@ def _check_generator(dev):
     assert isinstance(torch.default_generator, torch.Generator)
 
 
+def _check_set_default_device(dev):
+    for d in DEVICES:
+        torch.set_default_device(d)
+        try:
+            _on_chip(torch.ones(2), dev)
+        finally:
+            torch.set_default_device(None)
+    assert torch.ones(2).device == torch.device("cpu")
+
+
 def _check_autocast(dev):
     a = torch.randn(4, 4, device="cuda")
     for ctx in (torch.autocast("cuda", dtype=torch.float16),
@@ -234,6 +244,8 @@ def _check_cuda_module(name, dev):
     elif name == "get_device_properties":
         props = c.get_device_properties(0)
         assert props.name == chip.device_name(0) and props.total_memory == chip.total_memory(0)
+    elif name == "is_bf16_supported":
+        assert c.is_bf16_supported() is ("bfloat16" in chip.native_dtypes)
     elif name == "Event":
         start, end = c.Event(enable_timing=True), c.Event(enable_timing=True)
         start.record()
@@ -271,6 +283,7 @@ def _check(entry: str, dev) -> None:
         "torch.nn.Module.cuda": _check_module_cuda,
         "torch.load": _check_load,
         "torch.Generator": _check_generator,
+        "torch.set_default_device": _check_set_default_device,
         "torch.autocast": _check_autocast,
         "torch.amp.GradScaler": _check_amp_grad_scaler,
         "torch.distributed.init_process_group": _check_init_process_group,
@@ -280,7 +293,7 @@ def _check(entry: str, dev) -> None:
 CHECKED = (
     {f"torch.{n}" for n in FACTORY_CALLS} | {f"torch.Tensor.{n}" for n in NEW_CALLS}
     | {"torch.Tensor.to", "torch.Tensor.cuda", "torch.nn.Module.cuda", "torch.load",
-       "torch.Generator", "torch.autocast", "torch.amp.GradScaler", "torch.cuda.amp.GradScaler",
+       "torch.Generator", "torch.set_default_device", "torch.autocast", "torch.amp.GradScaler", "torch.cuda.amp.GradScaler",
        "torch.distributed.init_process_group"}
     | {f"torch.cuda.{n}" for n in _redirect.CUDA_FUNCTIONS}
 )

@@ -25,6 +25,7 @@ import time
 import types
 
 import torch
+import torch.utils._device
 import torch.utils._pytree as pytree
 
 from ..core import _state
@@ -46,13 +47,14 @@ CUDA_FUNCTIONS = (
     "synchronize", "manual_seed", "manual_seed_all", "get_rng_state", "set_rng_state",
     "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "reset_peak_memory_stats", "memory_stats", "mem_get_info", "empty_cache",
-    "get_device_name", "get_device_properties", "Event", "Stream", "stream", "current_stream",
+    "get_device_name", "get_device_properties", "is_bf16_supported", "Event", "Stream", "stream", "current_stream",
     "default_stream",
 )
 ENTRY_POINTS = (
     tuple(f"torch.{n}" for n in FACTORIES)
     + tuple(f"torch.Tensor.{n}" for n in TENSOR_METHODS)
-    + ("torch.nn.Module.cuda", "torch.load", "torch.Generator", "torch.autocast",
+    + ("torch.nn.Module.cuda", "torch.load", "torch.Generator", "torch.set_default_device",
+       "torch.autocast",
        "torch.amp.GradScaler", "torch.cuda.amp.GradScaler",
        "torch.distributed.init_process_group")
     + tuple(f"torch.cuda.{n}" for n in CUDA_FUNCTIONS)
@@ -204,12 +206,19 @@ class _HostEvent:
         return True
 
 
+def is_bf16_supported(including_emulation: bool = False) -> bool:
+    """Whether the chip runs bfloat16 natively (emulated or fallen-back bf16 says False, so a
+    script that picks its dtype with this picks float16 there)."""
+    return "bfloat16" in _state.active().chip.native_dtypes
+
+
 def _cuda_namespace(real: types.ModuleType, state) -> types.ModuleType:
     """The module `torch.cuda` becomes: the common functions answer for the active chip, every
     other name is PyTorch's own."""
     ns = _CudaModule("torch.cuda", real)
     streams = _device_module if state.mode == "device" else sys.modules.get(f"torch.{state.chip.torch_type}")
     own = {"get_device_name": get_device_name, "get_device_properties": get_device_properties,
+           "is_bf16_supported": is_bf16_supported,
            "is_initialized": _device_module.is_available}
     for name in CUDA_FUNCTIONS:
         if name in own:
@@ -299,6 +308,9 @@ def install(state) -> bool:
         log.info("redirect_cuda: the active chip is cuda; nothing to redirect")
         return False
     _target_type = "flagos" if state.mode == "device" else state.chip.torch_type
+    # torch.set_default_device's mode recognises factories by a set it builds once from the
+    # torch namespace: build it while it still holds PyTorch's own functions.
+    torch.utils._device._device_constructors()
     for name in FACTORIES:
         _set(torch, name, _rewrite(getattr(torch, name)))
     _set(torch.Tensor, "to", _rewrite(torch.Tensor.to, ints=True))
@@ -307,6 +319,7 @@ def install(state) -> bool:
         _set(torch.Tensor, name, _rewrite(getattr(torch.Tensor, name)))
     _set(torch.nn.Module, "cuda", _module_cuda)
     _set(torch, "load", _load(torch.load))
+    _set(torch, "set_default_device", _rewrite(torch.set_default_device))
     _set(torch, "Generator", _generator_class(torch.Generator))
     autocast = torch.amp.autocast_mode.autocast
     _set(autocast, "__init__", _autocast_init(autocast.__init__))
