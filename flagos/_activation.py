@@ -24,7 +24,7 @@ from .errors import (
     FallbackWarning,
     NoEngineQueueError,
 )
-from .integrations import _backward_errors, _compile, _libraries, _offload
+from .integrations import _backward_errors, _compile, _libraries, _offload, _redirect
 from .report import _report
 from .runtime import _adapter_ops, _autocast, _device_module, _math_keys, _native_mode, _pinned, _registration
 from .runtime._tensor import FlagosTensor, set_metadata
@@ -155,7 +155,8 @@ def _apply_log_level() -> None:
         log.propagate = False
 
 
-def activate(device: str | None = "auto", mode: str | None = None) -> dict:
+def activate(device: str | None = "auto", mode: str | None = None,
+             redirect_cuda: bool | None = None) -> dict:
     """Activate flagos on a chip; returns `info()`.
 
     device: "auto" (best available chip), a chip name ("cpu", "cuda", "npu", ...), a vendor
@@ -163,13 +164,17 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
     docs/chips.md), or None to read FLAGOS_DEVICE. mode: "device" (tensors live on the `flagos`
     device) or "native" (the chip keeps its own device type and flagos routes
     every op through a dispatch mode); None reads FLAGOS_MODE, then picks the
-    chip's natural mode.
+    chip's natural mode. redirect_cuda: True makes code written for CUDA run on this
+    chip unchanged ("cuda" devices, `.cuda()`, `torch.cuda.*`, autocast, GradScaler,
+    `init_process_group("nccl")`; a no-op on the cuda chip); None reads FLAGOS_REDIRECT_CUDA.
     """
     with _lock:
         if device is None:
             device = _env.requested_device() or "auto"
         # Validate everything before touching torch, so a bad value changes nothing.
         policy = _env.get("FLAGOS_FALLBACK")
+        if redirect_cuda is None:
+            redirect_cuda = _env.flag("FLAGOS_REDIRECT_CUDA")
         _routes.parse_route_spec(_env.get("FLAGOS_ROUTE"))
         _apply_log_level()
         chip = _pick_chip(device)
@@ -177,6 +182,8 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
         current = _state.active_or_none()
         if current is not None:
             if (current.chip.name, current.mode) == (chip.name, mode):
+                if redirect_cuda:
+                    current.redirect_cuda = _redirect.install(current)
                 return info()
             if current.mode == "device":
                 raise ConfigError(
@@ -213,6 +220,8 @@ def activate(device: str | None = "auto", mode: str | None = None) -> dict:
             state.native_mode = _native_mode.NativeMode()
             state.native_mode.__enter__()
             state.native_thread = threading.get_ident()
+        if redirect_cuda:
+            state.redirect_cuda = _redirect.install(state)
         _report.on_activate()
         _warn_untested_torch()
         log.info("flagos active on chip %s (%s mode, %d device(s), fallback=%s)",
@@ -285,6 +294,8 @@ def deactivate() -> None:
             raise ConfigError("device mode cannot be deactivated: PyTorch's device "
                               "registration lasts for the life of the process")
         _check_native_mode_on_top(state)
+        _redirect.uninstall()
+        state.redirect_cuda = False
         state.native_mode.__exit__(None, None, None)
         _C.deconfigure()
         _registration.release()  # torch.Generator and torch.accelerator back to PyTorch's own

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,12 @@ class DeviceInfo:
 
 _COMMON_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
                   "uint8", "bool")
+
+
+def torch_module(torch_type: str):
+    """PyTorch's own `torch.<torch_type>` module: the one in sys.modules, so a replaced
+    attribute (flagos's CUDA redirect, integrations/_redirect.py) never answers for detection."""
+    return sys.modules.get(f"torch.{torch_type}") or getattr(torch, torch_type, None)
 
 
 @dataclass
@@ -64,7 +71,7 @@ class TorchChip:
 
     # -- detection -------------------------------------------------------
     def _module(self):
-        return getattr(torch, self.torch_type, None)
+        return torch_module(self.torch_type)
 
     def detect(self) -> bool:
         """True when the chip can run here; never raises (a broken plugin means 'no')."""

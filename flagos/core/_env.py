@@ -29,6 +29,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLAGOS_MODE", "", "device (flagos owns PrivateUse1) or native (the chip keeps its own "
            "device type); unset: native for chips whose plugin owns PrivateUse1, device otherwise",
            ("device", "native")),
+    EnvVar("FLAGOS_REDIRECT_CUDA", "0", "1: code written for CUDA runs on the active chip "
+           "(\"cuda\" device arguments, `.cuda()`, `torch.cuda.*`, autocast, GradScaler, "
+           "init_process_group(\"nccl\")); the same as `activate(redirect_cuda=True)`",
+           ("0", "1", "true", "false", "yes", "no", "on", "off")),
     EnvVar("FLAGOS_ADAPTER_PATH", "", "folders (os.pathsep-separated) searched for chip adapter "
            "libraries `libflagos_<chip>_adapter.so` before the package's own"),
     EnvVar("FLAGOS_COVERAGE_PATH", "", "folders (os.pathsep-separated) searched for coverage "
@@ -55,6 +59,11 @@ def get(name: str) -> str:
             f"{name}={raw!r} is not valid; use one of: {', '.join(var.choices)}"
         )
     return value.lower() if var.choices else value
+
+
+def flag(name: str) -> bool:
+    """A yes/no variable: 1, true, yes, on."""
+    return get(name) in ("1", "true", "yes", "on")
 
 
 def requested_device() -> str:

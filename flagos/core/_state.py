@@ -24,6 +24,7 @@ class Active:
     native_mode: object = None  # the dispatch mode object in native mode
     native_thread: int = 0      # the thread whose dispatch mode stack holds it
     backward_ok: bool = True    # autograd's engine has a queue for flagos (see _activation)
+    redirect_cuda: bool = False  # "cuda" means this chip (integrations/_redirect.py)
     flagos_devices: tuple = field(default_factory=tuple)
 
     def chip_index(self, index: int) -> int:
@@ -95,5 +96,6 @@ def info() -> dict:
             native_dtypes=list(state.chip.native_dtypes),
             collective_backend=state.chip.collective_backend,
             backward=state.backward_ok,
+            redirect_cuda=state.redirect_cuda,
         )
     return out

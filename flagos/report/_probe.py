@@ -21,6 +21,7 @@ import torch
 
 from .. import __version__, chips
 from ..chips.adapter import DTYPE_NAMES, PACKAGE_DIR, AdapterChip, find_library, load
+from ..chips.base import torch_module
 from ..core import _env, _state
 from ..errors import AdapterError, DeviceError
 from ..runtime._registration import device_mode_supported
@@ -223,7 +224,7 @@ def _torch_status(profile) -> dict:
     if not_built:
         return _status(profile, "torch", UNAVAILABLE, "not_built", f"not built: {not_built}",
                        source=source)
-    module = getattr(torch, profile.torch_type, None)
+    module = torch_module(profile.torch_type)
     if module is None:
         return _status(profile, "torch", UNAVAILABLE, "not_built",
                        f"not built: this PyTorch has no torch.{profile.torch_type}", source=source)
@@ -358,7 +359,7 @@ def device_utilization(profile, index: int) -> float | None:
         return cpu_utilization()
     if isinstance(profile, AdapterChip):
         return None
-    query = getattr(getattr(torch, profile.torch_type, None), "utilization", None)
+    query = getattr(torch_module(profile.torch_type), "utilization", None)
     if query is None:
         return None
     try:

@@ -1,0 +1,345 @@
+"""Code written for CUDA, run unchanged on the active chip (`activate(redirect_cuda=True)`,
+`FLAGOS_REDIRECT_CUDA=1`).
+
+`torch.device("cuda")` is parsed in C++ and nothing can make it mean another device, so the
+redirect rewrites device arguments where they enter PyTorch: the Python-visible functions and
+methods that take a device (factories, `Tensor.to`/`.cuda()`, `Module.cuda()`, `torch.load`,
+`torch.Generator`, autocast, GradScaler, `init_process_group`) are replaced by wrappers that
+turn "cuda", "cuda:N" and `torch.device("cuda", N)` into the active chip's device (flagos:N in
+device mode, the chip's own device in native mode), and `torch.cuda` is replaced by a module
+whose common functions answer for the active chip (everything else falls through to PyTorch's
+own `torch.cuda`). Only the wrapped entry points pay (a Python call); ordinary ops pay nothing,
+and with the redirect off nothing is installed. Why wrappers and not a TorchFunctionMode, and
+what each costs: docs/design.md §16.
+
+flagos's own detection reads the real module (`sys.modules["torch.cuda"]`, see
+`chips.base.torch_module`), never the replacement. On the cuda chip the redirect is a no-op.
+`ENTRY_POINTS` lists every redirected entry point; tests/test_redirect.py checks each.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+import types
+
+import torch
+import torch.utils._device
+import torch.utils._pytree as pytree
+
+from ..core import _state
+from ..runtime import _device_module
+
+log = logging.getLogger("flagos")
+
+# Every redirected entry point, by the name users call it. tests/test_redirect.py holds one
+# check per name and fails when a name has none (or a check names no entry point).
+FACTORIES = (
+    "empty", "empty_strided", "zeros", "ones", "full", "rand", "randn", "randint", "randperm",
+    "arange", "linspace", "logspace", "eye", "tensor", "as_tensor", "scalar_tensor", "normal",
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "randint_like", "tril_indices", "triu_indices",
+)
+TENSOR_METHODS = ("to", "cuda", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
+CUDA_FUNCTIONS = (
+    "is_available", "is_initialized", "device_count", "current_device", "set_device", "device",
+    "synchronize", "manual_seed", "manual_seed_all", "get_rng_state", "set_rng_state",
+    "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+    "reset_peak_memory_stats", "memory_stats", "mem_get_info", "empty_cache",
+    "get_device_name", "get_device_properties", "is_bf16_supported", "Event", "Stream", "stream", "current_stream",
+    "default_stream",
+)
+ENTRY_POINTS = (
+    tuple(f"torch.{n}" for n in FACTORIES)
+    + tuple(f"torch.Tensor.{n}" for n in TENSOR_METHODS)
+    + ("torch.nn.Module.cuda", "torch.load", "torch.Generator", "torch.set_default_device",
+       "torch.autocast",
+       "torch.amp.GradScaler", "torch.cuda.amp.GradScaler",
+       "torch.distributed.init_process_group")
+    + tuple(f"torch.cuda.{n}" for n in CUDA_FUNCTIONS)
+)
+
+_DEVICE_KWARGS = ("device",)
+_saved: list[tuple[object, str, object]] = []   # (owner, attribute, original), to uninstall
+_target_type = ""                               # "flagos" (device mode) or the chip's type
+_strings: dict[str, torch.device] = {}          # "cuda:N" -> the chip's device, parsed once
+
+
+# ---- mapping one device argument -----------------------------------------------------
+
+def is_installed() -> bool:
+    return bool(_saved)
+
+
+def _map(value):
+    """The active chip's device for a CUDA device argument; anything else unchanged."""
+    tp = type(value)
+    if tp is str:
+        if not value.startswith("cuda"):
+            return value
+        mapped = _strings.get(value)
+        if mapped is None:
+            mapped = _strings[value] = _map(torch.device(value))
+        return mapped
+    if tp is not torch.device or value.type != "cuda":
+        return value
+    return torch.device(_target_type, value.index) if value.index is not None \
+        else torch.device(_target_type)
+
+
+def _map_index(device):
+    """`.cuda(device)` / `torch.cuda.set_device(device)`: None or an index is a CUDA index."""
+    if device is None:
+        index = _state.active().current if _target_type == "flagos" else 0
+        return torch.device(_target_type, index)
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device(_target_type, device)
+    return _map(device)
+
+
+def _rewrite(fn, ints=False):
+    """`fn` with its device arguments (positional or keyword) mapped to the active chip."""
+    @functools.wraps(fn)
+    def redirected(*args, **kwargs):
+        if kwargs:
+            for key in _DEVICE_KWARGS:
+                value = kwargs.get(key)
+                if value is not None:
+                    kwargs[key] = _map(value)
+        for i, arg in enumerate(args):
+            tp = type(arg)
+            if tp is str or tp is torch.device or (ints and tp is int and i == 1):
+                args = args[:i] + (_map_index(arg) if tp is int else _map(arg),) + args[i + 1:]
+        return fn(*args, **kwargs)
+    redirected.__flagos_redirect__ = fn
+    return redirected
+
+
+_ABSENT = object()   # the attribute was inherited: uninstall deletes it again
+
+
+def _load(load):
+    """torch.load(map_location="cuda"): tensors of a host checkpoint land on the chip, as on
+    CUDA (map_location="flagos" alone keeps host-saved storages on the host, design §8). They
+    are loaded to the host and moved, through the containers pytree knows (dicts, lists,
+    tuples: state dicts and checkpoints)."""
+    @functools.wraps(load)
+    def redirected(*args, **kwargs):
+        location = kwargs.get("map_location")
+        if len(args) > 1:
+            location, args = args[1], args[:1]
+        if isinstance(location, dict):
+            target = next((_map(v) for v in location.values() if _is_cuda(v)), None)
+            host = {k: "cpu" if _is_cuda(v) else v for k, v in location.items()}
+        else:
+            target = _map(location) if _is_cuda(location) else None
+            host = "cpu"
+        if target is None:
+            return load(*args, **kwargs)
+        kwargs["map_location"] = host
+        result = load(*args, **kwargs)
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(target), result)
+    redirected.__flagos_redirect__ = load
+    return redirected
+
+
+def _is_cuda(value) -> bool:
+    return (type(value) is str and value.startswith("cuda")) or \
+        (type(value) is torch.device and value.type == "cuda")
+
+
+def _set(owner, name: str, value) -> None:
+    _saved.append((owner, name, vars(owner).get(name, _ABSENT)))
+    setattr(owner, name, value)
+
+
+# ---- the replacements ------------------------------------------------------------
+
+def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+    return self.to(_map_index(device), non_blocking=non_blocking, memory_format=memory_format)
+
+
+def _module_cuda(self, device=None):
+    return self.to(_map_index(device))
+
+
+class _Properties(types.SimpleNamespace):
+    """What `torch.cuda.get_device_properties` answers for the active chip: the fields the
+    chip knows (name, total_memory); CUDA-only figures read 0."""
+
+
+def get_device_name(device=None) -> str:
+    state = _state.active()
+    return state.chip.device_name(state.chip_index(_device_module._index(device)))
+
+
+def get_device_properties(device=None) -> _Properties:
+    state = _state.active()
+    index = state.chip_index(_device_module._index(device))
+    return _Properties(name=state.chip.device_name(index), total_memory=state.chip.total_memory(index),
+                       major=0, minor=0, multi_processor_count=0, type=state.chip.name)
+
+
+class _HostEvent:
+    """`torch.cuda.Event` for the cpu chip in native mode, where PyTorch has no CPU events:
+    host work is synchronous, so recording is reading the clock."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self._time = None
+
+    def record(self, stream=None) -> None:
+        self._time = time.perf_counter()
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        if self._time is None or end._time is None:
+            raise RuntimeError("both events must be recorded before elapsed_time()")
+        return (end._time - self._time) * 1000.0
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def is_bf16_supported(including_emulation: bool = False) -> bool:
+    """Whether the chip runs bfloat16 natively (emulated or fallen-back bf16 says False, so a
+    script that picks its dtype with this picks float16 there)."""
+    return "bfloat16" in _state.active().chip.native_dtypes
+
+
+def _cuda_namespace(real: types.ModuleType, state) -> types.ModuleType:
+    """The module `torch.cuda` becomes: the common functions answer for the active chip, every
+    other name is PyTorch's own."""
+    ns = _CudaModule("torch.cuda", real)
+    streams = _device_module if state.mode == "device" else sys.modules.get(f"torch.{state.chip.torch_type}")
+    own = {"get_device_name": get_device_name, "get_device_properties": get_device_properties,
+           "is_bf16_supported": is_bf16_supported,
+           "is_initialized": _device_module.is_available}
+    for name in CUDA_FUNCTIONS:
+        if name in own:
+            value = own[name]
+        elif name == "Event" and state.mode != "device" and state.chip.payload_is_host:
+            value = _HostEvent
+        elif name in ("Event", "Stream", "stream", "current_stream", "default_stream"):
+            value = getattr(streams, name, None)
+            if value is None:
+                continue
+        else:
+            value = getattr(_device_module, name)
+        ns.__dict__[name] = value
+    return ns
+
+
+class _CudaModule(types.ModuleType):
+    def __init__(self, name: str, real: types.ModuleType):
+        super().__init__(name, real.__doc__)
+        self.__dict__["_flagos_real"] = real
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_flagos_real"], name)
+
+
+def _autocast_init(init):
+    @functools.wraps(init)
+    def redirected(self, device_type, *args, **kwargs):
+        if device_type == "cuda":
+            device_type = _target_type
+        return init(self, device_type, *args, **kwargs)
+    return redirected
+
+
+def _grad_scaler_init(init):
+    @functools.wraps(init)
+    def redirected(self, device="cuda", *args, **kwargs):
+        if device == "cuda":
+            device = _target_type
+        return init(self, device, *args, **kwargs)
+    return redirected
+
+
+def _generator_class(current):
+    """A torch.Generator whose construction maps the device, and of which every generator is
+    an instance (as flagos's own and PyTorch's)."""
+    base = torch._C.Generator
+
+    class _Meta(type(current)):
+        def __call__(cls, device="cpu"):
+            if cls is not Generator:
+                return type.__call__(cls, device)
+            return current(_map(device))
+
+        def __instancecheck__(cls, obj) -> bool:
+            return isinstance(obj, base)
+
+        def __subclasscheck__(cls, sub) -> bool:
+            return issubclass(sub, base)
+
+    class Generator(base, metaclass=_Meta):
+        __doc__ = base.__doc__
+
+    Generator.__module__, Generator.__qualname__ = "torch", "Generator"
+    return Generator
+
+
+def _process_group(fn, backend_name: str):
+    @functools.wraps(fn)
+    def redirected(*args, **kwargs):
+        if args and isinstance(args[0], str):
+            args = (args[0].replace("nccl", backend_name),) + args[1:]
+        elif isinstance(kwargs.get("backend"), str):
+            kwargs["backend"] = kwargs["backend"].replace("nccl", backend_name)
+        return fn(*args, **kwargs)
+    return redirected
+
+
+# ---- installing ------------------------------------------------------------------
+
+def install(state) -> bool:
+    """Redirect CUDA to `state`'s chip; False (nothing done) on the cuda chip itself."""
+    global _target_type
+    if _saved:
+        return True
+    if state.chip.name == "cuda" or state.chip.torch_type == "cuda":
+        log.info("redirect_cuda: the active chip is cuda; nothing to redirect")
+        return False
+    _target_type = "flagos" if state.mode == "device" else state.chip.torch_type
+    # torch.set_default_device's mode recognises factories by a set it builds once from the
+    # torch namespace: build it while it still holds PyTorch's own functions.
+    torch.utils._device._device_constructors()
+    for name in FACTORIES:
+        _set(torch, name, _rewrite(getattr(torch, name)))
+    _set(torch.Tensor, "to", _rewrite(torch.Tensor.to, ints=True))
+    _set(torch.Tensor, "cuda", _tensor_cuda)
+    for name in TENSOR_METHODS[2:]:
+        _set(torch.Tensor, name, _rewrite(getattr(torch.Tensor, name)))
+    _set(torch.nn.Module, "cuda", _module_cuda)
+    _set(torch, "load", _load(torch.load))
+    _set(torch, "set_default_device", _rewrite(torch.set_default_device))
+    _set(torch, "Generator", _generator_class(torch.Generator))
+    autocast = torch.amp.autocast_mode.autocast
+    _set(autocast, "__init__", _autocast_init(autocast.__init__))
+    scaler = torch.amp.grad_scaler.GradScaler   # torch.cuda.amp.GradScaler calls its __init__
+    _set(scaler, "__init__", _grad_scaler_init(scaler.__init__))
+    if torch.distributed.is_available():
+        dist = torch.distributed
+        _set(dist, "init_process_group",
+             _process_group(dist.init_process_group, state.chip.collective_backend or "gloo"))
+    _set(torch, "cuda", _cuda_namespace(sys.modules["torch.cuda"], state))
+    log.info("redirect_cuda: 'cuda' now means %s", _target_type)
+    return True
+
+
+def uninstall() -> None:
+    """Put every replaced entry point back (native mode's deactivate(), the tests)."""
+    _strings.clear()
+    while _saved:
+        owner, name, original = _saved.pop()
+        if original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)

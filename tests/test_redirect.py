@@ -1,0 +1,495 @@
+"""redirect_cuda: code written for CUDA runs unchanged on the active chip.
+
+Every entry point in `_redirect.ENTRY_POINTS` has a check here (a missing one fails), and two
+scripts written for CUDA (a Diffusers DDPM pipeline, a transformers training loop with autocast
+and GradScaler) run unchanged with FLAGOS_REDIRECT_CUDA=1 and match the same script run on plain
+CPU with "cuda" replaced by "cpu"."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import CHIP, device_mode_only, run_python
+
+import flagos
+from flagos import chips
+from flagos.core import _state
+from flagos.integrations import _redirect
+from flagos.report import _probe
+
+pytestmark = device_mode_only
+
+
+@pytest.fixture
+def redirect():
+    assert flagos.activate(CHIP, redirect_cuda=True)["redirect_cuda"] is True  # installs only
+    assert _redirect.is_installed()
+    yield flagos.device()
+    _redirect.uninstall()
+    _state.active().redirect_cuda = False
+
+
+def _on_chip(t, dev):
+    assert isinstance(t, torch.Tensor) and t.device == dev, (t.device, dev)
+
+
+DEVICES = ("cuda", "cuda:0", torch.device("cuda"), torch.device("cuda", 0))
+_x = torch.arange(4, dtype=torch.float32)
+FACTORY_CALLS = {
+    "empty": lambda d: torch.empty(2, device=d),
+    "empty_strided": lambda d: torch.empty_strided((2, 2), (2, 1), device=d),
+    "zeros": lambda d: torch.zeros(2, device=d),
+    "ones": lambda d: torch.ones(2, device=d),
+    "full": lambda d: torch.full((2,), 3.0, device=d),
+    "rand": lambda d: torch.rand(2, device=d),
+    "randn": lambda d: torch.randn(2, device=d),
+    "randint": lambda d: torch.randint(0, 5, (2,), device=d),
+    "randperm": lambda d: torch.randperm(4, device=d),
+    "arange": lambda d: torch.arange(3, device=d),
+    "linspace": lambda d: torch.linspace(0, 1, 3, device=d),
+    "logspace": lambda d: torch.logspace(0, 1, 3, device=d),
+    "eye": lambda d: torch.eye(2, device=d),
+    "tensor": lambda d: torch.tensor([1.0, 2.0], device=d),
+    "as_tensor": lambda d: torch.as_tensor([1.0, 2.0], device=d),
+    "scalar_tensor": lambda d: torch.scalar_tensor(1.0, device=d),
+    "normal": lambda d: torch.normal(0.0, 1.0, (2,), device=d),
+    "empty_like": lambda d: torch.empty_like(_x, device=d),
+    "zeros_like": lambda d: torch.zeros_like(_x, device=d),
+    "ones_like": lambda d: torch.ones_like(_x, device=d),
+    "full_like": lambda d: torch.full_like(_x, 2.0, device=d),
+    "rand_like": lambda d: torch.rand_like(_x, device=d),
+    "randn_like": lambda d: torch.randn_like(_x, device=d),
+    "randint_like": lambda d: torch.randint_like(_x, 5, device=d),
+    "tril_indices": lambda d: torch.tril_indices(3, 3, device=d),
+    "triu_indices": lambda d: torch.triu_indices(3, 3, device=d),
+}
+NEW_CALLS = {
+    "new_empty": lambda x, d: x.new_empty(2, device=d),
+    "new_zeros": lambda x, d: x.new_zeros(2, device=d),
+    "new_ones": lambda x, d: x.new_ones(2, device=d),
+    "new_full": lambda x, d: x.new_full((2,), 1.5, device=d),
+    "new_tensor": lambda x, d: x.new_tensor([1.0, 2.0], device=d),
+}
+
+
+def _check_factory(name, dev):
+    for d in DEVICES:
+        _on_chip(FACTORY_CALLS[name](d), dev)
+    if name in ("tensor", "as_tensor"):
+        assert torch.tensor([1.0, 2.0], device="cuda").cpu().tolist() == [1.0, 2.0]
+
+
+def _check_new(name, dev):
+    for d in DEVICES:
+        _on_chip(NEW_CALLS[name](_x, d), dev)
+
+
+def _check_to(dev):
+    for d in DEVICES + (0,):
+        y = _x.to(d)
+        _on_chip(y, dev)
+        assert torch.equal(y.cpu(), _x)
+    y = _x.to(device="cuda", dtype=torch.float16)
+    _on_chip(y, dev)
+    assert y.dtype == torch.float16
+
+
+def _check_cuda(dev):
+    for args in ((), (0,), ("cuda",), (torch.device("cuda", 0),)):
+        _on_chip(_x.cuda(*args), dev)
+    assert torch.equal(_x.cuda().cpu(), _x)
+
+
+def _check_module_cuda(dev):
+    lin = torch.nn.Linear(3, 2)
+    ref = lin.weight.detach().clone()
+    assert lin.cuda() is lin
+    _on_chip(lin.weight, dev)
+    assert torch.equal(lin.weight.detach().cpu(), ref)
+    out = lin(torch.ones(1, 3, device="cuda"))
+    torch.testing.assert_close(out.cpu(), torch.ones(1, 3) @ ref.T + lin.bias.detach().cpu())
+
+
+def _check_load(dev):
+    buf = io.BytesIO()
+    torch.save({"w": _x}, buf)
+    for loc in ("cuda", "cuda:0", torch.device("cuda"), {"cpu": "cuda:0"}):
+        buf.seek(0)
+        w = torch.load(buf, map_location=loc)["w"]
+        _on_chip(w, dev)
+        assert torch.equal(w.cpu(), _x)
+
+
+def _check_generator(dev):
+    for d in DEVICES:
+        g = torch.Generator(d)
+        assert g.device == dev and isinstance(g, torch.Generator)
+    a = torch.randn(4, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    b = torch.randn(4, device=dev, generator=torch.Generator(dev).manual_seed(3))
+    assert torch.equal(a.cpu(), b.cpu())
+    assert isinstance(torch.default_generator, torch.Generator)
+
+
+def _check_set_default_device(dev):
+    for d in DEVICES:
+        torch.set_default_device(d)
+        try:
+            _on_chip(torch.ones(2), dev)
+        finally:
+            torch.set_default_device(None)
+    assert torch.ones(2).device == torch.device("cpu")
+
+
+def _check_autocast(dev):
+    a = torch.randn(4, 4, device="cuda")
+    for ctx in (torch.autocast("cuda", dtype=torch.float16),
+                torch.autocast(device_type="cuda", dtype=torch.float16),
+                torch.amp.autocast("cuda", dtype=torch.float16)):
+        with ctx:
+            assert ctx.device == dev.type
+            assert (a @ a).dtype == torch.float16
+
+
+def _scaler_step(scaler, dev):
+    lin = torch.nn.Linear(3, 1).cuda()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    before = lin.weight.detach().cpu().clone()
+    loss = lin(torch.ones(2, 3, device="cuda")).sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler._device == dev.type
+    assert not torch.equal(lin.weight.detach().cpu(), before)  # the step ran (no inf found)
+
+
+def _check_amp_grad_scaler(dev):
+    _scaler_step(torch.amp.GradScaler("cuda"), dev)
+    _scaler_step(torch.amp.GradScaler(device="cuda"), dev)
+
+
+def _check_cuda_amp_grad_scaler(dev):
+    with pytest.warns(FutureWarning):  # PyTorch's own deprecation
+        _scaler_step(torch.cuda.amp.GradScaler(), dev)
+
+
+def _check_init_process_group(dev):
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.get_backend() == (_state.active().chip.collective_backend or "gloo")
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group(backend="nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.get_backend() == (_state.active().chip.collective_backend or "gloo")
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_cuda_module(name, dev):
+    state = _state.active()
+    chip = state.chip
+    c = torch.cuda
+    if name in ("is_available", "is_initialized"):
+        assert getattr(c, name)() is True
+    elif name == "device_count":
+        assert c.device_count() == state.device_count
+    elif name == "current_device":
+        assert c.current_device() == dev.index
+    elif name == "set_device":
+        c.set_device(0)
+        c.set_device("cuda:0")
+        c.set_device(torch.device("cuda", 0))
+        assert c.current_device() == 0
+    elif name == "device":
+        with c.device(0):
+            assert c.current_device() == 0
+    elif name == "synchronize":
+        c.synchronize()
+        c.synchronize("cuda:0")
+    elif name in ("manual_seed", "manual_seed_all"):
+        getattr(c, name)(5)
+        a = torch.randn(4, device="cuda")
+        getattr(c, name)(5)
+        b = torch.randn(4, device="cuda")
+        assert torch.equal(a.cpu(), b.cpu())
+        torch.flagos.manual_seed(5)
+        assert torch.equal(torch.randn(4, device=dev).cpu(), a.cpu())
+    elif name == "get_rng_state":
+        assert torch.equal(c.get_rng_state(), torch.flagos.get_rng_state())
+    elif name == "set_rng_state":
+        s = c.get_rng_state()
+        a = torch.randn(3, device="cuda")
+        c.set_rng_state(s)
+        assert torch.equal(torch.randn(3, device="cuda").cpu(), a.cpu())
+    elif name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                  "max_memory_reserved"):
+        assert getattr(c, name)() == getattr(torch.flagos, name)(0)
+        assert getattr(c, name)("cuda:0") == getattr(torch.flagos, name)(0)
+    elif name == "reset_peak_memory_stats":
+        c.reset_peak_memory_stats()
+    elif name == "memory_stats":
+        assert c.memory_stats() == torch.flagos.memory_stats()
+    elif name == "mem_get_info":
+        free, total = c.mem_get_info()
+        assert 0 <= free <= total
+    elif name == "empty_cache":
+        c.empty_cache()
+    elif name == "get_device_name":
+        assert c.get_device_name() == c.get_device_name(0) == chip.device_name(0)
+    elif name == "get_device_properties":
+        props = c.get_device_properties(0)
+        assert props.name == chip.device_name(0) and props.total_memory == chip.total_memory(0)
+    elif name == "is_bf16_supported":
+        assert c.is_bf16_supported() is ("bfloat16" in chip.native_dtypes)
+    elif name == "Event":
+        start, end = c.Event(enable_timing=True), c.Event(enable_timing=True)
+        start.record()
+        torch.ones(8, device="cuda").sum()
+        end.record()
+        end.synchronize()
+        assert start.elapsed_time(end) >= 0
+    elif name == "Stream":
+        s = c.Stream()
+        assert s.device == dev
+    elif name == "stream":
+        s = c.Stream()
+        with c.stream(s):
+            assert c.current_stream() == s
+    elif name == "current_stream":
+        assert c.current_stream().device == dev
+    elif name == "default_stream":
+        assert c.default_stream().device == dev
+    else:
+        raise AssertionError(f"no check for torch.cuda.{name}")
+
+
+def _check(entry: str, dev) -> None:
+    parts = entry.split(".")
+    if entry.startswith("torch.cuda.amp."):
+        return _check_cuda_amp_grad_scaler(dev)
+    if entry.startswith("torch.cuda."):
+        return _check_cuda_module(parts[-1], dev)
+    if entry.startswith("torch.Tensor."):
+        name = parts[-1]
+        return {"to": _check_to, "cuda": _check_cuda}.get(name, lambda d: _check_new(name, d))(dev)
+    if len(parts) == 2 and parts[1] in FACTORY_CALLS:
+        return _check_factory(parts[1], dev)
+    return {
+        "torch.nn.Module.cuda": _check_module_cuda,
+        "torch.load": _check_load,
+        "torch.Generator": _check_generator,
+        "torch.set_default_device": _check_set_default_device,
+        "torch.autocast": _check_autocast,
+        "torch.amp.GradScaler": _check_amp_grad_scaler,
+        "torch.distributed.init_process_group": _check_init_process_group,
+    }[entry](dev)
+
+
+CHECKED = (
+    {f"torch.{n}" for n in FACTORY_CALLS} | {f"torch.Tensor.{n}" for n in NEW_CALLS}
+    | {"torch.Tensor.to", "torch.Tensor.cuda", "torch.nn.Module.cuda", "torch.load",
+       "torch.Generator", "torch.set_default_device", "torch.autocast", "torch.amp.GradScaler", "torch.cuda.amp.GradScaler",
+       "torch.distributed.init_process_group"}
+    | {f"torch.cuda.{n}" for n in _redirect.CUDA_FUNCTIONS}
+)
+
+
+def test_every_entry_point_has_a_check():
+    assert set(_redirect.ENTRY_POINTS) == CHECKED
+    assert len(set(_redirect.ENTRY_POINTS)) == len(_redirect.ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("entry", _redirect.ENTRY_POINTS)
+def test_entry_point_runs_on_the_active_chip(redirect, entry):
+    _check(entry, redirect)
+
+
+def test_every_entry_point_is_replaced(redirect):
+    replaced = {(id(owner), name) for owner, name, _ in _redirect._saved}
+    for name in _redirect.FACTORIES:
+        assert (id(torch), name) in replaced
+    for name in _redirect.TENSOR_METHODS:
+        assert (id(torch.Tensor), name) in replaced
+    for owner, name in ((torch.nn.Module, "cuda"), (torch, "load"), (torch, "Generator"),
+                        (torch.amp.autocast_mode.autocast, "__init__"),
+                        (torch.amp.grad_scaler.GradScaler, "__init__"),
+                        (dist, "init_process_group"), (torch, "cuda")):
+        assert (id(owner), name) in replaced, (owner, name)
+    real = sys.modules["torch.cuda"]
+    for name in _redirect.CUDA_FUNCTIONS:
+        assert getattr(torch.cuda, name) is not getattr(real, name), name
+
+
+def test_uninstall_gives_everything_back(redirect):
+    before = torch.zeros
+    _redirect.uninstall()
+    assert torch.zeros is not before and torch.cuda is sys.modules["torch.cuda"]
+    assert "to" not in vars(torch.Tensor) and "cuda" not in vars(torch.Tensor)
+    flagos.activate(CHIP, redirect_cuda=True)   # the fixture uninstalls again
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a PyTorch without CUDA")
+def test_redirect_off_cuda_stays_cuda():
+    assert not _redirect.is_installed()
+    assert torch.cuda.is_available() is False
+    with pytest.raises((AssertionError, RuntimeError), match="not compiled with CUDA"):
+        torch.zeros(1, device="cuda")
+    with pytest.raises((AssertionError, RuntimeError), match="not compiled with CUDA"):
+        torch.zeros(1).cuda()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a PyTorch without CUDA")
+def test_detection_never_trusts_the_redirect(redirect):
+    assert torch.cuda.is_available() is True
+    assert chips.profile("cuda").detect() is False
+    assert _probe.chip_status("cuda")["status"] != _probe.AVAILABLE
+
+
+def test_no_op_on_the_cuda_chip():
+    state = _state.Active(chip=chips.profile("cuda"), mode="native", device_count=1)
+    assert _redirect.install(state) is False
+    assert not _redirect.is_installed()
+
+
+# ---- scripts written for CUDA, run unchanged ----------------------------------------
+
+UNET = """UNet2DModel(
+    sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
+    block_out_channels=(16, 32), norm_num_groups=8,
+    down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+    up_block_types=("AttnUpBlock2D", "UpBlock2D"))"""
+
+DDPM_SCRIPT = f"""
+import sys
+import torch
+from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+
+assert torch.cuda.is_available()
+torch.manual_seed(0)
+torch.cuda.manual_seed(0)
+unet = {UNET}
+pipe = DDPMPipeline(unet=unet, scheduler=DDPMScheduler(num_train_timesteps=100))
+pipe.set_progress_bar_config(disable=True)
+pipe.to("cuda")
+generator = torch.Generator("cuda").manual_seed(0)
+images = pipe(batch_size=1, generator=generator, num_inference_steps=4, output_type="np").images
+torch.cuda.manual_seed(1)
+noise = torch.randn(1, 3, 16, 16, device="cuda")
+with torch.no_grad():
+    eps = pipe.unet(noise, torch.tensor([10], device="cuda")).sample
+torch.cuda.synchronize()
+torch.save({{"images": torch.from_numpy(images), "noise": noise.cpu(), "eps": eps.cpu()}}, sys.argv[1])
+"""
+
+TRAIN_SCRIPT = """
+import sys
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+torch.manual_seed(0)
+torch.cuda.manual_seed_all(0)
+device = torch.device("cuda")
+config = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=64, max_position_embeddings=64, num_labels=3)
+model = BertForSequenceClassification(config).cuda()
+model.train()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cuda")
+ids = torch.randint(0, 128, (4, 12), device=device)
+labels = torch.randint(0, 3, (4,), device="cuda")
+mask = torch.ones(4, 12, dtype=torch.long).to(device)
+losses = []
+for step in range(3):
+    opt.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    scaler.scale(out.loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    losses.append(out.loss.item())
+torch.cuda.synchronize()
+torch.save({"losses": torch.tensor(losses), "weight": model.classifier.weight.detach().cpu(),
+            "ids": ids.cpu()}, sys.argv[1])
+"""
+
+
+def _as_cpu_script(script: str) -> str:
+    """The plain-CPU version of a CUDA script: "cuda" -> "cpu" (torch.cpu has no seeding
+    functions; torch.manual_seed seeds the CPU generator)."""
+    for seeding in ("torch.cuda.manual_seed_all(", "torch.cuda.manual_seed("):
+        script = script.replace(seeding, "torch.manual_seed(")
+    return script.replace("cuda", "cpu")
+
+
+def _run(script: str, out: str, env: dict) -> dict:
+    path = out + ".py"
+    with open(path, "w") as f:
+        f.write(script)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    full_env.update(FLAGOS_FALLBACK="allow", **env)
+    proc = subprocess.run([sys.executable, path, out], env=full_env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("script", ["ddpm", "train"])
+def test_cuda_script_runs_unchanged(tmp_path, script):
+    text = {"ddpm": DDPM_SCRIPT, "train": TRAIN_SCRIPT}[script]
+    assert 'to("cuda")' in text or ".cuda()" in text
+    got = _run(text, str(tmp_path / "script_chip"), {"FLAGOS_DEVICE": CHIP, "FLAGOS_REDIRECT_CUDA": "1"})
+    want = _run(_as_cpu_script(text), str(tmp_path / "script_cpu"), {})
+    assert got.keys() == want.keys()
+    tol = dict(rtol=1e-4, atol=1e-5) if CHIP == "cpu" else dict(rtol=2e-3, atol=2e-4)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], **tol, msg=key)
+
+
+ONCE = pytest.mark.skipif(CHIP != "cpu", reason="activates the cpu chip itself: runs once, in the cpu run")
+
+
+@ONCE
+def test_cuda_script_runs_unchanged_in_native_mode(tmp_path):
+    """Native mode: "cuda" means the chip's own device type (cpu for the cpu chip)."""
+    got = _run(TRAIN_SCRIPT, str(tmp_path / "script_chip"),
+               {"FLAGOS_DEVICE": "cpu", "FLAGOS_MODE": "native", "FLAGOS_REDIRECT_CUDA": "1"})
+    want = _run(_as_cpu_script(TRAIN_SCRIPT), str(tmp_path / "script_cpu"), {})
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@ONCE
+def test_native_mode_entry_points_and_deactivate():
+    proc = run_python("""
+        import sys
+        import torch
+        import flagos
+        flagos.activate("cpu", mode="native", redirect_cuda=True)
+        cpu = torch.device("cpu")
+        assert torch.randn(3, device="cuda").device == cpu
+        assert torch.zeros(2).cuda().device == cpu
+        assert torch.nn.Linear(2, 2).cuda().weight.device == cpu
+        assert torch.Generator("cuda").device == cpu
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert (torch.ones(2, 2, device="cuda") @ torch.ones(2, 2)).dtype == torch.bfloat16
+        assert torch.amp.GradScaler("cuda")._device == "cpu"
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); end.record(); end.synchronize()
+        assert start.elapsed_time(end) >= 0
+        flagos.deactivate()
+        assert torch.cuda is sys.modules["torch.cuda"] and not torch.cuda.is_available()
+        try:
+            torch.zeros(1, device="cuda")
+        except (AssertionError, RuntimeError) as e:
+            assert "not compiled with CUDA" in str(e), e
+        else:
+            raise AssertionError("'cuda' still redirected after deactivate()")
+        print("ok")
+    """)
+    assert proc.stdout.strip().endswith("ok")
