@@ -54,6 +54,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD)],
     "flagos/runtime/_math_keys.py": [sim(SIM_FIDELITY, FIDELITY)],
     "flagos/runtime/_native_mode.py": [cpu(NATIVE)],
+    "flagos/integrations/_redirect.py": [cpu(T + "redirect.py"), sim(T + "redirect.py")],
     "flagos/integrations/_offload.py": [cpu(OFFLOAD), sim(OFFLOAD)],
     "flagos/runtime/_pinned.py": [cpu(ECOSYSTEM, k="pin"), sim(ECOSYSTEM, k="pin")],
     "flagos/runtime/_registration.py": [cpu(DEVICE, ERRORS, NATIVE)],
