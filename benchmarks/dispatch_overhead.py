@@ -8,9 +8,10 @@ realistic size (a UNet's conv2d, attention, group_norm), where the overhead is w
 
 The floor (on by default, `--no-floor` skips it) is the least any tensor-subclass device layer
 pays, measured in the same run: a trivial wrapper subclass whose `__torch_dispatch__` is C
-(`flagos._C.floor_dispatch`, a test-only entry): it unwraps `_payload`, calls the op and wraps
-one tensor output with `_make_wrapper_subclass`; no table, routes, checks or multi-output
-rewrap. Its per-op figure is printed beside flagos's, for the ops with one tensor output.
+(`flagos._C.floor_dispatch`, a test-only entry): it unwraps `_payload`, calls the op
+(`func._op`, as the router does) and wraps one tensor output with `_make_wrapper_subclass`; no
+table, routes, checks or multi-output rewrap. Its per-op figure is printed beside flagos's,
+for the ops with one tensor output (layer_norm's aten op has three: no floor figure).
 """
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ static PyObject *fl_dispatch_factory(PyObject *module, PyObject *args, PyObject 
 
 /* The floor of the mechanism, for benchmarks/dispatch_overhead.py: a wrapper subclass whose
  * __torch_dispatch__ is this function (cls, func, types, args, kwargs) unwraps the top-level
- * `_payload` of arguments of type cls, calls func, and wraps a single tensor output with
+ * `_payload` of arguments of type cls, calls func._op, and wraps a single tensor output with
  * _make_wrapper_subclass (on the payload's device); other outputs are returned as they are.
  * No table, no routes, no checks: what any C-dispatched wrapper pays. */
 static PyObject *fl_floor_dispatch(PyObject *module, PyObject *const *argv, Py_ssize_t argc)
@@ -139,7 +139,14 @@ static PyObject *fl_floor_dispatch(PyObject *module, PyObject *const *argv, Py_s
         }
         PyTuple_SET_ITEM(uargs, i, u);
     }
-    PyObject *out = PyObject_Call(argv[1], uargs, kwargs);
+    /* func._op, as the router calls it: no Python frame of OpOverload.__call__ */
+    PyObject *fn = PyObject_GetAttr(argv[1], fl_names.op);
+    if (fn == NULL) {
+        Py_DECREF(uargs);
+        return NULL;
+    }
+    PyObject *out = PyObject_Call(fn, uargs, kwargs);
+    Py_DECREF(fn);
     Py_DECREF(uargs);
     if (out == NULL || PyTuple_Check(out) || PyList_Check(out) || out == Py_None ||
         !PyObject_HasAttr(out, fl_names.storage_offset))
