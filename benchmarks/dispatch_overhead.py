@@ -1,9 +1,17 @@
 """Per-op dispatch overhead: median µs per op, native vs flagos, in one run.
 
     python benchmarks/dispatch_overhead.py [--chip cpu] [--mode device|native] [--number 2000] [--repeat 7]
+                                           [--floor | --no-floor]
 
 Small tensors, so the figure is the cost of routing an op, not of computing it; then ops of
 realistic size (a UNet's conv2d, attention, group_norm), where the overhead is what a model pays.
+
+The floor (on by default, `--no-floor` skips it) is the least any tensor-subclass device layer
+pays, measured in the same run: a trivial wrapper subclass whose `__torch_dispatch__` is C
+(`flagos._C.floor_dispatch`, a test-only entry): it unwraps `_payload`, calls the op
+(`func._op`, as the router does) and wraps one tensor output with `_make_wrapper_subclass`; no
+table, routes, checks or multi-output rewrap. Its per-op figure is printed beside flagos's,
+for the ops with one tensor output (layer_norm's aten op has three: no floor figure).
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _timing import machine, median_us  # noqa: E402
 
 import flagos  # noqa: E402
+from flagos import _C  # noqa: E402
 
 OPS = {
     "add": lambda a, b: a + b,
@@ -30,12 +39,33 @@ OPS = {
     "layer_norm": lambda a, b: torch.nn.functional.layer_norm(a, (8,)),
 }
 
+# ops whose aten call has one tensor output: the floor wraps those (layer_norm's has three)
+FLOOR_OPS = [name for name in OPS if name != "layer_norm"]
+
+
+class FloorTensor(torch.Tensor):
+    """The floor: a wrapper whose __torch_dispatch__ is C, unwrap + call + rewrap one output."""
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    # a flagos build from before the floor entry has none: the floor line is then left out
+    __torch_dispatch__ = classmethod(getattr(_C, "floor_dispatch", lambda *a: NotImplemented))
+
+
+def floor_tensor(t: torch.Tensor) -> torch.Tensor:
+    w = torch.Tensor._make_wrapper_subclass(FloorTensor, t.shape, strides=t.stride(),
+                                            storage_offset=t.storage_offset(), dtype=t.dtype,
+                                            device=t.device)
+    w._payload = t
+    return w
+
+
 F = torch.nn.functional
 # name -> (inputs, op): the shapes of a DDPM-cifar10-sized UNet's middle blocks
 REALISTIC = {
     "conv2d 1x256x8x8": ((torch.randn(1, 256, 8, 8), torch.randn(256, 256, 3, 3)),
                          lambda x, w: F.conv2d(x, w, padding=1)),
-    "sdpa 1x8x128x64": ((torch.randn(1, 8, 128, 64),) * 3,
+    # three tensors, not one three times: the flagos side gets three payloads, and q = k = v in
+    # the cache would flatter the native side by ~100 µs
+    "sdpa 1x8x128x64": (tuple(torch.randn(1, 8, 128, 64) for _ in range(3)),
                         lambda q, k, v: F.scaled_dot_product_attention(q, k, v)),
     "group_norm 1x256x8x8": ((torch.randn(1, 256, 8, 8),), lambda x: F.group_norm(x, 32)),
 }
@@ -47,11 +77,18 @@ def main() -> None:
     p.add_argument("--mode", default=None, choices=("device", "native"))
     p.add_argument("--number", type=int, default=2000)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the floor, a trivial C-dispatch wrapper (default: on)")
     args = p.parse_args()
     torch.set_num_threads(1)
 
     base = torch.randn(8, 8), torch.randn(8, 8)
     native = {name: median_us(lambda f=f: f(*base), args.number, args.repeat) for name, f in OPS.items()}
+    floor = {}
+    if args.floor and hasattr(_C, "floor_dispatch"):
+        wrapped = tuple(floor_tensor(t) for t in base)
+        floor = {name: median_us(lambda f=OPS[name]: f(*wrapped), args.number, args.repeat)
+                 for name in FLOOR_OPS}
     info = flagos.activate(args.chip, mode=args.mode)
     os.environ["FLAGOS_FALLBACK"] = "allow"
     dev = flagos.device()
@@ -69,12 +106,20 @@ def main() -> None:
 
     print(f"machine: {machine()}")
     print(f"chip {info['chip']}, {info['mode']} mode; 8x8 float32; median of {args.repeat} x {args.number} calls")
-    print(f"{'op':<12}{'native µs':>11}{'flagos µs':>11}{'overhead µs':>13}{'ratio':>8}")
+    print(f"{'op':<12}{'native µs':>11}{'flagos µs':>11}{'overhead µs':>13}{'ratio':>8}"
+          + (f"{'floor over µs':>15}" if floor else ""))
     for name in OPS:
         n, f = native[name], routed[name]
-        print(f"{name:<12}{n:>11.2f}{f:>11.2f}{f - n:>13.2f}{f / n:>8.2f}")
+        fl = f"{floor[name] - n:>15.2f}" if name in floor else ("" if not floor else f"{'-':>15}")
+        print(f"{name:<12}{n:>11.2f}{f:>11.2f}{f - n:>13.2f}{f / n:>8.2f}{fl}")
     over = sorted(routed[k] - native[k] for k in OPS)
     print(f"median overhead per op: {over[len(over) // 2]:.2f} µs")
+    if floor:
+        low = sorted(floor[k] - native[k] for k in FLOOR_OPS)
+        same = sorted(routed[k] - native[k] for k in FLOOR_OPS)
+        print(f"floor (trivial C-dispatch wrapper), median over {len(FLOOR_OPS)} one-output ops: "
+              f"{low[len(low) // 2]:.2f} µs over native (flagos on the same ops: "
+              f"{same[len(same) // 2]:.2f} µs)")
     print(f"\n{'realistic op':<22}{'native µs':>11}{'flagos µs':>11}{'overhead µs':>13}{'ratio':>8}")
     for name, (n, f) in real.items():
         print(f"{name:<22}{n:>11.1f}{f:>11.1f}{f - n:>13.1f}{f / n:>8.2f}")

@@ -94,6 +94,84 @@ static PyObject *fl_dispatch_factory(PyObject *module, PyObject *args, PyObject 
     return r;
 }
 
+/* The floor of the mechanism, for benchmarks/dispatch_overhead.py: a wrapper subclass whose
+ * __torch_dispatch__ is this function (cls, func, types, args, kwargs) unwraps the top-level
+ * `_payload` of arguments of type cls, calls func._op, and wraps a single tensor output with
+ * _make_wrapper_subclass (on the payload's device); other outputs are returned as they are.
+ * No table, no routes, no checks: what any C-dispatched wrapper pays. */
+static PyObject *fl_floor_dispatch(PyObject *module, PyObject *const *argv, Py_ssize_t argc)
+{
+    (void)module;
+    static PyObject *make_wrapper, *kwnames; /* kept for the process */
+    if (argc < 4 || !PyType_Check(argv[0]) || !PyTuple_Check(argv[3]) ||
+        (argc > 4 && argv[4] != Py_None && !PyDict_Check(argv[4]))) {
+        PyErr_SetString(PyExc_TypeError, "floor_dispatch(cls, func, types, args, kwargs=None)");
+        return NULL;
+    }
+    if (make_wrapper == NULL) {
+        PyObject *torch = PyImport_ImportModule("torch");
+        PyObject *tensor = torch ? PyObject_GetAttrString(torch, "Tensor") : NULL;
+        PyObject *mw = tensor ? PyObject_GetAttrString(tensor, "_make_wrapper_subclass") : NULL;
+        PyObject *names = mw ? Py_BuildValue("(ssss)", "strides", "storage_offset", "dtype",
+                                             "device") : NULL;
+        Py_XDECREF(torch);
+        Py_XDECREF(tensor);
+        if (names == NULL) {
+            Py_XDECREF(mw);
+            return NULL;
+        }
+        make_wrapper = mw;
+        kwnames = names;
+    }
+    PyObject *cls = argv[0], *args = argv[3];
+    PyObject *kwargs = argc > 4 && argv[4] != Py_None ? argv[4] : NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *uargs = PyTuple_New(n);
+    if (uargs == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyTuple_GET_ITEM(args, i);
+        PyObject *u = Py_TYPE(v) == (PyTypeObject *)cls ? PyObject_GetAttr(v, fl_names.payload)
+                                                        : Py_NewRef(v);
+        if (u == NULL) {
+            Py_DECREF(uargs);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(uargs, i, u);
+    }
+    /* func._op, as the router calls it: no Python frame of OpOverload.__call__ */
+    PyObject *fn = PyObject_GetAttr(argv[1], fl_names.op);
+    if (fn == NULL) {
+        Py_DECREF(uargs);
+        return NULL;
+    }
+    PyObject *out = PyObject_Call(fn, uargs, kwargs);
+    Py_DECREF(fn);
+    Py_DECREF(uargs);
+    if (out == NULL || PyTuple_Check(out) || PyList_Check(out) || out == Py_None ||
+        !PyObject_HasAttr(out, fl_names.storage_offset))
+        return out;
+    PyObject *shape = PyObject_GetAttr(out, fl_names.shape);
+    PyObject *stride = shape ? PyObject_CallMethodNoArgs(out, fl_names.stride) : NULL;
+    PyObject *offset = stride ? PyObject_CallMethodNoArgs(out, fl_names.storage_offset) : NULL;
+    PyObject *dtype = offset ? PyObject_GetAttr(out, fl_names.dtype) : NULL;
+    PyObject *device = dtype ? PyObject_GetAttr(out, fl_names.device) : NULL;
+    PyObject *w = NULL;
+    if (device != NULL) {
+        PyObject *wargv[6] = {cls, shape, stride, offset, dtype, device};
+        w = PyObject_Vectorcall(make_wrapper, wargv, 2, kwnames);
+        if (w != NULL && PyObject_SetAttr(w, fl_names.payload, out) < 0)
+            Py_CLEAR(w);
+    }
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(offset);
+    Py_XDECREF(dtype);
+    Py_XDECREF(device);
+    Py_DECREF(out);
+    return w;
+}
+
 /* ---- configuration ---------------------------------------------------- */
 
 static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs)
@@ -232,6 +310,8 @@ static PyMethodDef fl_methods[] = {
     {"dispatch_factory", (PyCFunction)(void (*)(void))fl_dispatch_factory,
      METH_VARARGS | METH_KEYWORDS,
      "PrivateUse1 fallback: route an op that reached the flagos key without flagos tensors."},
+    {"floor_dispatch", (PyCFunction)(void (*)(void))fl_floor_dispatch, METH_FASTCALL,
+     "Benchmark floor: a __torch_dispatch__ that unwraps, calls and wraps one output."},
     {"configure", (PyCFunction)(void (*)(void))fl_configure, METH_VARARGS | METH_KEYWORDS,
      "Set the active chip's configuration; clears the dispatch table."},
     {"deconfigure", fl_deconfigure, METH_NOARGS, "Refuse new calls and clear the table."},

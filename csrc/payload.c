@@ -292,7 +292,7 @@ error:
 /* The conjugate and negative bits say how to read a tensor's memory. PyTorch's fallbacks for
  * them sit above the Python key, so they act only if the wrapper carries the payload's bits:
  * a wrapper without them would hand a conjugate view to ops that ignore the bit. */
-static int copy_math_bits(PyObject *w, PyObject *t)
+static int copy_math_bits(PyObject *w, PyObject *t, int complex)
 {
     static PyObject *is_conj, *is_neg, *set_conj, *set_neg; /* kept for the process */
     if (set_neg == NULL) {
@@ -310,7 +310,9 @@ static int copy_math_bits(PyObject *w, PyObject *t)
         }
     }
     PyObject *names[2] = {is_conj, is_neg}, *setters[2] = {set_conj, set_neg};
-    for (int i = 0; i < 2; i++) {
+    /* Only a complex tensor can carry the conjugate bit (conj() of a real tensor is itself);
+     * the negative bit can be on any (imag() of a conjugate view). */
+    for (int i = complex ? 0 : 1; i < 2; i++) {
         PyObject *bit = PyObject_CallMethodNoArgs(t, names[i]);
         if (bit == NULL)
             return -1;
@@ -381,7 +383,13 @@ static PyObject *wrap_tensor(flagos_state *st, PyObject *t, int target)
     w = PyObject_Vectorcall(st->make_wrapper, argv, 2, kwnames);
     if (w == NULL)
         goto done;
-    if (PyObject_SetAttr(w, fl_names.payload, t) < 0 || copy_math_bits(w, t) < 0)
+    int complex = 0;
+    if (st->complex_dtypes != NULL)
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(st->complex_dtypes); i++)
+            complex |= dtype == PyTuple_GET_ITEM(st->complex_dtypes, i);
+    else
+        complex = 1; /* not told which dtypes are complex: ask the tensor */
+    if (PyObject_SetAttr(w, fl_names.payload, t) < 0 || copy_math_bits(w, t, complex) < 0)
         Py_CLEAR(w);
 done:
     Py_XDECREF(shape);

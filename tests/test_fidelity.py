@@ -32,6 +32,9 @@ def test_conjugate_view_reads(dev):
     close(zd.conj().resolve_conj(), z.conj().resolve_conj())
     assert not zd.conj().resolve_conj().is_conj()
     close(zd.conj().imag, z.conj().imag)
+    # the negative bit on a real tensor (imag of a conjugate view) reaches the wrapper too
+    assert zd.conj().imag.is_neg() == z.conj().imag.is_neg()
+    assert torch._neg_view(zd.real).is_neg() and not zd.real.is_neg()
     close(zd.conj().real, z.conj().real)
     close(zd.mH @ zd, z.mH @ z, rtol=1e-5, atol=1e-5)
     close(torch._neg_view(zd.real), -z.real)
