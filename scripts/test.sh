@@ -17,7 +17,8 @@ case "$SEED" in
 esac
 export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -p randomly --randomly-seed=$SEED"
 echo "test order: --randomly-seed=$SEED (repeat it with FLAGOS_TEST_SEED=$SEED bash scripts/test.sh)"
-"$PYTHON" -m pytest -q tests "$@"
-FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q $CHIP_TESTS "$@"
+# The slowest tests are listed at the end of each run: what to look at when the suite grows slow.
+"$PYTHON" -m pytest -q --durations=15 tests "$@"
+FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q --durations=15 $CHIP_TESTS "$@"
 bash tests/sanitizers/run.sh address
 bash tests/sanitizers/run.sh undefined

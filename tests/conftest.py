@@ -21,6 +21,10 @@ DEVICE_MODE = flagos.runtime._registration.device_mode_supported()
 # (2.9) only the tests that start their own native-mode processes run.
 device_mode_only = pytest.mark.skipif(
     not DEVICE_MODE, reason=f"device mode needs torch._C._acc (PyTorch > 2.9); this is {torch.__version__}")
+# Tests in the chip-dependent files (scripts/test.sh runs them again with FLAGOS_TEST_CHIP=sim)
+# that name their chips themselves: the cpu run has run them already.
+runs_once = pytest.mark.skipif(
+    CHIP != "cpu", reason="names its chips itself: runs once, in the cpu run")
 
 
 @pytest.fixture(scope="session", autouse=True)

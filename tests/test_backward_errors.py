@@ -5,7 +5,7 @@ exception, and the process stays usable: memory comes back and the next step is 
 Each case runs in its own process, so a regression (an abort) is a failed test, not a lost run.
 """
 import pytest
-from conftest import CHIP, device_mode_only, run_python
+from conftest import CHIP, device_mode_only, run_python, runs_once
 
 pytestmark = device_mode_only
 
@@ -76,6 +76,7 @@ CASES = {
 }
 
 
+@runs_once
 @pytest.mark.parametrize("chip", ["cpu", "sim"])
 def test_errors_inside_backward_reach_the_caller(chip):
     code = PRELUDE.format(chip=chip) + "".join(
@@ -92,6 +93,7 @@ def test_errors_inside_backward_reach_the_caller(chip):
         assert "NEXT STEP OK" in block, (name, block)
 
 
+@runs_once
 def test_out_of_memory_inside_backward_on_sim():
     """Forward fits in the pool; a filler leaves too little for the gradients. backward()
     raises torch.OutOfMemoryError, every byte comes back, and the next step runs."""
@@ -133,6 +135,7 @@ def test_outside_backward_errors_raise_at_the_op(dev):
         torch.ones(2, device=dev) * 2
 
 
+@runs_once
 def test_fault_injection_over_a_training_loop_on_sim():
     """An allocation fails somewhere inside a six-step training loop on sim (forward or
     backward, wherever allocation #N falls). The loop catches it and skips that step; the
@@ -174,6 +177,7 @@ def test_fault_injection_over_a_training_loop_on_sim():
     assert "FAILED STEPS []" not in proc.stdout
 
 
+@runs_once
 def test_error_paths_do_not_leak():
     """Failing calls, repeated, hold on to no device memory and no Python objects."""
     proc = run_python("""

@@ -13,7 +13,7 @@ from html.parser import HTMLParser
 
 import pytest
 import torch
-from conftest import CHIP, device_mode_only
+from conftest import CHIP, device_mode_only, runs_once
 
 import flagos
 
@@ -185,6 +185,7 @@ def test_vendor_coverage_files_classify_the_ops_of_a_run(analyze_run):
     assert "no MPS kernel" in flagos.report.coverage.for_chip("mps").classify("aten::_adaptive_avg_pool3d")[1]
 
 
+@runs_once
 def test_coverage_files_are_what_the_generator_writes(tmp_path):
     shipped = json.load(open(os.path.join(ROOT, "flagos", "report", "coverage", "cuda.json")))
     if shipped["torch"] != torch.__version__.split("+")[0]:
@@ -197,6 +198,7 @@ def test_coverage_files_are_what_the_generator_writes(tmp_path):
 EXCERPT = os.path.join(ROOT, "tests", "data", "op_plugin_functions_excerpt.yaml")
 
 
+@runs_once
 def test_op_plugin_coverage_versions_are_read_as_the_file_states_them():
     from flagos.report.coverage.generate import op_plugin_ops
     text = open(EXCERPT).read()
@@ -213,6 +215,7 @@ def test_op_plugin_coverage_versions_are_read_as_the_file_states_them():
         op_plugin_ops(text, "2.11")
 
 
+@runs_once
 def test_npu_coverage_file_from_op_plugin_names_what_the_list_lacks(tmp_path):
     from flagos.report.coverage import FileCoverage
     from flagos.report.coverage.generate import main
@@ -233,6 +236,7 @@ def test_npu_coverage_file_from_op_plugin_names_what_the_list_lacks(tmp_path):
     assert main(["--out", str(tmp_path), "npu", "--op-plugin", EXCERPT, "--op-plugin-version", "3.0"]) == 1
 
 
+@runs_once
 @pytest.mark.parametrize("version, cumsum", [("2.10", "fallback"), ("2.5", "native")])
 def test_analyze_target_npu_from_op_plugin_coverage_names_the_ops_it_lacks(script, tmp_path, version, cumsum):
     """`--target ascend` (npu) with an npu.json made from the op-plugin excerpt, found on
@@ -291,6 +295,7 @@ def test_html_page_of_the_analysis(analyze_run):
     assert analysis["target"]["verdict"] in html.read_text()
 
 
+@runs_once
 def test_cpu_coverage_file_agrees_with_the_live_dispatcher():
     """The file's reading of PyTorch's yaml (structured delegates, ufunc loops, composites)
     against the kernels this process's dispatcher actually holds for CPU."""
@@ -316,6 +321,7 @@ def test_usage_error_exits_2():
     (("--chip", "nochip", "--", "python", "x.py"), "unknown chip 'nochip'"),
     (("--target", "npu", "--", "python", "x.py"), "coverage files ship for cpu, cuda, mps"),
 ])
+@runs_once
 def test_bad_chip_or_target_exits_2_before_running(args, message, capsys):
     from flagos.tools.cli import main  # the command's own entry, in this process
     assert main(["analyze", *args]) == 2
@@ -331,6 +337,7 @@ def test_a_run_without_flagos_gives_no_report(tmp_path, capfd):
     assert "left no flagos report" in err and "never imports torch" in out
 
 
+@runs_once
 def test_sim_coverage_follows_the_dtypes_sim_computes_in():
     """An adapter kernel counts only for the dtypes the chip declares native (sim: float32 and
     float16 unless FLAGOS_SIM_DTYPES says more), as the adapter runner applies it."""

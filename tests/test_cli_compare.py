@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import CHIP, device_mode_only
+from conftest import CHIP, device_mode_only, runs_once
 
 import flagos
 from flagos.tools import _compare
@@ -76,6 +76,7 @@ def model_file(tmp_path):
     return str(path)
 
 
+@runs_once
 def test_wrong_kernel_names_the_first_module_that_uses_it(model_file, tmp_path):
     out = tmp_path / "compare.json"
     proc = run_flagos("compare", f"{model_file}:build_with_wrong_gelu", "--chip", "sim",
@@ -97,6 +98,7 @@ def test_wrong_kernel_names_the_first_module_that_uses_it(model_file, tmp_path):
     assert "first failing module in execution order: blocks.0.ffn.1 (GELU, call 0)" in proc.stdout
 
 
+@runs_once
 def test_same_model_without_the_wrong_kernel_passes(model_file):
     proc = run_flagos("compare", f"{model_file}:build", "--chip", "sim", "--json", "-")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -142,6 +144,7 @@ def test_python_api_runs_another_chip_in_a_child():
     assert all(0 < r["max_abs_err"] < 1e-5 for r in data["modules"])
 
 
+@runs_once
 def test_verdict_thresholds():
     ref = torch.linspace(-1, 1, 1000)
     # cosine < 0.99 alone is not a failure while max abs err stays under 1e-3 (tiny values)
@@ -162,6 +165,7 @@ def test_verdict_thresholds():
     assert "shapes differ" in _compare.judge([ref[:10]], [ref[:11]])["reason"]
 
 
+@runs_once
 def test_usage_errors():
     proc = run_flagos("compare", "no_such_model", "--chip", "sim")
     assert proc.returncode == 2 and "use one of mlp, cnn, bert, unet, ddpm" in proc.stderr
