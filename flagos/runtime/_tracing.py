@@ -33,9 +33,13 @@ def flatten(tensor):
     payload = tensor._payload
     if "torch._dynamo" not in sys.modules:
         return ["_payload"], None
+    if torch._guards.TracingContext.try_get() is None and not torch.compiler.is_compiling():
+        # A library, not a compilation, asks for the inner tensors (huggingface_hub's storage
+        # ids when saving): nothing of Inductor to register for it, which costs seconds.
+        if not isinstance(payload, torch.Tensor):
+            refuse_host_storage()
+        return ["_payload"], None
     if not isinstance(payload, torch.Tensor):
-        if torch._guards.TracingContext.try_get() is None and not torch.compiler.is_compiling():
-            refuse_host_storage()  # a library, not a compilation, asked for the inner tensors
         refuse_trace()
     skip_flagos_frames()
     if _on_first_trace is not None:
