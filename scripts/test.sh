@@ -20,5 +20,18 @@ echo "test order: --randomly-seed=$SEED (repeat it with FLAGOS_TEST_SEED=$SEED b
 # The slowest tests are listed at the end of each run: what to look at when the suite grows slow.
 "$PYTHON" -m pytest -q --durations=15 tests "$@"
 FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q --durations=15 $CHIP_TESTS "$@"
-bash tests/sanitizers/run.sh address
-bash tests/sanitizers/run.sh undefined
+# The two sanitizer jobs build and test copies of the tree of their own: they run side by side,
+# each log printed whole when both are done.
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+bash tests/sanitizers/run.sh address >"$logs/address" 2>&1 &
+address=$!
+bash tests/sanitizers/run.sh undefined >"$logs/undefined" 2>&1 &
+undefined=$!
+status=0
+wait "$address" || status=$?
+echo "== AddressSanitizer job (exit $status)"; cat "$logs/address"
+undefined_status=0
+wait "$undefined" || undefined_status=$?
+echo "== UndefinedBehaviorSanitizer job (exit $undefined_status)"; cat "$logs/undefined"
+[ "$status" -eq 0 ] && [ "$undefined_status" -eq 0 ]
