@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test suite: everything in device mode on the cpu chip (with native mode, autoload, the
 # adapter ABI and the real models), the chip-dependent tests again on the emulated accelerator
-# sim, then the AddressSanitizer and UndefinedBehaviorSanitizer jobs over the C router, the
+# sim, and the AddressSanitizer and UndefinedBehaviorSanitizer jobs over the C router, the
 # loader and the sim adapter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,21 +17,24 @@ case "$SEED" in
 esac
 export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -p randomly --randomly-seed=$SEED"
 echo "test order: --randomly-seed=$SEED (repeat it with FLAGOS_TEST_SEED=$SEED bash scripts/test.sh)"
-# The slowest tests are listed at the end of each run: what to look at when the suite grows slow.
-"$PYTHON" -m pytest -q --durations=15 tests "$@"
-FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q --durations=15 $CHIP_TESTS "$@"
-# The two sanitizer jobs build and test copies of the tree of their own: they run side by side,
-# each log printed whole when both are done.
+# Two lanes, side by side (neither writes what the other reads; the sanitizer jobs build and test copies of
+# the tree of their own): the cpu chip's run in the foreground, its output live; the sim run, then
+# the AddressSanitizer and UndefinedBehaviorSanitizer jobs in the background, their output printed
+# whole at the end. Each run lists its slowest tests: what to look at when the suite grows slow.
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
-bash tests/sanitizers/run.sh address >"$logs/address" 2>&1 &
-address=$!
-bash tests/sanitizers/run.sh undefined >"$logs/undefined" 2>&1 &
-undefined=$!
-status=0
-wait "$address" || status=$?
-echo "== AddressSanitizer job (exit $status)"; cat "$logs/address"
-undefined_status=0
-wait "$undefined" || undefined_status=$?
-echo "== UndefinedBehaviorSanitizer job (exit $undefined_status)"; cat "$logs/undefined"
-[ "$status" -eq 0 ] && [ "$undefined_status" -eq 0 ]
+(
+    set -e
+    FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q --durations=15 $CHIP_TESTS "$@"
+    bash tests/sanitizers/run.sh address
+    bash tests/sanitizers/run.sh undefined
+) >"$logs/sim-and-sanitizers" 2>&1 &
+second_lane=$!
+cpu_status=0
+"$PYTHON" -m pytest -q --durations=15 tests "$@" || cpu_status=$?
+second_status=0
+wait "$second_lane" || second_status=$?
+echo "== sim run, AddressSanitizer and UndefinedBehaviorSanitizer jobs (exit $second_status)"
+cat "$logs/sim-and-sanitizers"
+echo "== cpu run exit $cpu_status, sim run and sanitizer jobs exit $second_status"
+[ "$cpu_status" -eq 0 ] && [ "$second_status" -eq 0 ]

@@ -228,7 +228,9 @@ def test_test_order_seed_reaches_pytest_and_a_bad_one_is_refused(tmp_path):
     run = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1
     assert "test order: --randomly-seed=7 " in run.stdout
-    assert "ADDOPTS=" in run.stdout and run.stdout.split("ADDOPTS=")[1].split()[-1] == "--randomly-seed=7"
+    # both lanes (the cpu run; the sim run and the sanitizer jobs) get the seed
+    addopts = [line for line in run.stdout.splitlines() if line.startswith("ADDOPTS=")]
+    assert len(addopts) == 2 and all(line.split()[-1] == "--randomly-seed=7" for line in addopts)
     env["FLAGOS_TEST_SEED"] = " 7"
     run = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "ADDOPTS=" not in run.stdout
