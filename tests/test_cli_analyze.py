@@ -259,6 +259,70 @@ def test_analyze_target_npu_from_op_plugin_coverage_names_the_ops_it_lacks(scrip
     assert not {"aten::abs", "aten::add.Tensor"} & set(target["fallback_ops"])
 
 
+def _npu_wheel(tmp_path, version="2.13.0", functions=True):
+    """A file laid out as a torch_npu wheel, holding the test's excerpt of its operator list."""
+    import zipfile
+    path = tmp_path / f"torch_npu-{version}-cp311-cp311-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr("torch_npu/version.py", f"__version__ = '{version}'\ngit_version = 'abc123'\n")
+        if functions:
+            wheel.write(os.path.join(ROOT, "tests", "data", "torch_npu_codegen_excerpt.yaml"),
+                        "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml")
+    return path
+
+
+@runs_once
+def test_npu_coverage_from_a_torch_npu_wheel_reads_its_operator_list(tmp_path):
+    from flagos.report.coverage.generate import main, torch_npu_wheel_ops
+    ops, version, revision = torch_npu_wheel_ops(str(_npu_wheel(tmp_path)))
+    assert (version, revision) == ("2.13.0", "abc123")
+    assert ops == {"aten::squeeze", "aten::squeeze.dim", "aten::clone", "aten::add.Tensor", "aten::abs",
+                   "aten::new_empty_strided", "aten::npu_gather_backward", "aten::embedding",
+                   "aten::_thnn_fused_gru_cell", "aten::int_repr"}   # custom: is torch_npu's own
+    out = tmp_path / "out"
+    assert main(["--out", str(out), "npu", "--torch-npu-wheel", str(_npu_wheel(tmp_path))]) == 0
+    table = json.load(open(out / "npu.json"))
+    assert (table["chip"], table["dispatch_key"], table["torch_npu"]) == ("npu", "PrivateUse1", "2.13.0")
+    assert "git abc123" in table["source"] and "--torch-npu-wheel torch_npu-2.13.0-" in table["generated_by"]
+    kernel, no_kernel = set(table["kernel"]), set(table["no_kernel"])
+    assert {"aten::abs", "aten::add.Tensor", "aten::embedding", "aten::linear"} <= kernel   # linear: a decomposition
+    assert {"aten::mm", "aten::cumsum", "aten::sub.Tensor"} <= no_kernel                     # not listed
+    assert "aten::npu_gather_backward" not in kernel | no_kernel      # not an op of PyTorch's table
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    assert main(["--out", str(out), "npu", "--torch-npu-wheel", str(_npu_wheel(bad, functions=False))]) == 1
+    assert main(["--out", str(out), "npu", "--torch-npu-wheel", str(EXCERPT)]) == 1   # not a zip
+
+
+@runs_once
+def test_shipped_npu_coverage_comes_from_the_torch_npu_wheel_of_its_pytorch():
+    shipped = json.load(open(os.path.join(ROOT, "flagos", "report", "coverage", "npu.json")))
+    assert shipped["torch_npu"] == shipped["torch"]   # torch_npu X.Y.Z is built for torch X.Y.Z
+    assert shipped["source"].startswith(f"torch_npu {shipped['torch']} wheel from PyPI")
+    kernel, no_kernel = set(shipped["kernel"]), set(shipped["no_kernel"])
+    assert not kernel & no_kernel and len(kernel) > 2000
+    # what a Diffusers UNet spends its time in has NPU kernels; CPU's own attention kernel has not
+    assert {"aten::convolution", "aten::native_group_norm", "aten::addmm", "aten::silu",
+            "aten::upsample_nearest2d", "aten::_softmax"} <= kernel
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in no_kernel
+
+
+@runs_once
+def test_analyze_target_npu_on_the_ddpm_example_names_what_npu_lacks():
+    """The fallback analysis before the card is at hand: the main job's DDPM pipeline, analyzed
+    on the cpu chip against the shipped npu.json."""
+    proc = flagos_command("analyze", "--chip", "cpu", "--target", "ascend", "--json", "-", "--",
+                          sys.executable, os.path.join(ROOT, "examples", "diffusers_pipeline.py"),
+                          "--steps", "1", cwd=ROOT, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    target = json.loads(proc.stdout)["target"]
+    assert (target["chip"], os.path.basename(target["source"])) == ("npu", "npu.json")
+    shipped = json.load(open(os.path.join(ROOT, "flagos", "report", "coverage", "npu.json")))
+    ran = {r["op"] for r in json.loads(proc.stdout)["ops"]}
+    assert set(target["fallback_ops"]) == ran & set(shipped["no_kernel"])
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in target["fallback_ops"]
+
+
 class _Rows(HTMLParser):
     def __init__(self):
         super().__init__()
@@ -319,7 +383,7 @@ def test_usage_error_exits_2():
 
 @pytest.mark.parametrize("args, message", [
     (("--chip", "nochip", "--", "python", "x.py"), "unknown chip 'nochip'"),
-    (("--target", "npu", "--", "python", "x.py"), "coverage files ship for cpu, cuda, mps"),
+    (("--target", "mlu", "--", "python", "x.py"), "coverage files ship for cpu, cuda, mps, npu"),
 ])
 @runs_once
 def test_bad_chip_or_target_exits_2_before_running(args, message, capsys):

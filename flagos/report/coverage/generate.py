@@ -3,6 +3,7 @@
     python -m flagos.report.coverage.generate            # rewrites flagos/report/coverage/{cpu,cuda,mps}.json
     python -m flagos.report.coverage.generate npu        # where torch_npu is installed: npu.json
     python -m flagos.report.coverage.generate npu --op-plugin op_plugin_functions.yaml   # anywhere
+    python -m flagos.report.coverage.generate npu --torch-npu-wheel torch_npu-2.13.0-...whl
 
 cpu, cuda, mps: PyTorch ships its operator declarations
 (torchgen/packaged/ATen/native/native_functions.yaml) with every wheel, CPU-only ones included,
@@ -18,13 +19,19 @@ on a machine where the plugin is installed, the file is read from the live dispa
 `--from-dispatcher` asks the dispatcher for any chip. npu can also be written without
 torch_npu: Ascend publishes the aten ops torch_npu implements, per PyTorch version, in its
 op-plugin repository (op_plugin/config/op_plugin_functions.yaml); `--op-plugin` reads that file.
+Every torch_npu wheel on PyPI ships the list its build registered
+(torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml); `--torch-npu-wheel` reads it from
+the wheel file, without importing it (the shipped npu.json comes from the wheel matching the
+PyTorch it was made with).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
+import zipfile
 
 # chip -> the dispatch key of its kernels in native_functions.yaml
 CHIP_KEYS = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS"}
@@ -141,6 +148,62 @@ def op_plugin_table(path: str, version: str | None = None, source: str | None = 
     return table
 
 
+# Inside every torch_npu wheel (PyPI: torch-npu): the operator list its build registered, after
+# op-plugin's per-version selection; and the wheel's version.
+WHEEL_FUNCTIONS = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
+WHEEL_VERSION = "torch_npu/version.py"
+# the sections of that list that hold aten ops registered for NPU (`custom:` holds npu_* ops)
+WHEEL_ATEN_SECTIONS = ("supported", "symint", "autograd", "quant")
+
+
+def torch_npu_wheel_ops(path: str) -> tuple[set[str], str, str]:
+    """The aten ops a torch_npu wheel registers for NPU, read from the operator list the wheel
+    ships (no import, no Ascend hardware or CANN needed): (ops as "aten::name.overload", the
+    wheel's version, its git revision). Entries are "name.overload" strings or mappings whose
+    `func` is a name or a whole schema; names that are not aten's (npu_* in these sections)
+    are dropped later, against PyTorch's own operator table."""
+    import yaml
+
+    try:
+        with zipfile.ZipFile(path) as wheel:
+            data = yaml.safe_load(wheel.read(WHEEL_FUNCTIONS))
+            about = wheel.read(WHEEL_VERSION).decode()
+    except (OSError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path}: not a readable torch_npu wheel ({e}); get one with "
+                         f"`pip download --no-deps torch-npu==VERSION`") from None
+    except KeyError as e:
+        raise ValueError(f"{path}: no {e.args[0]} inside: not a torch_npu wheel") from None
+    version = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", about)
+    revision = re.search(r"git_version\s*=\s*['\"]([^'\"]+)", about)
+    ops = set()
+    for section in WHEEL_ATEN_SECTIONS:
+        for entry in data.get(section) or []:
+            func = entry["func"] if isinstance(entry, dict) else str(entry)
+            ops.add("aten::" + func.split("(", 1)[0].strip())
+    return ops, version.group(1) if version else "?", revision.group(1) if revision else "?"
+
+
+def torch_npu_wheel_table(path: str) -> dict:
+    """npu's coverage from a torch_npu wheel: an op has a kernel when the wheel registers one,
+    or when its kernel is device-generic or a decomposition in the installed PyTorch's
+    native_functions.yaml (as for cpu, cuda and mps)."""
+    listed, version, revision = torch_npu_wheel_ops(path)
+    table = kernel_table("cpu", listed=listed)
+    table.update({
+        "chip": "npu",
+        "dispatch_key": "PrivateUse1",
+        "torch_npu": version,
+        "source": f"torch_npu {version} wheel from PyPI (git {revision}), {WHEEL_FUNCTIONS}: "
+                  f"the aten ops it registers for NPU; device-generic kernels and "
+                  f"decompositions from native_functions.yaml shipped with PyTorch, parsed "
+                  f"with torchgen",
+        "generated_by": f"pip download --no-deps torch-npu=={version} && python -m "
+                        f"flagos.report.coverage.generate npu --torch-npu-wheel "
+                        f"{os.path.basename(path)}",
+    })
+    return table
+
+
 def dispatcher_table(chip: str) -> dict:
     """The same table from the kernels registered in this process's dispatcher (the chip's
     plugin imported first)."""
@@ -189,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the PyTorch version of that file to read (default: its newest)")
     parser.add_argument("--op-plugin-source", metavar="TEXT",
                         help="what to record as the file's origin (repository, commit, path)")
+    parser.add_argument("--torch-npu-wheel", metavar="WHEEL",
+                        help="npu without Ascend hardware: a torch_npu wheel (pip download "
+                             "--no-deps torch-npu==VERSION), whose operator list is read")
     parser.add_argument("chips", nargs="*", default=sorted(CHIP_KEYS),
                         help=f"chips to write, of {', '.join(known)} (default: "
                              f"{' '.join(sorted(CHIP_KEYS))})")
@@ -198,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no dispatch key known for {', '.join(unknown)}; choose from {', '.join(known)}")
     for chip in args.chips:
         try:
-            if chip == "npu" and args.op_plugin:
+            if chip == "npu" and args.torch_npu_wheel:
+                table = torch_npu_wheel_table(args.torch_npu_wheel)
+            elif chip == "npu" and args.op_plugin:
                 table = op_plugin_table(args.op_plugin, args.op_plugin_version, args.op_plugin_source)
             elif args.from_dispatcher or chip in PLUGIN_KEYS:
                 table = dispatcher_table(chip)
@@ -207,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, FileNotFoundError, ValueError) as e:
             print(f"{parser.prog}: {e}", file=sys.stderr)
             return 1
+        os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"{chip}.json")
         with open(path, "w") as f:
             json.dump(table, f, indent=0)
