@@ -95,6 +95,26 @@ def test_plot_without_matplotlib_names_the_fix(tmp_path):
     assert "pip install 'flagos[plot]'" in proc.stderr and not (tmp_path / "x.png").exists()
 
 
+def test_bench_compiled_against_plain_torch_compiled():
+    """--compile: every chip, plain PyTorch included, runs the model under torch.compile; the
+    compile is in the first warm-up iteration, and the compiled model computes what the eager
+    one does."""
+    proc = run_flagos("bench", "mlp", "--chips", f"torch-cpu,{CHIP}", "--warmup", "1",
+                      "--iters", "3", "--compile", "--json", "-")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["compile"] is True
+    eager = flagos.tools.bench("mlp", chips="torch-cpu", warmup=0, iters=1)
+    assert eager["compile"] is False and eager["results"][0]["compiled_graphs"] is None
+    for row in data["results"]:
+        assert len(row["warmup_ms"]) == 1 and len(row["latencies_ms"]) == 3
+        assert row["compiled_graphs"] >= 1   # Dynamo's count in the chip's process
+        assert row["output_checksum"] == pytest.approx(eager["results"][0]["output_checksum"],
+                                                       rel=1e-4, abs=1e-4)
+    proc = run_flagos("bench", "mlp", "--chips", "torch-cpu", "--compile", "--warmup", "0")
+    assert proc.returncode == 2 and "--compile needs at least one warm-up iteration" in proc.stderr
+
+
 def test_usage_errors():
     proc = run_flagos("bench", "resnet9000", "--iters", "1")
     assert proc.returncode == 2 and "unknown model 'resnet9000'" in proc.stderr

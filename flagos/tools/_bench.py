@@ -40,6 +40,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="float32",
                         help="float32, float16, bfloat16 or float64 (default float32)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs")
+    parser.add_argument("--compile", action="store_true",
+                        help="measure the model under torch.compile (compiled during the "
+                             "warm-up, which then needs at least one iteration)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': stdout)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib)")
     parser.add_argument("--progress", choices=_PROGRESS, default="auto",
@@ -76,14 +79,21 @@ class _ProgressBar:
             sys.stderr.flush()
 
 
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters  # only under --compile: Dynamo is heavy to import
+    return int(counters["stats"]["unique_graphs"])
+
+
 def measure(chip: str, model: str, batch: int, warmup: int, iters: int, dtype: str,
-            seed: int, progress: str = "never") -> dict:
+            seed: int, progress: str = "never", compile: bool = False) -> dict:
     """Run one chip's measurement (in the process where flagos is active on `chip`)."""
     device = _childrun.device_for(chip)
     name = _childrun.chip_name(chip)
     work = _models.load(model, batch, seed)
     net = _models.cast_model(work.model, device, _models.parse_dtype(dtype))
     inputs = _models.move(work.inputs, device, _models.parse_dtype(dtype))
+    if compile:  # the same Inductor on every chip; the first warm-up iteration compiles
+        net = torch.compile(net)
     on_flagos = chip != _childrun.REFERENCE
     bar = _ProgressBar(name, warmup + iters, progress)
 
@@ -110,7 +120,9 @@ def measure(chip: str, model: str, batch: int, warmup: int, iters: int, dtype: s
     bar.close()
     result = {"chip": name, "device": str(device), "mode": _childrun.mode(chip),
               "warmup_ms": warm, "latencies_ms": latencies,
-              "peak_memory_bytes": _childrun.peak_memory(chip), "fallback": None}
+              "peak_memory_bytes": _childrun.peak_memory(chip), "fallback": None,
+              # graphs Dynamo compiled in this process: the proof the run was compiled
+              "compiled_graphs": _compiled_graphs() if compile else None}
     if on_flagos:
         report = flagos.fallback_report()
         calls, fallback_calls = report.calls(), report.calls("fallback")
@@ -150,7 +162,8 @@ def summarize(latencies_ms: list[float], batch: int) -> dict:
 
 
 def bench(model: str, chips=DEFAULT_CHIPS, batch: int = 1, warmup: int = 3, iters: int = 20,
-          dtype: str = "float32", seed: int = 0, progress: str = "never") -> dict:
+          dtype: str = "float32", seed: int = 0, progress: str = "never",
+          compile: bool = False) -> dict:
     """Measure `model` on each chip (each in its own process unless it can run here).
 
     Returns {"model", "batch", "dtype", "warmup", "iters", "base", "results": [per chip]};
@@ -165,12 +178,15 @@ def bench(model: str, chips=DEFAULT_CHIPS, batch: int = 1, warmup: int = 3, iter
     _models.parse_dtype(dtype)
     if batch < 1 or iters < 1 or warmup < 0:
         raise ValueError("batch and iters must be at least 1, warmup at least 0")
+    if compile and warmup < 1:
+        raise ValueError("--compile needs at least one warm-up iteration (--warmup 1 or more): "
+                         "compiling happens in the first call and is not a latency")
     results = []
     for chip in chips:
         try:
             row = _childrun.call(chip, f"{__name__}:measure", model=model, batch=batch,
                                  warmup=warmup, iters=iters, dtype=dtype, seed=seed,
-                                 progress=progress)
+                                 progress=progress, compile=compile)
             row.update(summarize(row["latencies_ms"], batch))
         except _childrun.ChildError as e:
             row = {"chip": chip, "error": str(e)}
@@ -182,7 +198,7 @@ def bench(model: str, chips=DEFAULT_CHIPS, batch: int = 1, warmup: int = 3, iter
         row["ratio"] = row["p50_ms"] / base["p50_ms"] if ok else None
         row["ratio_mean"] = row["mean_ms"] / base["mean_ms"] if ok else None
     return {"model": model, "batch": batch, "dtype": dtype, "warmup": warmup, "iters": iters,
-            "seed": seed, "torch": torch.__version__, "base": base["chip"], "results": results}
+            "seed": seed, "compile": compile, "torch": torch.__version__, "base": base["chip"], "results": results}
 
 
 # ---- output ------------------------------------------------------------------------------
@@ -205,7 +221,8 @@ def format_results(data: dict) -> str:
                     + [f"{r['throughput_per_s']:.1f}", format_bytes(r["peak_memory_bytes"]),
                        _share(r, "call_share"), _share(r, "time_share"),
                        "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"])
-    head = (f"bench {data['model']}: batch {data['batch']}, {data['dtype']}, "
+    compiled = ", torch.compile" if data.get("compile") else ""
+    head = (f"bench {data['model']}{compiled}: batch {data['batch']}, {data['dtype']}, "
             f"{data['warmup']} warm-up + {data['iters']} measured iterations")
     return "\n".join([head, "", format_table(headers, rows), *(f"error: {e}" for e in errors)])
 
@@ -258,7 +275,8 @@ def run(args) -> int:
             return 2
     try:
         data = bench(args.model, args.chips, batch=args.batch, warmup=args.warmup,
-                     iters=args.iters, dtype=args.dtype, seed=args.seed, progress=args.progress)
+                     iters=args.iters, dtype=args.dtype, seed=args.seed, progress=args.progress,
+                     compile=args.compile)
     except ValueError as e:
         print(f"flagos bench: {e}", file=sys.stderr)
         return 2
