@@ -16,7 +16,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import machine  # noqa: E402
+from _timing import add_json_option, machine, write_json  # noqa: E402
 
 
 def run(env: dict) -> float:
@@ -28,6 +28,7 @@ def run(env: dict) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=15)
+    add_json_option(p)
     args = p.parse_args()
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
     on, off = [], []
@@ -48,6 +49,10 @@ def main() -> None:
           f"(run-to-run spread ±{statistics.pstdev(off):.1f} ms)")
     print(f"flagos entry point (import flagos + autoload()), in process: median "
           f"{statistics.median(inproc):.2f} ms")
+    write_json(args.json, "autoload_cost", {
+        "import_torch_autoload_on_ms": statistics.median(on),
+        "import_torch_autoload_off_ms": statistics.median(off),
+        "entry_point_in_process_ms": statistics.median(inproc)})
 
 
 if __name__ == "__main__":

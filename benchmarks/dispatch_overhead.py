@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import machine, median_us  # noqa: E402
+from _timing import add_json_option, machine, median_us, write_json  # noqa: E402
 
 import flagos  # noqa: E402
 from flagos import _C  # noqa: E402
@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the floor, a trivial C-dispatch wrapper (default: on)")
+    add_json_option(p)
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -123,6 +124,15 @@ def main() -> None:
     print(f"\n{'realistic op':<22}{'native µs':>11}{'flagos µs':>11}{'overhead µs':>13}{'ratio':>8}")
     for name, (n, f) in real.items():
         print(f"{name:<22}{n:>11.1f}{f:>11.1f}{f - n:>13.1f}{f / n:>8.2f}")
+    write_json(args.json, "dispatch_overhead", {
+        "chip": info["chip"], "mode": info["mode"], "number": args.number, "repeat": args.repeat,
+        "small_ops": {name: {"native_us": native[name], "flagos_us": routed[name],
+                             "floor_us": floor.get(name)} for name in OPS},
+        "median_overhead_us": over[len(over) // 2],
+        "floor_median_overhead_us": (sorted(floor[k] - native[k] for k in FLOOR_OPS)[len(FLOOR_OPS) // 2]
+                                     if floor else None),
+        "realistic_ops": {name: {"native_us": n, "flagos_us": f} for name, (n, f) in real.items()},
+    })
 
 
 if __name__ == "__main__":

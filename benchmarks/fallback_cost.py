@@ -1,11 +1,14 @@
-"""Cost of the CPU fallback: MB/s of the host round trip vs a plain host copy, in one run.
+"""Cost of the CPU fallback: its host round trip against the same work done by hand, in one run.
 
-    python benchmarks/fallback_cost.py [--chip sim] [--repeat 7]
+    python benchmarks/fallback_cost.py [--chip sim] [--repeat 9] [--json PATH]
 
 For each size, `neg` is forced onto the fallback route, so one call moves the tensor to the
-host, negates it there and moves the result back. Its throughput (bytes moved each way / time)
-is compared with `torch.Tensor.copy_` between two host tensors of the same size (a memcpy-class
-copy) and with the host `neg` alone, all measured in the same process.
+host, negates it there and moves the result back. The same work done by hand on the host, a
+`copy_` in, the `neg`, a `copy_` out (memcpy-class copies into tensors that already exist), is
+the ideal; efficiency = ideal time / fallback time (1.0: the fallback costs no more than two
+copies and the op). The three are timed interleaved, one round after the other, so a load
+change on the machine hits all of them; min / median / max over the rounds are printed. Every
+figure is a ratio of positive times: nothing divides by a difference that could be <= 0.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import machine, median_us  # noqa: E402
+from _timing import add_json_option, machine, median_us, spread, write_json  # noqa: E402
 
 import flagos  # noqa: E402
 
@@ -26,33 +29,49 @@ SIZES = {"64 KiB": 16 * 1024, "1 MiB": 256 * 1024, "16 MiB": 4 * 1024 * 1024}
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chip", default="sim")
-    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--repeat", type=int, default=9, help="interleaved rounds (default 9)")
+    add_json_option(p)
     args = p.parse_args()
+    torch.set_num_threads(1)  # OpenMP threads spinning on a busy core would time the machine's load
     os.environ["FLAGOS_FALLBACK"] = "allow"
     info = flagos.activate(args.chip)
     dev = flagos.device()
     flagos.set_route("aten::neg", "fallback")
     print(f"machine: {machine()}")
-    print(f"chip {info['chip']} ({info['mode']} mode); float32; median of {args.repeat} runs")
-    print(f"{'size':<8}{'host copy MB/s':>16}{'host neg µs':>13}{'fallback neg µs':>17}"
-          f"{'round trip MB/s':>17}{'vs copy':>9}")
+    print(f"chip {info['chip']} ({info['mode']} mode); float32; {args.repeat} interleaved rounds")
+    print(f"{'size':<8}{'copy MB/s':>11}{'ideal µs':>10}{'fallback µs':>13}"
+          f"{'efficiency min / median / max':>32}")
+    figures = {}
     for label, n in SIZES.items():
         number = max(3, 2_000_000 // n)
-        src, dst = torch.randn(n), torch.empty(n)
+        src, staged, result = torch.randn(n), torch.empty(n), torch.empty(n)
         on_chip = src.to(dev)
-        copy_us = median_us(lambda d=dst, s=src: d.copy_(s), number, args.repeat)
-        neg_us = median_us(lambda s=src: torch.neg(s), number, args.repeat)
+
+        def by_hand(src=src, staged=staged, result=result):
+            staged.copy_(src)
+            result.copy_(torch.neg(staged))
+
+        copies, ideal, fallback = [], [], []
         flagos.reset_report()
-        fb_us = median_us(lambda t=on_chip: torch.neg(t), number, args.repeat)
+        for _ in range(args.repeat):
+            copies.append(median_us(lambda s=src, d=staged: d.copy_(s), number, 1))
+            ideal.append(median_us(by_hand, number, 1))
+            fallback.append(median_us(lambda t=on_chip: torch.neg(t), number, 1))
         row = flagos.fallback_report().op("aten::neg")
         calls = row["calls"]["fallback"]
         moved = (row["bytes_to_host"] + row["bytes_to_device"]) / calls  # bytes per call
-        copy_mbs = src.nbytes / copy_us
-        trip_mbs = moved / max(fb_us - neg_us, 1e-9)
-        print(f"{label:<8}{copy_mbs:>16.0f}{neg_us:>13.1f}{fb_us:>17.1f}{trip_mbs:>17.0f}"
-              f"{trip_mbs / copy_mbs:>9.2f}")
-    print("round trip MB/s = bytes moved to the host and back per call / (fallback time - host "
-          "neg time); host copy MB/s = bytes copied / time")
+        efficiency = spread([i / f for i, f in zip(ideal, fallback)])
+        copy_mbs = src.nbytes / spread(copies)["median"]
+        figures[label] = {"bytes": src.nbytes, "bytes_moved_per_call": moved,
+                          "host_copy_mb_s": copy_mbs, "ideal_us": spread(ideal),
+                          "fallback_us": spread(fallback), "efficiency": efficiency}
+        print(f"{label:<8}{copy_mbs:>11.0f}{spread(ideal)['median']:>10.1f}"
+              f"{spread(fallback)['median']:>13.1f}"
+              f"{efficiency['min']:>12.2f} / {efficiency['median']:.2f} / {efficiency['max']:.2f}")
+    print("ideal = host copy_ in + neg + copy_ out into existing tensors; efficiency = ideal / "
+          "fallback time, per round")
+    write_json(args.json, "fallback_cost", {"chip": info["chip"], "mode": info["mode"],
+                                            "repeat": args.repeat, "sizes": figures})
 
 
 if __name__ == "__main__":

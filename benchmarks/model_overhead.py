@@ -19,7 +19,7 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import models  # noqa: E402
-from _timing import machine  # noqa: E402
+from _timing import add_json_option, machine, write_json  # noqa: E402
 
 import flagos  # noqa: E402
 
@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--mode", default=None, choices=("device", "native"))
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--number", type=int, default=5)
+    add_json_option(p)
     args = p.parse_args()
 
     os.environ.setdefault("FLAGOS_FALLBACK", "allow")
@@ -68,6 +69,7 @@ def main() -> None:
           "(hidden 768, 12 heads, FFN 3072), 4 of them, batch 2 x 128 tokens; unet: the DDPM "
           "test UNet, 16x16")
     print(f"{'model':<14}{'native ms':>11}{'flagos ms':>11}{'ratio':>8}")
+    figures = {}
     with torch.no_grad():
         for name, (native, routed) in cases.items():
             native(), routed()
@@ -77,6 +79,11 @@ def main() -> None:
                 fs.append(timed(routed, args.number))
             n, f = statistics.median(ns), statistics.median(fs)
             print(f"{name:<14}{n:>11.2f}{f:>11.2f}{f / n:>8.2f}")
+            figures[name] = {"native_ms": n, "flagos_ms": f, "ratio": f / n,
+                             "ratios": sorted(b / a for a, b in zip(ns, fs))}
+    write_json(args.json, "model_overhead", {"chip": info["chip"], "mode": info["mode"],
+                                             "repeat": args.repeat, "number": args.number,
+                                             "models": figures})
 
 
 if __name__ == "__main__":

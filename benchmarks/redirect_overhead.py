@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _timing import machine, median_us  # noqa: E402
+from _timing import add_json_option, machine, median_us, write_json  # noqa: E402
 
 import flagos  # noqa: E402
 from flagos.integrations import _redirect  # noqa: E402
@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--chip", default="cpu")
     parser.add_argument("--number", type=int, default=5000)
     parser.add_argument("--repeat", type=int, default=7)
+    add_json_option(parser)
     args = parser.parse_args()
     flagos.activate(args.chip)
     dev = flagos.device()
@@ -69,6 +70,10 @@ def main() -> None:
     print(f"{'call':30s} {'off':>8s} {'on, flagos':>11s} {'on, cuda':>9s} {'mode, cuda':>11s}")
     for k in off:
         print(f"{k:30s} {off[k]:8.2f} {on_native_name[k]:11.2f} {on_cuda_name[k]:9.2f} {mode[k]:11.2f}")
+    write_json(args.json, "redirect_overhead", {
+        "chip": args.chip, "calls": {k: {"off_us": off[k], "on_flagos_us": on_native_name[k],
+                                         "on_cuda_us": on_cuda_name[k], "mode_cuda_us": mode[k]}
+                                     for k in off}})
 
 
 if __name__ == "__main__":

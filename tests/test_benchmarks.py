@@ -1,0 +1,39 @@
+"""benchmarks/run_all.py, the one command for every figure: it runs the scripts, keeps each
+one's figures with the machine they were measured on, and writes the table and the plots.
+Its figures are not checked here (timings are not tests); its plumbing is."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_run_all_writes_json_table_and_plots(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--quick",
+                           "--only", "fallback,redirect", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = json.loads((tmp_path / "results.json").read_text())
+    assert [e["label"] for e in run["runs"]] == ["fallback_cost cpu", "fallback_cost sim", "redirect_overhead"]
+    for entry in run["runs"]:
+        env_of_run = entry["data"]["environment"]
+        assert env_of_run["cores"] == os.cpu_count() and env_of_run["torch"]
+        assert len(entry["load_average_before"]) == 3
+    sizes = run["runs"][1]["data"]["results"]["sizes"]
+    assert list(sizes) == ["64 KiB", "1 MiB", "16 MiB"]
+    for label, figures in sizes.items():
+        # one float32 tensor to the host and its result back, every call
+        assert figures["bytes_moved_per_call"] == 2 * figures["bytes"]
+        eff = figures["efficiency"]
+        assert 0 < eff["min"] <= eff["median"] <= eff["max"]
+    table = (tmp_path / "results.md").read_text()
+    assert "| sim | 16 MiB |" in table and "### redirect_overhead" in table
+    assert (tmp_path / "fallback.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_all_refuses_an_unknown_piece(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--only", "warp",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown piece(s) warp; choose from autoload, bench" in proc.stderr
