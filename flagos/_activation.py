@@ -263,8 +263,8 @@ def activate(device: str | None = "auto", mode: str | None = None,
         _apply_dtype_policy(state, dtype_policy or "strict")
         _report.on_activate()
         _warn_untested_torch()
-        log.info("flagos active on chip %s (%s mode, %d device(s), fallback=%s, dtype_policy=%s)",
-                 chip.name, mode, count, policy, state.dtype_policy)
+        log.info("flagos active on chip %s (%s mode, %d device(s), fallback=%s)",
+                 chip.name, mode, count, policy)
         on_activated = getattr(chip, "on_activated", None)  # what comes next is the program's
         if on_activated is not None:
             on_activated()
