@@ -425,12 +425,14 @@ error:
 /* ---- the downcast policy ----------------------------------------------- */
 
 /* kwargs with `dtype` replaced when it is the downcast dtype and the output is on the flagos
- * device: *out is a new dict then (the warning given at the first one), NULL otherwise. */
+ * device: *out is a new dict then (the warning given at the first one), NULL otherwise. The
+ * warning can run Python code, and another thread set_downcast() meanwhile: the substitute is
+ * held from before it. */
 static int downcast_kwargs(flagos_state *st, PyObject *kwargs, PyObject **out)
 {
     *out = NULL;
     PyObject *dtype = PyDict_GetItemWithError(kwargs, fl_names.dtype); /* borrowed */
-    if (dtype != st->downcast_from)
+    if (dtype == NULL || dtype != st->downcast_from)
         return PyErr_Occurred() ? -1 : 0;
     PyObject *device = PyDict_GetItemWithError(kwargs, fl_names.device); /* borrowed */
     if (device == NULL && PyErr_Occurred())
@@ -439,24 +441,30 @@ static int downcast_kwargs(flagos_state *st, PyObject *kwargs, PyObject **out)
         PyObject *type = PyObject_GetAttr(device, fl_names.type);
         if (type == NULL)
             return -1;
-        int same = PyObject_RichCompareBool(type, st->downcast_device_type, Py_EQ);
+        int same = st->downcast_device_type != NULL &&
+                   PyObject_RichCompareBool(type, st->downcast_device_type, Py_EQ);
         Py_DECREF(type);
         if (same <= 0)
             return same; /* another device (a copy to the host): its dtype stays */
     }
+    if (st->downcast_to == NULL)
+        return 0; /* turned off meanwhile */
+    PyObject *to = Py_NewRef(st->downcast_to);
     if (!st->downcast_warned) {
         st->downcast_warned = 1;
         const char *message = PyUnicode_AsUTF8(st->downcast_message);
-        if (message == NULL || PyErr_WarnEx(st->downcast_warning, message, 1) < 0)
+        if (message == NULL || PyErr_WarnEx(st->downcast_warning, message, 1) < 0) {
+            Py_DECREF(to);
             return -1;
+        }
     }
     PyObject *copy = PyDict_Copy(kwargs);
-    if (copy == NULL)
-        return -1;
-    if (PyDict_SetItem(copy, fl_names.dtype, st->downcast_to) < 0) {
-        Py_DECREF(copy);
+    if (copy == NULL || PyDict_SetItem(copy, fl_names.dtype, to) < 0) {
+        Py_XDECREF(copy);
+        Py_DECREF(to);
         return -1;
     }
+    Py_DECREF(to);
     *out = copy;
     return 0;
 }
@@ -508,14 +516,17 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
     HASH_FIND_PTR(st->table, &func, e);
     if (e == NULL && (e = entry_create(st, func)) == NULL)
         return NULL;
-    /* Strict (the default) pays one flag test here; the rewrite exists only under downcast. */
+    entry_hold(e);
+    /* Strict (the default) pays one flag test here; the rewrite exists only under downcast.
+     * It can run Python code (the warning), so it comes after the entry is held. */
     PyObject *downcast = NULL;
     if ((e->flags & OP_DTYPE_KW) && st->downcast_from != NULL && kwargs != NULL &&
-        downcast_kwargs(st, kwargs, &downcast) < 0)
+        downcast_kwargs(st, kwargs, &downcast) < 0) {
+        entry_release(e);
         return NULL;
+    }
     if (downcast != NULL)
         kwargs = downcast;
-    entry_hold(e);
     PyObject *override = NULL, *out = NULL;
     int route = entry_route(st, e, &override);
     if (route >= 0)

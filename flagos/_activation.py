@@ -197,9 +197,10 @@ def activate(device: str | None = "auto", mode: str | None = None,
     dtype_policy: "strict" (bfloat16 runs as bfloat16; where the chip lacks it, ops fall back)
     or "downcast" (on a chip whose bfloat16 is not native, bfloat16 weights, factories and
     autocast run in float16, float32 where float16 is not native either; said once in a
-    DowncastWarning, counted in the report); None reads FLAGOS_DTYPE_POLICY, and keeps the
-    policy in force when flagos is already active. Calling activate() again with another
-    policy switches it.
+    DowncastWarning, counted in the report); None reads FLAGOS_DTYPE_POLICY, and where that
+    is unset a first activation is strict and a repeated one keeps the policy in force.
+    Calling activate() again with another policy switches it (tensors already made keep
+    their dtype).
     """
     with _lock:
         if device is None:

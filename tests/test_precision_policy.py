@@ -241,3 +241,22 @@ def test_dtype_policy_from_the_environment():
         print(flagos.info()["dtype_policy"], torch.ones(2, device="flagos").to(torch.bfloat16).dtype)
     """, env={"FLAGOS_DTYPE_POLICY": "Downcast", "FLAGOS_FALLBACK": "allow"})
     assert good.stdout.strip().endswith("downcast torch.float16")
+
+
+@runs_once
+def test_downcast_in_native_mode_on_a_chip_without_native_bfloat16_is_refused():
+    proc = run_python("""
+        import torch, flagos
+        cpu = flagos.chips.profile("cpu")
+        cpu.native_dtypes = tuple(d for d in cpu.native_dtypes if d != "bfloat16")
+        try:
+            flagos.activate("cpu", mode="native", dtype_policy="downcast")
+        except flagos.ConfigError as e:
+            print("ConfigError:", e)
+        print(flagos.info()["active"])
+        flagos.activate("cpu", mode="native")
+        print(flagos.info()["dtype_policy"], flagos.preferred_dtype())
+    """)
+    assert "ConfigError: dtype_policy='downcast' works in device mode" in proc.stdout
+    assert "Use mode='device'" in proc.stdout
+    assert proc.stdout.strip().endswith("False\nstrict torch.float16")
