@@ -10,6 +10,7 @@ import torch
 from conftest import CHIP, device_mode_only, run_python, runs_once
 
 import flagos
+import flagos.report._html
 
 pytestmark = device_mode_only
 
@@ -148,6 +149,8 @@ def test_downcast_conversions_factories_and_autocast_run_in_float16(dev, downcas
     assert (totals["downcast_calls"], totals["downcast_bytes"]) == (9, report.downcast_bytes)
     assert report.to_dict()["downcast_to"] == "float16"
     assert "9 calls made float16 instead of bfloat16" in str(report)
+    page = flagos.report._html.render(report.to_dict())
+    assert f"9 calls made float16 instead of bfloat16, {report.downcast_bytes / 1e6:.3f} MB" in page
     flagos.reset_report()
     assert flagos.fallback_report().downcast_calls == flagos.fallback_report().downcast_bytes == 0
     with flagos.track() as scope:
