@@ -35,6 +35,11 @@ static void state_clear_config(flagos_state *st)
     Py_CLEAR(st->set_metadata);
     Py_CLEAR(st->math_call);
     Py_CLEAR(st->complex_dtypes);
+    Py_CLEAR(st->downcast_from);
+    Py_CLEAR(st->downcast_to);
+    Py_CLEAR(st->downcast_device_type);
+    Py_CLEAR(st->downcast_warning);
+    Py_CLEAR(st->downcast_message);
     st->configured = 0;
 }
 
@@ -236,6 +241,44 @@ static PyObject *fl_set_math_call(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* set_downcast(from_dtype, to_dtype, device_type, warning, message) turns the downcast policy
+ * on; set_downcast(None) turns it off (strict). The warning is given once per turning on. */
+static PyObject *fl_set_downcast(PyObject *module, PyObject *args)
+{
+    PyObject *from, *to = NULL, *device_type = NULL, *warning = NULL, *message = NULL;
+    if (!PyArg_ParseTuple(args, "O|OUOU:set_downcast", &from, &to, &device_type, &warning,
+                          &message))
+        return NULL;
+    flagos_state *st = flagos_get_state(module);
+    if (from == Py_None) {
+        PyObject *old[5] = {st->downcast_from, st->downcast_to, st->downcast_device_type,
+                            st->downcast_warning, st->downcast_message};
+        st->downcast_from = st->downcast_to = st->downcast_device_type = NULL;
+        st->downcast_warning = st->downcast_message = NULL;
+        for (int i = 0; i < 5; i++)
+            Py_XDECREF(old[i]);
+        Py_RETURN_NONE;
+    }
+    if (message == NULL) {
+        PyErr_SetString(PyExc_TypeError, "set_downcast(from_dtype, to_dtype, device_type, "
+                                         "warning, message) or set_downcast(None)");
+        return NULL;
+    }
+    if (st->downcast_from == NULL)
+        st->downcast_warned = 0;
+    /* The new values are in place before the old ones are dropped (see configure). */
+    PyObject *old[5] = {st->downcast_from, st->downcast_to, st->downcast_device_type,
+                        st->downcast_warning, st->downcast_message};
+    st->downcast_to = Py_NewRef(to);
+    st->downcast_device_type = Py_NewRef(device_type);
+    st->downcast_warning = Py_NewRef(warning);
+    st->downcast_message = Py_NewRef(message);
+    st->downcast_from = Py_NewRef(from);
+    for (int i = 0; i < 5; i++)
+        Py_XDECREF(old[i]);
+    Py_RETURN_NONE;
+}
+
 static PyObject *fl_set_fallback_policy(PyObject *module, PyObject *arg)
 {
     long p = PyLong_AsLong(arg);
@@ -292,6 +335,7 @@ static PyObject *fl_reset_counters(PyObject *module, PyObject *Py_UNUSED(arg))
     HASH_ITER(hh, st->table, e, tmp) {
         memset(e->calls, 0, sizeof(e->calls));
         e->fallback_ns = e->bytes_to_host = e->bytes_to_device = e->dtype_mask = 0;
+        e->downcast_calls = e->downcast_bytes = 0;
         e->flags &= ~(unsigned)OP_FALLBACK_SITE;
     }
     Py_RETURN_NONE;
@@ -321,6 +365,8 @@ static PyMethodDef fl_methods[] = {
      "0 allow, 1 warn once per op, 2 raise before running."},
     {"set_math_call", fl_set_math_call, METH_VARARGS,
      "set_math_call(fn, complex_dtypes): how chip ops on complex tensors are called."},
+    {"set_downcast", fl_set_downcast, METH_VARARGS,
+     "set_downcast(from_dtype, to_dtype, device_type, warning, message), or set_downcast(None)."},
     {"invalidate", fl_invalidate, METH_NOARGS, "Resolve every op's route again on its next call."},
     {"table", fl_table, METH_NOARGS, "One dict per op seen: route, counters, call site."},
     {"reset_counters", fl_reset_counters, METH_NOARGS, "Zero every op's counters."},
@@ -358,6 +404,11 @@ static int fl_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->adapter_dispatch);
     Py_VISIT(st->math_call);
     Py_VISIT(st->complex_dtypes);
+    Py_VISIT(st->downcast_from);
+    Py_VISIT(st->downcast_to);
+    Py_VISIT(st->downcast_device_type);
+    Py_VISIT(st->downcast_warning);
+    Py_VISIT(st->downcast_message);
     op_entry *e, *tmp;
     HASH_ITER(hh, st->table, e, tmp) {
         Py_VISIT(e->func);
@@ -401,7 +452,8 @@ static int fl_exec(PyObject *module)
         PyModule_AddIntConstant(module, "OP_CROSS_DEVICE", OP_CROSS_DEVICE) < 0 ||
         PyModule_AddIntConstant(module, "OP_DEVICE_ARG", OP_DEVICE_ARG) < 0 ||
         PyModule_AddIntConstant(module, "OP_RELAYOUT", OP_RELAYOUT) < 0 ||
-        PyModule_AddIntConstant(module, "OP_SPARSE", OP_SPARSE) < 0)
+        PyModule_AddIntConstant(module, "OP_SPARSE", OP_SPARSE) < 0 ||
+        PyModule_AddIntConstant(module, "OP_DTYPE_KW", OP_DTYPE_KW) < 0)
         return -1;
     if (flagos_adapter_types_ready(module) < 0 || flagos_guard_ready(module) < 0)
         return -1;

@@ -422,6 +422,85 @@ error:
     return NULL;
 }
 
+/* ---- the downcast policy ----------------------------------------------- */
+
+/* kwargs with `dtype` replaced when it is the downcast dtype and the output is on the flagos
+ * device: *out is a new dict then (the warning given at the first one), NULL otherwise. The
+ * warning can run Python code, and another thread set_downcast() meanwhile: the substitute is
+ * held from before it. */
+static int downcast_kwargs(flagos_state *st, PyObject *kwargs, PyObject **out)
+{
+    *out = NULL;
+    PyObject *dtype = PyDict_GetItemWithError(kwargs, fl_names.dtype); /* borrowed */
+    if (dtype == NULL || dtype != st->downcast_from)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *device = PyDict_GetItemWithError(kwargs, fl_names.device); /* borrowed */
+    if (device == NULL && PyErr_Occurred())
+        return -1;
+    if (device != NULL && device != Py_None) {
+        PyObject *type = PyObject_GetAttr(device, fl_names.type);
+        if (type == NULL)
+            return -1;
+        int same = st->downcast_device_type != NULL &&
+                   PyObject_RichCompareBool(type, st->downcast_device_type, Py_EQ);
+        Py_DECREF(type);
+        if (same <= 0)
+            return same; /* another device (a copy to the host): its dtype stays */
+    }
+    if (st->downcast_to == NULL)
+        return 0; /* turned off meanwhile */
+    PyObject *to = Py_NewRef(st->downcast_to);
+    if (!st->downcast_warned) {
+        st->downcast_warned = 1;
+        const char *message = PyUnicode_AsUTF8(st->downcast_message);
+        if (message == NULL || PyErr_WarnEx(st->downcast_warning, message, 1) < 0) {
+            Py_DECREF(to);
+            return -1;
+        }
+    }
+    PyObject *copy = PyDict_Copy(kwargs);
+    if (copy == NULL || PyDict_SetItem(copy, fl_names.dtype, to) < 0) {
+        Py_XDECREF(copy);
+        Py_DECREF(to);
+        return -1;
+    }
+    Py_DECREF(to);
+    *out = copy;
+    return 0;
+}
+
+/* Bytes of the tensors in an op's output (a tensor, or a tuple/list of them). */
+static int output_nbytes(PyObject *out, uint64_t *total)
+{
+    if (PyTuple_Check(out) || PyList_Check(out)) {
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(out); i++)
+            if (output_nbytes(PySequence_Fast_GET_ITEM(out, i), total) < 0)
+                return -1;
+        return 0;
+    }
+    if (!PyObject_HasAttr(out, fl_names.nbytes))
+        return 0;
+    PyObject *n = PyObject_GetAttr(out, fl_names.nbytes);
+    if (n == NULL)
+        return -1;
+    unsigned long long v = PyLong_AsUnsignedLongLong(n);
+    Py_DECREF(n);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *total += v;
+    return 0;
+}
+
+static int count_downcast(op_entry *e, PyObject *out)
+{
+    uint64_t bytes = 0;
+    if (output_nbytes(out, &bytes) < 0)
+        return -1;
+    e->downcast_calls++;
+    e->downcast_bytes += bytes;
+    return 0;
+}
+
 static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, PyObject *kwargs,
                             int from_factory)
 {
@@ -438,12 +517,25 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
     if (e == NULL && (e = entry_create(st, func)) == NULL)
         return NULL;
     entry_hold(e);
+    /* Strict (the default) pays one flag test here; the rewrite exists only under downcast.
+     * It can run Python code (the warning), so it comes after the entry is held. */
+    PyObject *downcast = NULL;
+    if ((e->flags & OP_DTYPE_KW) && st->downcast_from != NULL && kwargs != NULL &&
+        downcast_kwargs(st, kwargs, &downcast) < 0) {
+        entry_release(e);
+        return NULL;
+    }
+    if (downcast != NULL)
+        kwargs = downcast;
     PyObject *override = NULL, *out = NULL;
     int route = entry_route(st, e, &override);
     if (route >= 0)
         out = route_entry(st, e, route, override, func, args, kwargs, from_factory);
     Py_XDECREF(override);
+    if (out != NULL && downcast != NULL && count_downcast(e, out) < 0)
+        Py_CLEAR(out);
     entry_release(e);
+    Py_XDECREF(downcast);
     return out;
 }
 
@@ -482,7 +574,7 @@ static PyObject *export_row(flagos_state *st, op_entry *e)
         return NULL;
     const char *route = e->route == ROUTE_UNRESOLVED ? "unresolved" : route_names[e->route];
     return Py_BuildValue(
-        "{s:O,s:s,s:{s:K,s:K,s:K},s:K,s:K,s:K,s:N,s:O,s:O}", "op", e->name, "route", route,
+        "{s:O,s:s,s:{s:K,s:K,s:K},s:K,s:K,s:K,s:N,s:O,s:O,s:K,s:K}", "op", e->name, "route", route,
         "calls", "override", (unsigned long long)e->calls[ROUTE_OVERRIDE], "native",
         (unsigned long long)e->calls[ROUTE_NATIVE], "fallback",
         (unsigned long long)e->calls[ROUTE_FALLBACK], "fallback_ns",
@@ -490,7 +582,9 @@ static PyObject *export_row(flagos_state *st, op_entry *e)
         (unsigned long long)e->bytes_to_host, "bytes_to_device",
         (unsigned long long)e->bytes_to_device, "dtypes", dtypes, "site",
         e->site ? e->site : Py_None, "not_implemented",
-        (e->flags & OP_NOT_IMPLEMENTED) ? Py_True : Py_False);
+        (e->flags & OP_NOT_IMPLEMENTED) ? Py_True : Py_False, "downcast_calls",
+        (unsigned long long)e->downcast_calls, "downcast_bytes",
+        (unsigned long long)e->downcast_bytes);
 }
 
 /* List of dicts, one per op seen (all of them, or only those with a resolved route).

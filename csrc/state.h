@@ -29,6 +29,7 @@ enum flagos_route {
 #define OP_FALLBACK_SITE (1u << 5) /* site is where the op first fell back */
 #define OP_RELAYOUT (1u << 6)     /* may change a written tensor's shape/strides (out=, t_) */
 #define OP_SPARSE (1u << 7)       /* makes a sparse tensor: flagos tensors are strided only */
+#define OP_DTYPE_KW (1u << 8)     /* has a keyword `dtype` (ScalarType?): it picks the output dtype */
 
 typedef struct op_entry {
     PyObject *func;          /* key: the OpOverload (strong ref keeps the pointer valid) */
@@ -46,6 +47,8 @@ typedef struct op_entry {
     uint64_t bytes_to_host;
     uint64_t bytes_to_device;
     uint64_t dtype_mask;     /* bit i: dtype i of the state's dtype registry seen in fallback */
+    uint64_t downcast_calls; /* calls whose `dtype` the downcast policy rewrote */
+    uint64_t downcast_bytes; /* bytes of the tensors those calls made */
     Py_ssize_t users;        /* calls running with this entry (and exports reading it) */
     int detached;            /* cleared from the table while in use: its last user frees it */
     struct op_entry *next_cleared; /* flagos_table_clear's list of the entries it removed */
@@ -87,6 +90,14 @@ typedef struct flagos_state {
     PyObject *set_metadata;    /* (wrapper, size, stride, offset): resync a wrapper's view */
     PyObject *math_call;       /* Python: (fn, args, kwargs) with the conj/neg keys enabled */
     PyObject *complex_dtypes;  /* tuple of the complex torch.dtype objects */
+    /* dtype_policy="downcast" (flagos/_activation.py): a `dtype=downcast_from` keyword of an op
+     * whose output is on the flagos device becomes `dtype=downcast_to`. NULL: strict, no rewrite. */
+    PyObject *downcast_from;      /* torch.bfloat16 */
+    PyObject *downcast_to;        /* torch.float16 or torch.float32 */
+    PyObject *downcast_device_type; /* "flagos": a `device` keyword of another type is left alone */
+    PyObject *downcast_warning;   /* warning category, given once at the first rewrite */
+    PyObject *downcast_message;   /* its text */
+    int downcast_warned;
     PyObject *dtypes[MAX_DTYPES]; /* registry for dtype_mask (strong refs) */
     int n_dtypes;
 } flagos_state;

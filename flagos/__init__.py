@@ -25,12 +25,13 @@ _EXPORTS = {
     "device": "core._state", "info": "core._state", "TESTED_TORCH": "core._state",
     "fallback_report": "report._report", "reset_report": "report._report",
     "track": "report._report", "Report": "report._report",
+    "supports_dtype": "core._precision", "preferred_dtype": "core._precision",
     "routes": "core._routes", "route_of": "core._routes", "set_route": "core._routes",
     "register_kernel": "core._routes", "unregister_kernel": "core._routes",
     "FlagosTensor": "runtime._tensor", "DeviceInfo": "chips.base",
     "ConfigError": "errors", "ChipNotFoundError": "errors", "DeviceError": "errors",
     "DeviceMismatchError": "errors", "FallbackError": "errors", "FallbackWarning": "errors",
-    "AdapterError": "errors", "NoEngineQueueError": "errors",
+    "AdapterError": "errors", "NoEngineQueueError": "errors", "DowncastWarning": "errors",
     "compare": "tools._compare",
 }
 
@@ -57,6 +58,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from . import errors
     from ._activation import activate, deactivate, list_devices
     from .chips.base import DeviceInfo
+    from .core._precision import preferred_dtype, supports_dtype
     from .core._routes import register_kernel, route_of, routes, set_route, unregister_kernel
     from .core._state import TESTED_TORCH, device, info
     from .errors import (
@@ -65,6 +67,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         ConfigError,
         DeviceError,
         DeviceMismatchError,
+        DowncastWarning,
         FallbackError,
         FallbackWarning,
         NoEngineQueueError,

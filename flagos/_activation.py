@@ -14,12 +14,13 @@ from . import _C, chips
 from .chips import names
 from .chips.adapter import AdapterChip
 from .chips.base import DeviceInfo, TorchChip
-from .core import _env, _routes, _schema, _state
+from .core import _env, _precision, _routes, _schema, _state
 from .core._state import TESTED_TORCH, Active, info
 from .errors import (
     ChipNotFoundError,
     ConfigError,
     DeviceMismatchError,
+    DowncastWarning,
     FallbackError,
     FallbackWarning,
     NoEngineQueueError,
@@ -155,8 +156,34 @@ def _apply_log_level() -> None:
         log.propagate = False
 
 
+def _check_dtype_policy(chip, mode: str, policy: str | None) -> None:
+    """The downcast rewrites ops on the flagos device (device mode): a native-mode chip whose
+    bfloat16 is not native cannot have it."""
+    if policy == "downcast" and mode == "native" and _precision.substitute(chip.native_dtypes):
+        raise ConfigError(
+            f"dtype_policy='downcast' works in device mode; chip {chip.name!r} runs in native "
+            f"mode here and its bfloat16 is not native. Use mode='device', or "
+            f"dtype_policy='strict' and pick the dtype with flagos.preferred_dtype()")
+
+
+def _apply_dtype_policy(state: Active, policy: str) -> None:
+    """Turn the downcast on (a chip whose bfloat16 is not native) or off; strict adds nothing
+    to any op's path."""
+    to = _precision.substitute(state.chip.native_dtypes) if policy == "downcast" else None
+    state.dtype_policy = policy
+    state.downcast_to = to
+    if to is None:
+        _C.set_downcast(None)
+        return
+    name = str(to).removeprefix("torch.")
+    _C.set_downcast(torch.bfloat16, to, state.flagos_devices[0].type, DowncastWarning,
+                    f"bfloat16 is not native on {state.chip.name}: running bfloat16 work in "
+                    f"{name} (dtype_policy='downcast'); flagos.fallback_report() counts it")
+    log.info("flagos: dtype_policy=downcast: bfloat16 work runs in %s on %s", name, state.chip.name)
+
+
 def activate(device: str | None = "auto", mode: str | None = None,
-             redirect_cuda: bool | None = None) -> dict:
+             redirect_cuda: bool | None = None, dtype_policy: str | None = None) -> dict:
     """Activate flagos on a chip; returns `info()`.
 
     device: "auto" (best available chip), a chip name ("cpu", "cuda", "npu", ...), a vendor
@@ -167,6 +194,13 @@ def activate(device: str | None = "auto", mode: str | None = None,
     chip's natural mode. redirect_cuda: True makes code written for CUDA run on this
     chip unchanged ("cuda" devices, `.cuda()`, `torch.cuda.*`, autocast, GradScaler,
     `init_process_group("nccl")`; a no-op on the cuda chip); None reads FLAGOS_REDIRECT_CUDA.
+    dtype_policy: "strict" (bfloat16 runs as bfloat16; where the chip lacks it, ops fall back)
+    or "downcast" (on a chip whose bfloat16 is not native, bfloat16 weights, factories and
+    autocast run in float16, float32 where float16 is not native either; said once in a
+    DowncastWarning, counted in the report); None reads FLAGOS_DTYPE_POLICY, and where that
+    is unset a first activation is strict and a repeated one keeps the policy in force.
+    Calling activate() again with another policy switches it (tensors already made keep
+    their dtype).
     """
     with _lock:
         if device is None:
@@ -176,14 +210,19 @@ def activate(device: str | None = "auto", mode: str | None = None,
         if redirect_cuda is None:
             redirect_cuda = _env.flag("FLAGOS_REDIRECT_CUDA")
         _routes.parse_route_spec(_env.get("FLAGOS_ROUTE"))
+        dtype_policy = (_precision.env_policy() if dtype_policy is None
+                        else _precision.check_policy(dtype_policy))
         _apply_log_level()
         chip = _pick_chip(device)
         mode = _pick_mode(chip, mode)
+        _check_dtype_policy(chip, mode, dtype_policy)
         current = _state.active_or_none()
         if current is not None:
             if (current.chip.name, current.mode) == (chip.name, mode):
                 if redirect_cuda:
                     current.redirect_cuda = _redirect.install(current)
+                if dtype_policy is not None:
+                    _apply_dtype_policy(current, dtype_policy)
                 return info()
             if current.mode == "device":
                 raise ConfigError(
@@ -222,6 +261,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
             state.native_thread = threading.get_ident()
         if redirect_cuda:
             state.redirect_cuda = _redirect.install(state)
+        _apply_dtype_policy(state, dtype_policy or "strict")
         _report.on_activate()
         _warn_untested_torch()
         log.info("flagos active on chip %s (%s mode, %d device(s), fallback=%s)",
@@ -297,6 +337,7 @@ def deactivate() -> None:
         _redirect.uninstall()
         state.redirect_cuda = False
         state.native_mode.__exit__(None, None, None)
+        _C.set_downcast(None)
         _C.deconfigure()
         _registration.release()  # torch.Generator and torch.accelerator back to PyTorch's own
         _state.set_active(None)

@@ -27,6 +27,11 @@ class FallbackWarning(UserWarning):
     """An op falls back to the CPU (given once per op while FLAGOS_FALLBACK=warn)."""
 
 
+class DowncastWarning(UserWarning):
+    """bfloat16 work runs in another dtype (dtype_policy="downcast" on a chip whose bfloat16 is
+    not native); given once, at the first op it changes."""
+
+
 class DeviceError(RuntimeError):
     """A chip failure other than out-of-memory, in one form on every chip."""
 

@@ -52,6 +52,11 @@ def sim(*paths, k=""):
     return Run("sim", paths, k, tuple(SIM_ALL.items()))
 
 
+def sim_default(*paths, k=""):
+    """sim with its default dtypes (bfloat16 not native)."""
+    return Run("sim", paths, k)
+
+
 @dataclass
 class Mutation:
     name: str
@@ -69,6 +74,7 @@ KERNELS, SIM = "backends/sim/kernels.c", "backends/sim/sim.c"
 ENV_TESTS, POLICY = "tests/test_env.py", "tests/test_policy.py"
 COUNTERS, KERNEL_TESTS = "tests/test_fallback_counters.py", "tests/test_sim_kernels.py"
 LOADER = "tests/test_adapter_loader.py"
+PRECISION = "tests/test_precision_policy.py"
 
 MUTATIONS = [
     # ---- 16 bugs the suite used to miss, and two claims that had no test ----
@@ -242,8 +248,8 @@ MUTATIONS = [
       cpu("tests/test_accelerate.py", k="no_other")),
     M("track_bytes_to_device_unscoped", "track(): bytes_to_device is the running total, not the "
       "scope's", "flagos/report/_report.py",
-      '        for k in ("fallback_ns", "bytes_to_host", "bytes_to_device"):',
-      '        for k in ("fallback_ns", "bytes_to_host"):',
+      '        for k in ("fallback_ns", "bytes_to_host", "bytes_to_device", "downcast_calls",',
+      '        for k in ("fallback_ns", "bytes_to_host", "downcast_calls",',
       cpu("tests/test_routes.py", k="track")),
     M("compare_drops_reference_only", "compare: modules that ran on the reference only are left "
       "out", "flagos/tools/_compare.py",
@@ -254,6 +260,18 @@ MUTATIONS = [
       "flagos/tools/_analyze.py", "    return 128 - status if status < 0 else status",
       "    return 128 + status if status < 0 else status",
       cpu("tests/test_cli_analyze.py", k="signal")),
+    # ---- the precision policy (dtype_policy="downcast") ----
+    M("downcast_to_the_host", "downcast: a bfloat16 copy to the host is made float16 too", ROUTER,
+      "    if (device != NULL && device != Py_None) {\n        PyObject *type",
+      "    if (device != NULL && device != Py_None && 0) {\n        PyObject *type",
+      sim_default(PRECISION, k="conversions")),
+    M("downcast_bytes_uncounted", "downcast: the report counts the calls but not their bytes", ROUTER,
+      "    e->downcast_bytes += bytes;\n", "",
+      sim_default(PRECISION, k="conversions")),
+    M("downcast_stays_on", "activate(dtype_policy='strict') leaves the downcast in place",
+      "flagos/_activation.py", "    if to is None:\n        _C.set_downcast(None)\n",
+      "    if to is None:\n",
+      sim_default(PRECISION, k="switching_back")),
 ]
 
 

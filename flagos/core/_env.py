@@ -39,6 +39,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "files `<chip>.json` (`flagos analyze --target`) before the package's own"),
     EnvVar("FLAGOS_FALLBACK", "warn", "what a CPU fallback does: allow (silently), warn (once per "
            "op) or error (raise before running the op)", ("allow", "warn", "error")),
+    EnvVar("FLAGOS_DTYPE_POLICY", "strict", "what bfloat16 work does on a chip whose bfloat16 is "
+           "not native: strict (runs as asked; ops the chip lacks fall back) or downcast (runs in "
+           "float16, float32 where float16 is not native either); the same as "
+           "`activate(dtype_policy=...)`", ("strict", "downcast")),
     EnvVar("FLAGOS_ROUTE", "", "forced routes, comma-separated `op=route` pairs, e.g. "
            "`aten::mm=fallback,aten::softmax=native`; routes: auto, override, native, fallback, error"),
     EnvVar("FLAGOS_REPORT", "", "path where the fallback report is written as JSON at process exit"),
@@ -59,6 +63,11 @@ def get(name: str) -> str:
             f"{name}={raw!r} is not valid; use one of: {', '.join(var.choices)}"
         )
     return value.lower() if var.choices else value
+
+
+def is_set(name: str) -> bool:
+    """Whether the variable is set to something other than blanks."""
+    return bool(os.environ.get(name, "").strip())
 
 
 def flag(name: str) -> bool:

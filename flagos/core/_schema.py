@@ -76,4 +76,8 @@ def describe(func):
         flags |= _C.OP_DEVICE_ARG
     if _SPARSE_OP.search(name):
         flags |= _C.OP_SPARSE
+    # `dtype=` picks the output dtype (factories, _to_copy, sum(dtype=)): where the downcast
+    # policy rewrites bfloat16 (flagos/_activation.py). A positional dtype (view.dtype) does not.
+    if any(a.name == "dtype" and a.kwarg_only for a in args):
+        flags |= _C.OP_DTYPE_KW
     return name, arg_names, write_args, tuple(return_alias), flags

@@ -25,6 +25,8 @@ class Active:
     native_thread: int = 0      # the thread whose dispatch mode stack holds it
     backward_ok: bool = True    # autograd's engine has a queue for flagos (see _activation)
     redirect_cuda: bool = False  # "cuda" means this chip (integrations/_redirect.py)
+    dtype_policy: str = "strict"  # "downcast": bfloat16 work runs in downcast_to (core/_precision.py)
+    downcast_to: torch.dtype | None = None  # None: bfloat16 runs as bfloat16
     flagos_devices: tuple = field(default_factory=tuple)
 
     def chip_index(self, index: int) -> int:
@@ -97,5 +99,7 @@ def info() -> dict:
             collective_backend=state.chip.collective_backend,
             backward=state.backward_ok,
             redirect_cuda=state.redirect_cuda,
+            dtype_policy=state.dtype_policy,
+            downcast_to=str(state.downcast_to).removeprefix("torch.") if state.downcast_to else None,
         )
     return out

@@ -84,6 +84,11 @@ def _summary(data: dict) -> str:
         f'fallbacks · {t["bytes_to_host"] / 1e6:.2f} MB to host, {t["bytes_to_device"] / 1e6:.2f} '
         f'MB back</p>',
     ]
+    if data.get("downcast_to") or t.get("downcast_calls"):
+        lines.append(f'<p class="meta" id="downcast">downcast (dtype_policy=&#x27;downcast&#x27;): '
+                     f'{t.get("downcast_calls", 0)} calls made '
+                     f'{escape(str(data.get("downcast_to") or "another dtype"))} instead of bfloat16, '
+                     f'{t.get("downcast_bytes", 0) / 1e6:.3f} MB</p>')
     target = data.get("target")
     if target:
         lines.append(f'<p class="verdict" id="target-verdict">{escape(target["verdict"])}'

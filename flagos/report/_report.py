@@ -28,7 +28,7 @@ class Report:
     """
 
     def __init__(self, rows: list[dict] | None = None, elapsed_s: float = 0.0, chip: str | None = None,
-                 compiled_calls: int = 0):
+                 compiled_calls: int = 0, downcast_to: str | None = None):
         self.rows = [r for r in (rows or []) if sum(r["calls"].values())]
         # Calls of torch.compile'd graphs: they run generated code, not routed ops, so
         # their ops are not in the rows.
@@ -36,6 +36,8 @@ class Report:
         self.rows.sort(key=lambda r: (-r["calls"]["fallback"], -r["fallback_ns"], r["op"]))
         self.elapsed_s = elapsed_s
         self.chip = chip
+        # dtype_policy="downcast" on a chip without native bfloat16: the dtype bfloat16 ran in
+        self.downcast_to = downcast_to
 
     # -- totals ---------------------------------------------------------
     def calls(self, route: str | None = None) -> int:
@@ -49,6 +51,16 @@ class Report:
     @property
     def fallback_seconds(self) -> float:
         return sum(r["fallback_ns"] for r in self.rows) / 1e9
+
+    @property
+    def downcast_calls(self) -> int:
+        """Op calls whose bfloat16 output dtype the downcast policy changed."""
+        return sum(r.get("downcast_calls", 0) for r in self.rows)
+
+    @property
+    def downcast_bytes(self) -> int:
+        """Bytes of the tensors those calls made (in the dtype they were made in)."""
+        return sum(r.get("downcast_bytes", 0) for r in self.rows)
 
     def op(self, name: str) -> dict | None:
         """The row of one op ('aten::add.Tensor'), or None if it did not run."""
@@ -71,7 +83,10 @@ class Report:
                 "bytes_to_host": sum(r["bytes_to_host"] for r in self.rows),
                 "bytes_to_device": sum(r["bytes_to_device"] for r in self.rows),
                 "compiled_graph_calls": self.compiled_calls,
+                "downcast_calls": self.downcast_calls,
+                "downcast_bytes": self.downcast_bytes,
             },
+            "downcast_to": self.downcast_to,
             "ops": [dict(r) for r in self.rows],
         }
 
@@ -115,6 +130,10 @@ class Report:
             f"calls), {1000 * t['fallback_s']:.2f} ms ({100 * t['fallback_time_share']:.1f}% of "
             f"{self.elapsed_s:.2f} s), {t['bytes_to_host'] / 1e6:.2f} MB to host, "
             f"{t['bytes_to_device'] / 1e6:.2f} MB back")
+        if self.downcast_to or t["downcast_calls"]:
+            lines.append(f"downcast (dtype_policy='downcast'): {t['downcast_calls']} calls made "
+                         f"{self.downcast_to or 'another dtype'} instead of bfloat16, "
+                         f"{t['downcast_bytes'] / 1e6:.3f} MB")
         if self.compiled_calls:
             lines.append(f"compiled graphs: {self.compiled_calls} calls of torch.compile'd graphs "
                          f"ran as generated code; their ops are not counted in this table")
@@ -128,13 +147,20 @@ def _chip() -> str | None:
     return state.chip.name if state else None
 
 
+def _downcast_to() -> str | None:
+    state = _state.active_or_none()
+    to = state.downcast_to if state else None
+    return str(to).removeprefix("torch.") if to is not None else None
+
+
 def fallback_report() -> Report:
     """Every op routed since activation or the last `reset_report()`."""
-    return Report(_C.table(), time.perf_counter() - _since, _chip(), _compile.compiled_calls())
+    return Report(_C.table(), time.perf_counter() - _since, _chip(), _compile.compiled_calls(),
+                  _downcast_to())
 
 
 def reset_report() -> None:
-    """Zero all counters and restart the clock."""
+    """Zero all counters (the downcast counts too) and restart the clock."""
     global _since
     _C.reset_counters()
     _compile.reset_compiled_calls()
@@ -151,7 +177,8 @@ def _diff(after: list[dict], before: list[dict]) -> list[dict]:
             continue
         d = dict(r)
         d["calls"] = {k: r["calls"][k] - p["calls"][k] for k in r["calls"]}
-        for k in ("fallback_ns", "bytes_to_host", "bytes_to_device"):
+        for k in ("fallback_ns", "bytes_to_host", "bytes_to_device", "downcast_calls",
+                  "downcast_bytes"):
             d[k] = r[k] - p[k]
         out.append(d)
     return out
@@ -160,7 +187,7 @@ def _diff(after: list[dict], before: list[dict]) -> list[dict]:
 @contextmanager
 def track():
     """`with flagos.track() as report:` — the report of just this scope, filled in at exit."""
-    report = Report(chip=_chip())
+    report = Report(chip=_chip(), downcast_to=_downcast_to())
     before = _C.table()
     compiled_before = _compile.compiled_calls()
     start = time.perf_counter()
@@ -168,7 +195,7 @@ def track():
         yield report
     finally:
         scoped = Report(_diff(_C.table(), before), time.perf_counter() - start, _chip(),
-                        _compile.compiled_calls() - compiled_before)
+                        _compile.compiled_calls() - compiled_before, _downcast_to())
         report.__dict__.update(scoped.__dict__)
 
 
