@@ -23,7 +23,7 @@ def test_run_all_writes_json_table_and_plots(tmp_path):
         assert len(entry["load_average_before"]) == 3
     sizes = run["runs"][1]["data"]["results"]["sizes"]
     assert list(sizes) == ["64 KiB", "1 MiB", "16 MiB"]
-    for label, figures in sizes.items():
+    for figures in sizes.values():
         # one float32 tensor to the host and its result back, every call
         assert figures["bytes_moved_per_call"] == 2 * figures["bytes"]
         eff = figures["efficiency"]
