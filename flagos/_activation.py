@@ -116,8 +116,9 @@ def _configure_router(state: Active) -> None:
         device_type=torch.device,
         wrapper_type=FlagosTensor,
         make_wrapper=torch.Tensor._make_wrapper_subclass,
-        to_copy=torch.ops.aten._to_copy.default,
-        copy_=torch.ops.aten.copy_.default,
+        # the ops' C++ entry points: OpOverload.__call__ is a Python frame around them
+        to_copy=torch.ops.aten._to_copy.default._op,
+        copy_=torch.ops.aten.copy_.default._op,
         host_device=torch.device("cpu"),
         chip_devices=tuple(_compile.payload_device_of(chip, i) for i in range(state.device_count)),
         flagos_devices=state.flagos_devices,
