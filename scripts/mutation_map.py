@@ -49,6 +49,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/integrations/_compile.py": [cpu(COMPILE)],
     "flagos/runtime/_device_module.py": [cpu(DEVICE, MULTI), sim(STREAMS)],
     "flagos/core/_env.py": [cpu(ENV_DOCS, ENV, ERRORS)],
+    "flagos/core/_precision.py": [cpu(T + "precision_policy.py"), sim(T + "precision_policy.py")],
     "flagos/report/_exporters.py": [cpu(TOP)],
     "flagos/runtime/_generator.py": [cpu(GENERATORS), sim(GENERATORS)],
     "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD)],
