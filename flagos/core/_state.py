@@ -26,6 +26,7 @@ class Active:
     backward_ok: bool = True    # autograd's engine has a queue for flagos (see _activation)
     redirect_cuda: bool = False  # "cuda" means this chip (integrations/_redirect.py)
     flagos_devices: tuple = field(default_factory=tuple)
+    caches: dict = field(default_factory=dict)  # the chip's cache folder (integrations/_caches.py)
 
     def chip_index(self, index: int) -> int:
         if not 0 <= index < self.device_count:
@@ -97,5 +98,6 @@ def info() -> dict:
             collective_backend=state.chip.collective_backend,
             backward=state.backward_ok,
             redirect_cuda=state.redirect_cuda,
+            caches=dict(state.caches),
         )
     return out
