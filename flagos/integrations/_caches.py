@@ -42,6 +42,7 @@ VARIABLES = (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "trit
 
 _lock = threading.Lock()
 _ours: dict[str, str] = {}   # the variables activation set, and to what
+_before: dict[str, str | None] = {}  # and what they were before
 _generation = 0              # bumped by uninstall: a deferred install of an older activation is void
 
 
@@ -104,24 +105,35 @@ def _apply(caches: dict, chip, architecture: str) -> None:
     problem = _prepare(folder, chip.name, chip.vendor, architecture)
     with _lock:
         for variable, sub in VARIABLES:
-            key = sub
             current = os.environ.get(variable)
-            if current is not None and current != _ours.get(variable) and not _inductor_default(variable, current):
-                caches[key] = current   # the user's choice
-                caches[f"{key}_set_by"] = "user"
+            if current is not None and not _flagos_made(variable, current, sub) and not _inductor_default(variable, current):
+                caches[sub] = current   # the user's choice
+                caches[f"{sub}_set_by"] = "user"
             elif problem is None:
                 path = os.path.join(folder, sub)
+                _before.setdefault(variable, current)
                 os.environ[variable] = _ours[variable] = path
-                caches[key] = path
-                caches[f"{key}_set_by"] = "flagos"
-            else:
-                caches[key] = current  # None: PyTorch's / Triton's default
-                caches[f"{key}_set_by"] = "default"
+                caches[sub] = path
+                caches[f"{sub}_set_by"] = "flagos"
+            else:  # PyTorch's / Triton's default (not another chip's folder a parent set)
+                if current is not None:
+                    del os.environ[variable]
+                _ours.pop(variable, None)
+                caches[sub] = None
+                caches[f"{sub}_set_by"] = "default"
     if problem is None:
         caches["folder"] = folder
     else:
         caches["problem"] = problem
         warnings.warn(problem, RuntimeWarning, stacklevel=2)
+
+
+def _flagos_made(variable: str, value: str, sub: str) -> bool:
+    """A value flagos set: in this process, or in the parent whose environment this process
+    inherited (a program on another chip that started this one must not lend it its folder)."""
+    if value == _ours.get(variable):
+        return True
+    return os.path.basename(value) == sub and os.path.isfile(os.path.join(os.path.dirname(value), MARKER))
 
 
 def _inductor_default(variable: str, value: str) -> bool:
@@ -155,15 +167,20 @@ def _prepare(folder: str, chip: str, vendor: str, architecture: str) -> str | No
 
 
 def uninstall() -> None:
-    """Native mode left: the variables activation set go back to unset (those the user
-    changed since stay)."""
+    """Native mode left: the variables activation set go back to what they were (those
+    changed since stay as they are)."""
     global _generation
     with _lock:
         _generation += 1
         for variable, value in list(_ours.items()):
             if os.environ.get(variable) == value:
-                del os.environ[variable]
-            del _ours[variable]
+                previous = _before.get(variable)
+                if previous is None:
+                    del os.environ[variable]
+                else:
+                    os.environ[variable] = previous
+        _ours.clear()
+        _before.clear()
 
 
 # ---- `flagos cache` -----------------------------------------------------------------
