@@ -74,6 +74,12 @@ def test_a_user_set_inductor_folder_is_kept(tmp_path):
     assert run["caches"]["inductor"] == str(mine) and run["caches"]["inductor_set_by"] == "user"
     assert run["caches"]["triton_set_by"] == "flagos"  # the one the user did not set
     assert run["triton_env"] == str(pathlib.Path(run["caches"]["folder"]) / "triton")
+    # both set: nothing of the program's goes to the chip's folder, which is not even made
+    both = _last_json(run_python(code, env={"FLAGOS_DEVICE": "cpu", "FLAGOS_CACHE_DIR": str(tmp_path / "unused"),
+                                            "TORCHINDUCTOR_CACHE_DIR": str(mine), "TRITON_CACHE_DIR": str(mine)}))
+    assert both["caches"]["folder"] is None and both["triton_env"] == str(mine)
+    assert both["caches"]["triton_set_by"] == both["caches"]["inductor_set_by"] == "user"
+    assert not (tmp_path / "unused").exists()
 
 
 def test_an_unusable_folder_warns_and_the_process_goes_on(tmp_path):

@@ -102,11 +102,15 @@ def install(state) -> dict:
 
 def _apply(caches: dict, chip, architecture: str) -> None:
     folder = os.path.join(caches["root"], folder_name(chip.name, chip.vendor, architecture))
-    problem = _prepare(folder, chip.name, chip.vendor, architecture)
     with _lock:
+        users = {variable for variable, sub in VARIABLES if _users(variable, sub)}
+        if len(users) == len(VARIABLES):  # nothing goes in the chip's folder: do not make it
+            folder = problem = None
+        else:
+            problem = _prepare(folder, chip.name, chip.vendor, architecture)
         for variable, sub in VARIABLES:
             current = os.environ.get(variable)
-            if current is not None and not _flagos_made(variable, current, sub) and not _inductor_default(variable, current):
+            if variable in users:
                 caches[sub] = current   # the user's choice
                 caches[f"{sub}_set_by"] = "user"
             elif problem is None:
@@ -123,9 +127,16 @@ def _apply(caches: dict, chip, architecture: str) -> None:
                 caches[f"{sub}_set_by"] = "default"
     if problem is None:
         caches["folder"] = folder
-    else:
+    else:  # outside the lock: a warning turned into an error must not leave it held
         caches["problem"] = problem
         warnings.warn(problem, RuntimeWarning, stacklevel=2)
+
+
+def _users(variable: str, sub: str) -> bool:
+    """Whether the variable holds a folder the user chose."""
+    current = os.environ.get(variable)
+    return current is not None and not _flagos_made(variable, current, sub) and \
+        not _inductor_default(variable, current)
 
 
 def _flagos_made(variable: str, value: str, sub: str) -> bool:
