@@ -25,7 +25,7 @@ from .errors import (
     FallbackWarning,
     NoEngineQueueError,
 )
-from .integrations import _backward_errors, _compile, _libraries, _offload, _redirect
+from .integrations import _backward_errors, _caches, _compile, _libraries, _offload, _redirect
 from .report import _report
 from .runtime import _adapter_ops, _autocast, _device_module, _math_keys, _native_mode, _pinned, _registration
 from .runtime._tensor import FlagosTensor, set_metadata
@@ -248,6 +248,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
         _routes.set_active_chip(chip.name)
         _routes.load_env()
         _state.set_active(state)
+        state.caches = _caches.install(state)  # before anything can compile on the chip
         if mode == "device":  # libraries that asked before, or will ask, which device exists
             _offload.install()
             _libraries.install()
@@ -336,6 +337,7 @@ def deactivate() -> None:
                               "registration lasts for the life of the process")
         _check_native_mode_on_top(state)
         _redirect.uninstall()
+        _caches.uninstall()
         state.redirect_cuda = False
         state.native_mode.__exit__(None, None, None)
         _C.set_downcast(None)

@@ -108,6 +108,12 @@ class AdapterChip(HostGenerator):
         mask = self.adapter.props(0)["native_dtypes"]
         return tuple(n for i, n in enumerate(DTYPE_NAMES) if mask >> i & 1)
 
+    def architecture(self) -> str:
+        """The adapter's own name and the adapter ABI it was built for ("sim-abi1.2"): what
+        flagos knows of the code behind it."""
+        major, minor = self.adapter.abi
+        return f"{self.adapter.name or self.name}-abi{major}.{minor}"
+
     # -- devices ---------------------------------------------------------
     def device_count(self) -> int:
         return self.adapter.device_count()

@@ -114,6 +114,20 @@ class TorchChip:
     def synchronize(self, index: int | None = None) -> None:
         self._module().synchronize(index)
 
+    def architecture(self) -> str | None:
+        """What code compiled for this chip's devices depends on, for the name of its cache
+        folder (integrations/_caches.py): the device's compute capability where the chip's
+        module reports one (`get_device_capability`), "unknown" where nothing is known. None
+        while the answer would initialize the runtime (see CudaChip)."""
+        fn = getattr(self._module(), "get_device_capability", None)
+        if fn is None:
+            return "unknown"
+        try:
+            found = {_capability_text(fn(i)) for i in range(self.device_count())}
+        except Exception:  # a vendor module that does not answer like torch.cuda's
+            return "unknown"
+        return "+".join(sorted(found)) or "unknown"
+
     # -- memory ----------------------------------------------------------
     def _mem(self, fn: str, index: int, default=0):
         f = getattr(self._module(), fn, None)
@@ -160,6 +174,13 @@ class TorchChip:
     @property
     def payload_is_host(self) -> bool:
         return self.torch_type == "cpu"
+
+
+def _capability_text(capability) -> str:
+    """(9, 0) -> "sm90"; any other answer as text."""
+    if isinstance(capability, tuple) and len(capability) == 2:
+        return f"sm{capability[0]}{capability[1]}"
+    return str(capability)
 
 
 class HostGenerator:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import platform
 
+import torch
+
 from .base import HostGenerator, TorchChip, host_memory
 
 
@@ -28,6 +30,14 @@ class CpuChip(HostGenerator, TorchChip):
 
     def current_device(self) -> int:
         return 0
+
+    def architecture(self) -> str:
+        """The machine and the vector ISA Inductor's C++ code is built for ("x86_64-avx2")."""
+        try:
+            isa = torch.backends.cpu.get_cpu_capability().lower()
+        except Exception:  # an older PyTorch without it
+            isa = "unknown"
+        return f"{platform.machine() or 'unknown'}-{isa}"
 
     def set_device(self, index: int) -> None:
         if index != 0:

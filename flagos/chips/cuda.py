@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import TorchChip
+from .base import TorchChip, torch_module
 from .names import CUDA_VENDORS, VendorFacts, cuda_vendor
 
 
@@ -43,6 +43,32 @@ class CudaChip(TorchChip):
     @property
     def collective_backend(self) -> str:
         return self.facts().collective_backend
+
+    def architecture(self) -> str | None:
+        """"sm90" (NVIDIA: the compute capability), the gfx target on ROCm ("gfx942:sramecc+:
+        xnack-"); several when the devices differ ("sm80+sm90"). None until the CUDA runtime is
+        initialized: reading a device's properties initializes it, which activation must not
+        do (a program that forks workers after `import torch` could no longer use CUDA in
+        them); `when_initialized` says when it is."""
+        if not torch_module("cuda").is_initialized():
+            return None
+        return self.architecture_now()
+
+    def architecture_now(self) -> str:
+        """The architecture, read now (initializing the runtime if it is not)."""
+        cuda = torch_module("cuda")
+        found = set()
+        for i in range(cuda.device_count()):
+            if getattr(torch.version, "hip", None):
+                found.add(getattr(cuda.get_device_properties(i), "gcnArchName", "") or "unknown")
+            else:
+                major, minor = cuda.get_device_capability(i)
+                found.add(f"sm{major}{minor}")
+        return "+".join(sorted(found)) or "unknown"
+
+    def when_initialized(self, callback) -> None:
+        """Run `callback` once the CUDA runtime is initialized (now, if it is)."""
+        torch_module("cuda")._lazy_call(callback)  # where torch.cuda.manual_seed waits too
 
     @property
     def oom_patterns(self) -> tuple[str, ...]:

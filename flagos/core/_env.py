@@ -46,6 +46,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLAGOS_ROUTE", "", "forced routes, comma-separated `op=route` pairs, e.g. "
            "`aten::mm=fallback,aten::softmax=native`; routes: auto, override, native, fallback, error"),
     EnvVar("FLAGOS_REPORT", "", "path where the fallback report is written as JSON at process exit"),
+    EnvVar("FLAGOS_CACHE_DIR", "", "folder holding one cache folder per chip, vendor and device "
+           "architecture, where activation points Inductor's and Triton's caches unless "
+           "TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set; unset: $XDG_CACHE_HOME/flagos or "
+           "~/.cache/flagos"),
     EnvVar("FLAGOS_LOG_LEVEL", "warning", "level of the `flagos` logger",
            ("debug", "info", "warning", "error", "critical")),
 )

@@ -28,6 +28,7 @@ class Active:
     dtype_policy: str = "strict"  # "downcast": bfloat16 work runs in downcast_to (core/_precision.py)
     downcast_to: torch.dtype | None = None  # None: bfloat16 runs as bfloat16
     flagos_devices: tuple = field(default_factory=tuple)
+    caches: dict = field(default_factory=dict)  # the chip's cache folder (integrations/_caches.py)
 
     def chip_index(self, index: int) -> int:
         if not 0 <= index < self.device_count:
@@ -101,5 +102,6 @@ def info() -> dict:
             redirect_cuda=state.redirect_cuda,
             dtype_policy=state.dtype_policy,
             downcast_to=str(state.downcast_to).removeprefix("torch.") if state.downcast_to else None,
+            caches=dict(state.caches),
         )
     return out

@@ -14,6 +14,9 @@ says so once, and the functions it would compile run eagerly, through the router
 Compiled graphs bypass the router, so their ops are not in the report's table: the report
 counts the calls of compiled graphs instead (`compiled_calls()`) and says so.
 
+Inductor's on-disk cache is the chip's own folder (integrations/_caches.py) unless the user
+chose one; the keys below keep graphs apart inside a folder, and in one a user shares.
+
 Activation only registers two allocation kernels and a hook on `torch.flagos`; Dynamo and
 Inductor learn about flagos when a compilation first meets it (importing them costs seconds).
 """

@@ -2,7 +2,7 @@
 
     flagos.tools.diagnose()      flagos.tools.devices()      flagos.tools.top(once=True)
     flagos.tools.bench("bert")   flagos.tools.compare(...)   flagos.tools.analyze([...])
-    flagos.tools.metrics(...)
+    flagos.tools.metrics(...)     flagos.tools.cache()
 
 Each subcommand NAME lives in `flagos/tools/_NAME.py`, which defines the function NAME (the
 Python API), `add_arguments(parser)` and `run(args) -> int` (the command line, see cli.py).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-SUBCOMMANDS = ("diagnose", "devices", "top", "bench", "compare", "analyze", "metrics")
+SUBCOMMANDS = ("diagnose", "devices", "top", "bench", "compare", "analyze", "metrics", "cache")
 
 __all__ = list(SUBCOMMANDS)
 

@@ -1,0 +1,224 @@
+"""One compile cache folder per chip (integrations/_caches.py) and `flagos cache`."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import types
+
+import pytest
+from conftest import run_python
+from flagos_cli import run_flagos
+
+import flagos
+from flagos.integrations import _caches
+
+COMPILE = """
+    import json, os, torch, flagos
+    from torch._dynamo.utils import counters
+    flagos.activate(None)  # FLAGOS_DEVICE
+    f = torch.compile(lambda x: torch.sin(x) * 2 + 1)
+    x = torch.arange(8.0)
+    torch.testing.assert_close(f(x), torch.sin(x) * 2 + 1)
+    print(json.dumps({"caches": flagos.info()["caches"],
+                      "inductor_env": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                      "misses": counters["inductor"]["fxgraph_cache_miss"],
+                      "hits": counters["inductor"]["fxgraph_cache_hit"]}))
+"""
+
+
+def _last_json(proc) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _files(folder: pathlib.Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_chips_compile_into_their_own_folders(tmp_path):
+    """A cpu program compiles a function, then starts a sim program (its environment, with the
+    cache variables the cpu activation set) that compiles the same function: the sim program
+    compiles it again into its own folder instead of loading the cpu program's graph."""
+    cpu = _last_json(run_python(COMPILE, env={"FLAGOS_DEVICE": "cpu", "FLAGOS_CACHE_DIR": str(tmp_path)}))
+    inherited = {"TORCHINDUCTOR_CACHE_DIR": cpu["caches"]["inductor"], "TRITON_CACHE_DIR": cpu["caches"]["triton"]}
+    sim = _last_json(run_python(COMPILE, env={"FLAGOS_DEVICE": "sim", "FLAGOS_CACHE_DIR": str(tmp_path),
+                                              **inherited}))
+    cpu_folder, sim_folder = pathlib.Path(cpu["caches"]["folder"]), pathlib.Path(sim["caches"]["folder"])
+    assert cpu_folder.parent == sim_folder.parent == tmp_path
+    assert cpu_folder.name.startswith("cpu-") and sim_folder.name.startswith("sim-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([cpu_folder.name, sim_folder.name])
+    for run, folder in ((cpu, cpu_folder), (sim, sim_folder)):
+        assert run["inductor_env"] == str(folder / "inductor")
+        assert run["caches"]["inductor_set_by"] == run["caches"]["triton_set_by"] == "flagos"
+        assert (run["misses"], run["hits"]) == (1, 0)  # compiled, not loaded from the other
+        written = _files(folder / "inductor")
+        assert any(name.startswith("fxgraph/") for name in written), written
+        assert any(name.endswith(".so") for name in written), written
+        assert json.loads((folder / _caches.MARKER).read_text())["chip"] == folder.name.split("-")[0]
+
+
+def test_a_user_set_inductor_folder_is_kept(tmp_path):
+    """Inductor reads TORCHINDUCTOR_CACHE_DIR when it compiles: left as the user set it, it is
+    where the artefacts go (the compilation itself is the test above's)."""
+    mine = tmp_path / "mine"
+    code = """
+        import json, os, flagos
+        caches = flagos.activate(None)["caches"]
+        print(json.dumps({"caches": caches, "inductor_env": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                          "triton_env": os.environ.get("TRITON_CACHE_DIR")}))
+    """
+    run = _last_json(run_python(code, env={"FLAGOS_DEVICE": "cpu", "FLAGOS_CACHE_DIR": str(tmp_path / "flagos"),
+                                           "TORCHINDUCTOR_CACHE_DIR": str(mine)}))
+    assert run["inductor_env"] == str(mine)
+    assert run["caches"]["inductor"] == str(mine) and run["caches"]["inductor_set_by"] == "user"
+    assert run["caches"]["triton_set_by"] == "flagos"  # the one the user did not set
+    assert run["triton_env"] == str(pathlib.Path(run["caches"]["folder"]) / "triton")
+    # both set: nothing of the program's goes to the chip's folder, which is not even made
+    both = _last_json(run_python(code, env={"FLAGOS_DEVICE": "cpu", "FLAGOS_CACHE_DIR": str(tmp_path / "unused"),
+                                            "TORCHINDUCTOR_CACHE_DIR": str(mine), "TRITON_CACHE_DIR": str(mine)}))
+    assert both["caches"]["folder"] is None and both["triton_env"] == str(mine)
+    assert both["caches"]["triton_set_by"] == both["caches"]["inductor_set_by"] == "user"
+    assert not (tmp_path / "unused").exists()
+
+
+def test_an_unusable_folder_warns_and_the_process_goes_on(tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    code = """
+        import json, os, warnings, torch, flagos
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            info = flagos.activate("cpu")
+        x = torch.ones(3, device=flagos.device()) * 2
+        print(json.dumps({"warnings": [str(w.message) for w in caught if w.category is RuntimeWarning],
+                          "caches": info["caches"], "sum": x.sum().item(),
+                          "env": [os.environ.get(v) for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")]}))
+    """
+    # a folder a parent flagos process set (another chip's) is not kept when this one cannot
+    # have its own: the caches go back to PyTorch's defaults
+    marked = tmp_path / "sim-x-y"
+    marked.mkdir()
+    (marked / _caches.MARKER).write_text("{}")
+    run = _last_json(run_python(code, env={"FLAGOS_CACHE_DIR": str(not_a_folder),
+                                           "TORCHINDUCTOR_CACHE_DIR": str(marked / "inductor")}))
+    assert run["sum"] == 6.0
+    assert len(run["warnings"]) == 1
+    assert str(not_a_folder) in run["warnings"][0] and "Set FLAGOS_CACHE_DIR to a folder you can write" in run["warnings"][0]
+    assert run["caches"]["folder"] is None and run["caches"]["problem"] == run["warnings"][0]
+    assert run["env"] == [None, None]
+    assert run["caches"]["inductor_set_by"] == "default"
+
+
+def test_leaving_native_mode_restores_what_activation_set(tmp_path):
+    code = """
+        import json, os, flagos
+        before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        flagos.activate("cpu", mode="native")
+        during = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        flagos.deactivate()
+        print(json.dumps([before, during, os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                          os.environ.get("TRITON_CACHE_DIR")]))
+    """
+    before, during, after, triton = _last_json(run_python(code, env={"FLAGOS_CACHE_DIR": str(tmp_path)}))
+    assert during.startswith(str(tmp_path / "cpu-")) and during.endswith("inductor")
+    assert after == before  # the test process's own (its activation set it) or unset
+    assert triton == os.environ.get("TRITON_CACHE_DIR")
+
+
+def test_default_root_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("FLAGOS_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert _caches.root() == str(tmp_path / "flagos")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _caches.root() == str(tmp_path / "home" / ".cache" / "flagos")
+    monkeypatch.setenv("FLAGOS_CACHE_DIR", "~/c")
+    assert _caches.root() == str(tmp_path / "home" / "c")
+
+
+def test_folder_names():
+    assert _caches.folder_name("cuda", "nvidia", "sm90") == "cuda-nvidia-sm90"
+    assert _caches.folder_name("cuda", "amd", "gfx942:sramecc+:xnack-") == "cuda-amd-gfx942_sramecc+_xnack"
+    assert _caches.folder_name("sim", "flagos (emulated accelerator)", "sim-abi1.1") == \
+        "sim-flagos_emulated_accelerator-sim_abi1.1"
+    assert _caches.folder_name("xpu", "intel", "") == "xpu-intel-unknown"
+    cpu = flagos.chips.profile("cpu").architecture()
+    assert cpu.startswith(os.uname().machine) and cpu.count("-") == 1
+
+
+def test_a_chip_that_cannot_tell_yet_chooses_its_folder_when_initialized(monkeypatch, tmp_path):
+    """The cuda chip's architecture is read when the CUDA runtime initializes (reading it
+    earlier would initialize it): the folder is chosen then, before anything compiles."""
+    for variable, _ in _caches.VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(tmp_path))
+    waiting = []
+    chip = types.SimpleNamespace(name="cuda", vendor="nvidia", architecture=lambda: None,
+                                 architecture_now=lambda: "sm90", when_initialized=waiting.append)
+    try:
+        caches = _caches.install(types.SimpleNamespace(chip=chip))
+        assert caches["folder"] is None and "pending" in caches
+        assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+        waiting.pop()()  # the runtime initializes
+        assert caches["folder"] == str(tmp_path / "cuda-nvidia-sm90") and "pending" not in caches
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cuda-nvidia-sm90" / "inductor")
+    finally:
+        _caches.uninstall()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_info_names_the_caches_in_use():
+    caches = flagos.info()["caches"]
+    assert set(caches) >= {"root", "folder", "inductor", "triton", "inductor_set_by", "triton_set_by"}
+
+
+@pytest.fixture
+def cache_root(tmp_path):
+    for chip, vendor, arch, size in (("cpu", "host", "x86_64-avx2", 100), ("sim", "flagos", "sim-abi1.1", 10),
+                                     ("cuda", "nvidia", "sm90", 1000)):
+        folder = tmp_path / _caches.folder_name(chip, vendor, arch)
+        assert _caches._prepare(str(folder), chip, vendor, arch) is None
+        (folder / "inductor").mkdir()
+        (folder / "inductor" / "artefact").write_bytes(b"x" * size)
+    (tmp_path / "not-flagos").mkdir()  # someone else's: never listed, never removed
+    (tmp_path / "not-flagos" / "keep").write_text("mine")
+    return tmp_path
+
+
+def test_cli_lists_the_folders_with_sizes(cache_root):
+    proc = run_flagos("cache", "--json", env={"FLAGOS_CACHE_DIR": str(cache_root)})
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["chip"]: r for r in json.loads(proc.stdout)["folders"]}
+    assert sorted(rows) == ["cpu", "cuda", "sim"]
+    marker = len((cache_root / rows["cpu"]["folder"] / _caches.MARKER).read_bytes())
+    assert rows["cpu"]["bytes"] == 100 + marker and rows["cuda"]["architecture"] == "sm90"
+    text = run_flagos("cache", "--chip", "nvidia", env={"FLAGOS_CACHE_DIR": str(cache_root)}).stdout
+    assert "cuda-nvidia-sm90" in text and "cpu-host" not in text
+
+
+def test_cli_clears_one_chip_then_all(cache_root):
+    env = {"FLAGOS_CACHE_DIR": str(cache_root)}
+    proc = run_flagos("cache", "--clear", "--chip", "sim", env=env)
+    assert proc.returncode == 0 and "removed" in proc.stdout and "sim-flagos" in proc.stdout
+    assert sorted(p.name for p in cache_root.iterdir()) == ["cpu-host-x86_64_avx2", "cuda-nvidia-sm90", "not-flagos"]
+    assert run_flagos("cache", "--clear", env=env).returncode == 0
+    assert [p.name for p in cache_root.iterdir()] == ["not-flagos"]
+    assert (cache_root / "not-flagos" / "keep").read_text() == "mine"
+    proc = run_flagos("cache", env=env)
+    assert proc.returncode == 0 and "no flagos cache folders in" in proc.stdout
+
+
+def test_cli_refuses_an_unknown_chip(cache_root):
+    proc = run_flagos("cache", "--clear", "--chip", "tpu", env={"FLAGOS_CACHE_DIR": str(cache_root)})
+    assert proc.returncode == 2 and "unknown chip 'tpu'" in proc.stderr and "cuda" in proc.stderr
+    assert len(list(cache_root.iterdir())) == 4  # nothing removed
+
+
+def test_cli_on_a_missing_root(tmp_path):
+    proc = run_flagos("cache", env={"FLAGOS_CACHE_DIR": str(tmp_path / "absent")})
+    assert proc.returncode == 0 and "no flagos cache folders" in proc.stdout
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
