@@ -24,7 +24,7 @@ from .errors import (
     FallbackWarning,
     NoEngineQueueError,
 )
-from .integrations import _backward_errors, _compile, _libraries, _offload, _redirect
+from .integrations import _backward_errors, _compile, _distributed, _libraries, _offload, _redirect
 from .report import _report
 from .runtime import _adapter_ops, _autocast, _device_module, _math_keys, _native_mode, _pinned, _registration
 from .runtime._tensor import FlagosTensor, set_metadata
@@ -211,6 +211,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
         if mode == "device":  # libraries that asked before, or will ask, which device exists
             _offload.install()
             _libraries.install()
+            _distributed.install()
         # At `import torch` (autoload) no backward can have run yet, and a probe would deadlock:
         # the engine's thread would import torch modules while `import torch` holds the lock.
         if mode == "device" and not _autoloading:
