@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.abc
 import logging
+import os
 import sys
 import threading
 
@@ -35,6 +36,7 @@ import torch
 
 from ..core import _state
 from ..runtime._tensor import FlagosTensor
+from . import _distributed
 
 log = logging.getLogger("flagos")
 _lock = threading.Lock()
@@ -80,6 +82,36 @@ def _accelerate_state(module) -> None:
     default_device._flagos = True
     default_device.__doc__ = original.__doc__
     cls.default_device = property(default_device)
+    _accelerate_distributed(cls, module.DistributedType)
+
+
+def _accelerate_distributed(cls, kinds) -> None:
+    """Processes started by a launcher (accelerate launch, torchrun: LOCAL_RANK is set) form a
+    group on flagos: accelerate knows only the named accelerators (it would run them apart, or
+    on the host), so the backend becomes `flagos.dist_backend()` ("flagos") and each process's
+    device flagos:(local rank modulo the device count), as accelerate spreads processes over
+    GPUs. The distributed type is MULTI_GPU, the one accelerate treats as data-parallel over
+    devices (Accelerator.prepare wraps models in DDP)."""
+    prepare, set_device = cls._prepare_backend, cls.set_device
+
+    def _prepare_backend(self, cpu: bool = False, sagemaker_dp=False, backend: str | None = None):
+        found, kind = prepare(self, cpu, sagemaker_dp, backend)
+        device = _flagos_default()
+        if (device is None or cpu or sagemaker_dp or kind not in (kinds.NO, kinds.MULTI_GPU)
+                or int(os.environ.get("LOCAL_RANK", -1)) == -1):
+            return found, kind
+        return backend or _distributed.dist_backend(), kinds.MULTI_GPU
+
+    def _set_device(self) -> None:
+        if self.device is None and getattr(self, "backend", None) == _distributed.BACKEND:
+            index = self.local_process_index % _state.active().device_count
+            torch.flagos.set_device(index)
+            self.device = _state.device(index)
+            return
+        set_device(self)
+
+    _prepare_backend.__doc__, _set_device.__doc__ = prepare.__doc__, set_device.__doc__
+    cls._prepare_backend, cls.set_device = _prepare_backend, _set_device
 
 
 def _accelerate_modeling(module) -> None:
