@@ -187,6 +187,36 @@ def test_ddp_three_steps_match_one_process_on_the_whole_data(tmp_path):
 SEEDS = (0, 1, 2, 3)
 
 
+def _launch(cmd: list[str], env: dict) -> str:
+    """Run a launcher (and the processes it starts) to the end; its output. A failure or a run
+    past TIMEOUT fails the test, and the whole process group goes with it."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{cmd[2]} ran past {TIMEOUT} s:\n{output[-4000:]}")
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    env.update(FLAGOS_FALLBACK="allow", FLAGOS_SIM_DEVICES=str(WORLD),
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), **extra)
+    return env
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location(
+        "distributed_inference", ROOT / "examples" / "distributed_inference.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -200,9 +230,6 @@ def test_accelerate_recipe_two_processes_match_one_process(tmp_path):
     pytest.importorskip("accelerate")
     pytest.importorskip("diffusers")
     out = tmp_path / "images"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
-    env.update(FLAGOS_FALLBACK="allow", FLAGOS_SIM_DEVICES=str(WORLD),
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     # Without a named accelerator accelerate launch starts one process unless told --multi_gpu
     # (docs/parallel.md); the other flags only silence its warning about defaults.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
@@ -210,19 +237,9 @@ def test_accelerate_recipe_two_processes_match_one_process(tmp_path):
            "--main_process_port", str(_free_port()),
            str(ROOT / "examples" / "distributed_inference.py"), "--device", CHIP,
            "--seeds", ",".join(map(str, SEEDS)), "--steps", "3", "--out", str(out)]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"accelerate launch ran past {TIMEOUT} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    output = _launch(cmd, _env())
     assert f"2 process(es) on chip {CHIP}, backend flagos" in output, output[-2000:]
-    spec = importlib.util.spec_from_file_location("distributed_inference", ROOT / "examples" / "distributed_inference.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _example()
     pipeline = example.build_pipeline()  # plain CPU, one process: the reference
     ranks = {}
     for seed in SEEDS:
@@ -233,6 +250,64 @@ def test_accelerate_recipe_two_processes_match_one_process(tmp_path):
         expected = example.generate(pipeline, seed, 3)
         np.testing.assert_allclose(np.load(out / f"seed_{seed}.npy"), expected, rtol=1e-4, atol=1e-5)
     assert ranks == {"0": [0, 1], "1": [2, 3]}  # split_between_processes: half each
+
+
+# Diffusers' torch.distributed recipe ("Distributed inference", PyTorch Distributed section),
+# written for CUDA: only the pipeline is this test's small one (and saved as arrays).
+TORCH_RECIPE = """
+import sys
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from distributed_inference import build_pipeline, generate
+
+sd = build_pipeline()
+
+def run_inference(rank, world_size):
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    sd.to(rank)
+
+    if torch.distributed.get_rank() == 0:
+        seed = 0
+    elif torch.distributed.get_rank() == 1:
+        seed = 1
+
+    image = generate(sd, seed, 3)
+    np.save(f"{sys.argv[1]}/seed_{seed}.npy", image)
+    with open(f"{sys.argv[1]}/seed_{seed}.txt", "w") as f:
+        f.write(f"{sd.device} {dist.get_backend()}")
+
+def main():
+    world_size = 2
+    mp.spawn(run_inference, args=(world_size,), nprocs=world_size, join=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.skipif(CHIP == "cpu", reason="sd.to(rank) asks for device 1, and the cpu chip has "
+                    "one (as a one-GPU machine has): the accelerate recipe is the one for N "
+                    "processes on one device")
+def test_torch_distributed_recipe_under_the_cuda_redirect(tmp_path):
+    """Written for CUDA ("nccl", sd.to(rank)), run with FLAGOS_DEVICE and FLAGOS_REDIRECT_CUDA=1:
+    rank r on flagos:r through the flagos backend, images equal to plain CPU's."""
+    pytest.importorskip("diffusers")
+    script = tmp_path / "recipe.py"
+    script.write_text(TORCH_RECIPE)
+    out = tmp_path / "images"
+    out.mkdir()
+    env = _env(FLAGOS_DEVICE=CHIP, FLAGOS_REDIRECT_CUDA="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "examples"), env["PYTHONPATH"]])
+    _launch([sys.executable, str(script), str(out)], env)
+    example = _example()
+    pipeline = example.build_pipeline()
+    for seed in range(WORLD):
+        assert (out / f"seed_{seed}.txt").read_text() == f"flagos:{seed} flagos"
+        np.testing.assert_allclose(np.load(out / f"seed_{seed}.npy"), example.generate(pipeline, seed, 3),
+                                   rtol=1e-4, atol=1e-5)
 
 
 # ---- in this process ----------------------------------------------------------------------
