@@ -166,7 +166,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
     every op through a dispatch mode); None reads FLAGOS_MODE, then picks the
     chip's natural mode. redirect_cuda: True makes code written for CUDA run on this
     chip unchanged ("cuda" devices, `.cuda()`, `torch.cuda.*`, autocast, GradScaler,
-    `init_process_group("nccl")`; a no-op on the cuda chip); None reads FLAGOS_REDIRECT_CUDA.
+    `init_process_group("nccl")`, which becomes `flagos.dist_backend()`; a no-op on the cuda chip); None reads FLAGOS_REDIRECT_CUDA.
     """
     with _lock:
         if device is None:

@@ -4,7 +4,8 @@
 `torch.device("cuda")` is parsed in C++ and nothing can make it mean another device, so the
 redirect rewrites device arguments where they enter PyTorch: the Python-visible functions and
 methods that take a device (factories, `Tensor.to`/`.cuda()`, `Module.cuda()`, `torch.load`,
-`torch.Generator`, autocast, GradScaler, `init_process_group`) are replaced by wrappers that
+`torch.Generator`, autocast, GradScaler, `init_process_group`: "nccl" becomes
+`flagos.dist_backend()`) are replaced by wrappers that
 turn "cuda", "cuda:N" and `torch.device("cuda", N)` into the active chip's device (flagos:N in
 device mode, the chip's own device in native mode), and `torch.cuda` is replaced by a module
 whose common functions answer for the active chip (everything else falls through to PyTorch's
