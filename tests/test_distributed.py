@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import CHIP, device_mode_only
+from conftest import CHIP, device_mode_only, run_python, runs_once
 
 import flagos
 from flagos.integrations import _distributed
@@ -338,3 +338,20 @@ def test_one_process_group_and_a_hashstore(dev):
             assert isinstance(dist.distributed_c10d._get_default_group(), _distributed.FlagosProcessGroup)
         finally:
             dist.destroy_process_group()
+
+
+@runs_once
+def test_native_mode_names_the_chips_own_backend():
+    """In native mode tensors are the chip's own, and so is the backend (gloo for cpu); before
+    activation the question has no answer and says what to do."""
+    proc = run_python("""
+        import flagos
+        try:
+            flagos.dist_backend()
+        except RuntimeError as e:
+            print("inactive:", e)
+        flagos.activate("cpu", mode="native")
+        print("native:", flagos.dist_backend())
+    """)
+    assert "native: gloo" in proc.stdout
+    assert "inactive: flagos is not active: call flagos.activate() first" in proc.stdout

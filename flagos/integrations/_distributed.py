@@ -94,12 +94,15 @@ class _Moved:
         self.host_copies = host_copies
         self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def one(self, t: torch.Tensor, written: bool) -> torch.Tensor:
+    def one(self, t: torch.Tensor, written: bool, read: bool = True) -> torch.Tensor:
+        """What the collective runs on for `t`: written (results land in it), read (its values
+        go in; an output only, such as all_gather's, is not copied to the host)."""
         if not isinstance(t, FlagosTensor):
             return t
         with torch.no_grad():
             if self.host_copies:
-                inner = torch.Tensor.cpu(t.detach()).contiguous()
+                inner = torch.Tensor.cpu(t.detach()).contiguous() if read else \
+                    torch.empty(t.shape, dtype=t.dtype)
                 target = t
             else:
                 target = t._payload
@@ -108,11 +111,11 @@ class _Moved:
             self.back.append((target, inner))
         return inner
 
-    def many(self, ts, written: bool) -> list:
-        return [self.one(t, written) for t in ts]
+    def many(self, ts, written: bool, read: bool = True) -> list:
+        return [self.one(t, written, read) for t in ts]
 
-    def nested(self, tss, written: bool) -> list:
-        return [self.many(ts, written) for ts in tss]
+    def nested(self, tss, written: bool, read: bool = True) -> list:
+        return [self.many(ts, written, read) for ts in tss]
 
     def write_back(self) -> None:
         with torch.no_grad():
@@ -187,13 +190,13 @@ class FlagosProcessGroup(dist.ProcessGroup):
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else dist.AllgatherOptions()
         group, moved = self._route([*inputs, *(t for ts in output_lists for t in ts)])
-        work = group.allgather(moved.nested(output_lists, True), moved.many(inputs, False), opts)
+        work = group.allgather(moved.nested(output_lists, True, read=False), moved.many(inputs, False), opts)
         return self._run(work, moved, [list(ts) for ts in output_lists])
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.AllgatherOptions()
         group, moved = self._route([input, output])
-        work = group._allgather_base(moved.one(output, True), moved.one(input, False), opts)
+        work = group._allgather_base(moved.one(output, True, read=False), moved.one(input, False), opts)
         return self._run(work, moved, [output])
 
     _allgather_base = all_gather_single
@@ -201,7 +204,7 @@ class FlagosProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else dist.AllgatherOptions()
         group, moved = self._route([*inputs, *(t for ts in output_lists for t in ts)])
-        work = group.allgather_coalesced(moved.nested(output_lists, True), moved.many(inputs, False), opts)
+        work = group.allgather_coalesced(moved.nested(output_lists, True, read=False), moved.many(inputs, False), opts)
         return self._run(work, moved, [list(ts) for ts in output_lists])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
@@ -212,25 +215,25 @@ class FlagosProcessGroup(dist.ProcessGroup):
     def gather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else dist.GatherOptions()
         group, moved = self._route([*inputs, *(t for ts in output_lists for t in ts)])
-        work = group.gather(moved.nested(output_lists, True), moved.many(inputs, False), opts)
+        work = group.gather(moved.nested(output_lists, True, read=False), moved.many(inputs, False), opts)
         return self._run(work, moved, [list(ts) for ts in output_lists])
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ScatterOptions()
         group, moved = self._route([*outputs, *(t for ts in input_lists for t in ts)])
-        work = group.scatter(moved.many(outputs, True), moved.nested(input_lists, False), opts)
+        work = group.scatter(moved.many(outputs, True, read=False), moved.nested(input_lists, False), opts)
         return self._run(work, moved, list(outputs))
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         group, moved = self._route([*outputs, *(t for ts in input_lists for t in ts)])
-        work = group.reduce_scatter(moved.many(outputs, True), moved.nested(input_lists, False), opts)
+        work = group.reduce_scatter(moved.many(outputs, True, read=False), moved.nested(input_lists, False), opts)
         return self._run(work, moved, list(outputs))
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         group, moved = self._route([output, input])
-        work = group._reduce_scatter_base(moved.one(output, True), moved.one(input, False), opts)
+        work = group._reduce_scatter_base(moved.one(output, True, read=False), moved.one(input, False), opts)
         return self._run(work, moved, [output])
 
     _reduce_scatter_base = reduce_scatter_single
@@ -243,7 +246,7 @@ class FlagosProcessGroup(dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
         group, moved = self._route([output, input])
-        work = group.alltoall_base(moved.one(output, True), moved.one(input, False),
+        work = group.alltoall_base(moved.one(output, True, read=False), moved.one(input, False),
                                    output_split_sizes, input_split_sizes, opts)
         return self._run(work, moved, [output])
 
@@ -252,7 +255,7 @@ class FlagosProcessGroup(dist.ProcessGroup):
     def alltoall(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
         group, moved = self._route([*outputs, *inputs])
-        work = group.alltoall(moved.many(outputs, True), moved.many(inputs, False), opts)
+        work = group.alltoall(moved.many(outputs, True, read=False), moved.many(inputs, False), opts)
         return self._run(work, moved, list(outputs))
 
     def send(self, tensors, dst: int, tag: int = 0):
@@ -261,7 +264,7 @@ class FlagosProcessGroup(dist.ProcessGroup):
 
     def recv(self, tensors, src: int, tag: int = 0):
         group, moved = self._route(tensors)
-        return self._run(group.recv(moved.many(tensors, True), src, tag), moved, list(tensors))
+        return self._run(group.recv(moved.many(tensors, True, read=False), src, tag), moved, list(tensors))
 
     def barrier(self, opts=None):
         opts = opts if opts is not None else dist.BarrierOptions()
