@@ -52,7 +52,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/core/_env.py": [cpu(ENV_DOCS, ENV, ERRORS)],
     "flagos/report/_exporters.py": [cpu(TOP)],
     "flagos/runtime/_generator.py": [cpu(GENERATORS), sim(GENERATORS)],
-    "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD), sim(DISTRIBUTED, k="accelerate")],
+    "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD), cpu(DISTRIBUTED, k="accelerate or ddp")],
     "flagos/integrations/_distributed.py": [cpu(DISTRIBUTED, k="not recipe"), sim(DISTRIBUTED, k="not recipe")],
     "flagos/runtime/_math_keys.py": [sim(SIM_FIDELITY, FIDELITY)],
     "flagos/runtime/_native_mode.py": [cpu(NATIVE)],

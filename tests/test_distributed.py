@@ -51,10 +51,11 @@ def spawn(fn, *args) -> None:
                 process.join()
 
 
-def _start(rank: int, store_path: str, chip: str, device_index: int) -> torch.device:
+def _start(rank: int, store_path: str, chip: str, device_index: int,
+           sim_devices: int = WORLD) -> torch.device:
     """Activate flagos on `chip` in this worker and join the flagos process group."""
     os.environ.setdefault("FLAGOS_FALLBACK", "allow")
-    os.environ.setdefault("FLAGOS_SIM_DEVICES", str(WORLD))
+    os.environ["FLAGOS_SIM_DEVICES"] = str(sim_devices)
     flagos.activate(chip)
     torch.flagos.set_device(device_index)
     store = dist.FileStore(store_path, WORLD)
@@ -159,27 +160,50 @@ def _train(model, rank: int, world: int, dev) -> None:
 
 
 def _ddp_worker(rank: int, store_path: str, chip: str, result_dir: str) -> None:
-    # backward runs on flagos:0 only (docs/design.md §13): on sim each process trains on
-    # device 0 of its own sim (every process has its own sim memory).
-    dev = _start(rank, store_path, chip, device_index=0)
+    # backward runs on flagos:0 only (docs/design.md §15): on sim each process trains on the
+    # one device of its own sim (every process has its own sim memory).
+    dev = _start(rank, store_path, chip, device_index=0, sim_devices=1)
     model = _model().to(dev)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     _train(ddp, rank, WORLD, dev)
-    torch.save({k: v.cpu() for k, v in model.state_dict().items()},
-               os.path.join(result_dir, f"rank{rank}.pt"))
+    results = {"ddp": {k: v.cpu() for k, v in model.state_dict().items()}}
+    # the same through accelerate, as a launcher's process (LOCAL_RANK set) would run it
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    assert accelerator.num_processes == WORLD and accelerator.device == dev
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    assert isinstance(prepared, torch.nn.parallel.DistributedDataParallel)
+    xs, ys = _data()
+    for step in range(STEPS):
+        x = xs[step].chunk(WORLD)[rank].to(accelerator.device)
+        y = ys[step].chunk(WORLD)[rank].to(accelerator.device)
+        optimizer.zero_grad()
+        accelerator.backward(torch.nn.functional.mse_loss(prepared(x), y))
+        optimizer.step()
+    results["accelerate"] = {k: v.cpu() for k, v in model.state_dict().items()}
+    torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 def test_ddp_three_steps_match_one_process_on_the_whole_data(tmp_path):
+    """DDP directly and through accelerate's Accelerator.prepare, each rank on half of every
+    batch: both ranks' weights equal one process's on plain CPU over the whole batches."""
+    pytest.importorskip("accelerate")
     spawn(_ddp_worker, str(tmp_path / "store"), CHIP, str(tmp_path))
     single = _model()
     _train(single, 0, 1, torch.device("cpu"))
     before = _model().state_dict()
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"rank{rank}.pt")
-        for name, expected in single.state_dict().items():
-            assert not torch.equal(expected, before[name]), name  # the steps did change it
-            torch.testing.assert_close(got[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+        for how in ("ddp", "accelerate"):
+            for name, expected in single.state_dict().items():
+                assert not torch.equal(expected, before[name]), name  # the steps did change it
+                torch.testing.assert_close(got[how][name], expected, rtol=1e-5, atol=1e-6,
+                                           msg=f"{how}, rank {rank}: {name}")
 
 
 # ---- the accelerate recipe ------------------------------------------------------------

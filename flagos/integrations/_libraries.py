@@ -114,6 +114,31 @@ def _accelerate_distributed(cls, kinds) -> None:
     cls._prepare_backend, cls.set_device = _prepare_backend, _set_device
 
 
+def _accelerate_accelerator(module) -> None:
+    """Accelerator.prepare wraps a model for several devices in DDP with device_ids=[local
+    rank], which is a GPU's index only where each process has the GPU of its rank. On flagos a
+    process's device is flagos:(local rank % device count) (flagos:0 for every process on the
+    cpu chip), so DDP is given that device's index, as accelerate does for HPUs."""
+    cls = module.Accelerator
+    original = cls.prepare_model
+    if getattr(original, "_flagos", False):
+        return
+
+    def prepare_model(self, model, *args, **kwargs):
+        model = original(self, model, *args, **kwargs)
+        ddp = torch.nn.parallel.DistributedDataParallel
+        device = self.device
+        if (isinstance(model, ddp) and device.type == "flagos" and model.device_ids
+                and model.device_ids != [device.index]):
+            model.device_ids, model.output_device = [device.index], device.index
+        return model
+
+    prepare_model._flagos = True
+    prepare_model.__doc__ = original.__doc__
+    prepare_model.__wrapped__ = original
+    cls.prepare_model = prepare_model
+
+
 def _accelerate_modeling(module) -> None:
     original = module.get_max_memory
     if getattr(original, "_flagos", False):
@@ -232,6 +257,7 @@ _PATCHES = {
     "diffusers.utils.torch_utils": _diffusers_torch_utils,
     "diffusers.pipelines.pipeline_utils": _diffusers_pipeline_utils,
     "accelerate.state": _accelerate_state,
+    "accelerate.accelerator": _accelerate_accelerator,
     "accelerate.utils.modeling": _accelerate_modeling,
     "safetensors.torch": _safetensors_torch,
     "huggingface_hub.serialization._torch": _huggingface_hub_torch,
