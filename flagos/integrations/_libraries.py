@@ -12,6 +12,10 @@ Neither library is edited. While flagos owns the device (device mode):
   `get_max_memory()` lists the flagos devices by index, as accelerate lists GPUs, with their free
   memory from `torch.flagos.mem_get_info` (an index means the current accelerator to PyTorch:
   `torch.device(0)` is flagos:0).
+- accelerate knows no distributed type for flagos: processes started by a launcher
+  (`LOCAL_RANK` set) get the "flagos" process group (`flagos.dist_backend()`), accelerate's
+  MULTI_GPU type and flagos:(local rank % device count) as their device, and
+  `Accelerator.prepare` gives DDP that device's index.
 - safetensors checks device names in Rust against the ones it knows, so
   `safetensors.torch.load_file(path, device="flagos")` (Diffusers' group offloading to disk)
   loads to the host and moves the tensors to flagos.
