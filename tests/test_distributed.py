@@ -379,3 +379,30 @@ def test_native_mode_names_the_chips_own_backend():
     """)
     assert "native: gloo" in proc.stdout
     assert "inactive: flagos is not active: call flagos.activate() first" in proc.stdout
+
+
+@runs_once
+def test_accelerate_launched_process_backend_choice():
+    """A launched process (LOCAL_RANK set) asking accelerate for another backend is told the one
+    to use; "nccl" under the CUDA redirect is accepted (init_process_group maps it)."""
+    pytest.importorskip("accelerate")
+    env = dict(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               FLAGOS_FALLBACK="allow")
+    proc = run_python("""
+        import flagos
+        flagos.activate("cpu")
+        from accelerate import PartialState
+        try:
+            PartialState(backend="gloo")
+        except ValueError as e:
+            print("error:", e)
+    """, env={**env, "MASTER_PORT": str(_free_port())})
+    assert "error: Your assigned backend gloo is not available, please use flagos" in proc.stdout
+    proc = run_python("""
+        import flagos, torch
+        flagos.activate("cpu", redirect_cuda=True)
+        from accelerate import PartialState
+        state = PartialState(backend="nccl")
+        print("state:", state.device, torch.distributed.get_backend())
+    """, env={**env, "MASTER_PORT": str(_free_port())})
+    assert "state: flagos:0 flagos" in proc.stdout

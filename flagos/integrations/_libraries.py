@@ -104,10 +104,17 @@ def _accelerate_distributed(cls, kinds) -> None:
         if (device is None or cpu or sagemaker_dp or kind not in (kinds.NO, kinds.MULTI_GPU)
                 or int(os.environ.get("LOCAL_RANK", -1)) == -1):
             return found, kind
-        return backend or _distributed.dist_backend(), kinds.MULTI_GPU
+        # An explicit backend other than flagos's ("gloo": accelerate then says "Your assigned
+        # backend gloo is not available, please use flagos") unless it is "nccl" under the CUDA
+        # redirect, which init_process_group maps to flagos's.
+        if backend == "nccl" and _state.active().redirect_cuda:
+            return backend, kinds.MULTI_GPU
+        return _distributed.dist_backend(), kinds.MULTI_GPU
 
     def _set_device(self) -> None:
-        if self.device is None and getattr(self, "backend", None) == _distributed.BACKEND:
+        backend = getattr(self, "backend", None)
+        if self.device is None and _flagos_default() is not None and (
+                backend == _distributed.BACKEND or (backend == "nccl" and _state.active().redirect_cuda)):
             index = self.local_process_index % _state.active().device_count
             torch.flagos.set_device(index)
             self.device = _state.device(index)
