@@ -32,7 +32,7 @@ _EXPORTS = {
     "ConfigError": "errors", "ChipNotFoundError": "errors", "DeviceError": "errors",
     "DeviceMismatchError": "errors", "FallbackError": "errors", "FallbackWarning": "errors",
     "AdapterError": "errors", "NoEngineQueueError": "errors", "DowncastWarning": "errors",
-    "compare": "tools._compare",
+    "compare": "tools._compare", "dist_backend": "integrations._distributed",
 }
 
 __all__ = sorted([*_EXPORTS, "errors", "__version__"])
@@ -72,5 +72,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         FallbackWarning,
         NoEngineQueueError,
     )
+    from .integrations._distributed import dist_backend
     from .report._report import Report, fallback_report, reset_report, track
     from .runtime._tensor import FlagosTensor

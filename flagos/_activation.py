@@ -25,7 +25,7 @@ from .errors import (
     FallbackWarning,
     NoEngineQueueError,
 )
-from .integrations import _backward_errors, _caches, _compile, _libraries, _offload, _redirect
+from .integrations import _backward_errors, _caches, _compile, _distributed, _libraries, _offload, _redirect
 from .report import _report
 from .runtime import _adapter_ops, _autocast, _device_module, _math_keys, _native_mode, _pinned, _registration
 from .runtime._tensor import FlagosTensor, set_metadata
@@ -194,7 +194,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
     every op through a dispatch mode); None reads FLAGOS_MODE, then picks the
     chip's natural mode. redirect_cuda: True makes code written for CUDA run on this
     chip unchanged ("cuda" devices, `.cuda()`, `torch.cuda.*`, autocast, GradScaler,
-    `init_process_group("nccl")`; a no-op on the cuda chip); None reads FLAGOS_REDIRECT_CUDA.
+    `init_process_group("nccl")`, which becomes `flagos.dist_backend()`; a no-op on the cuda chip); None reads FLAGOS_REDIRECT_CUDA.
     dtype_policy: "strict" (bfloat16 runs as bfloat16; where the chip lacks it, ops fall back)
     or "downcast" (on a chip whose bfloat16 is not native, bfloat16 weights, factories and
     autocast run in float16, float32 where float16 is not native either; said once in a
@@ -252,6 +252,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
         if mode == "device":  # libraries that asked before, or will ask, which device exists
             _offload.install()
             _libraries.install()
+            _distributed.install()
         # At `import torch` (autoload) no backward can have run yet, and a probe would deadlock:
         # the engine's thread would import torch modules while `import torch` holds the lock.
         if mode == "device" and not _autoloading:

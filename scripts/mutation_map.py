@@ -31,6 +31,7 @@ GENERATORS, OFFLOAD, ACCELERATE = T + "generators.py", T + "offload.py", T + "ac
 AUTOCAST, COMPILE, BACKWARD = T + "autocast.py", T + "compile.py", T + "backward_errors.py"
 MODELS, KERNEL_CHECKS = T + "models.py", T + "sim_kernel_checks.py"
 CHIP_NAMES = T + "chip_names.py"
+DISTRIBUTED = T + "distributed.py"
 
 TESTS: dict[str, list[Run]] = {
     # ---- the Python package ----
@@ -52,7 +53,8 @@ TESTS: dict[str, list[Run]] = {
     "flagos/core/_precision.py": [cpu(T + "precision_policy.py"), sim(T + "precision_policy.py")],
     "flagos/report/_exporters.py": [cpu(TOP)],
     "flagos/runtime/_generator.py": [cpu(GENERATORS), sim(GENERATORS)],
-    "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD)],
+    "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD), cpu(DISTRIBUTED, k="accelerate or ddp")],
+    "flagos/integrations/_distributed.py": [cpu(DISTRIBUTED, k="not recipe"), sim(DISTRIBUTED, k="not recipe")],
     "flagos/runtime/_math_keys.py": [sim(SIM_FIDELITY, FIDELITY)],
     "flagos/runtime/_native_mode.py": [cpu(NATIVE)],
     "flagos/integrations/_redirect.py": [cpu(T + "redirect.py"), sim(T + "redirect.py")],

@@ -178,16 +178,20 @@ def _check_cuda_amp_grad_scaler(dev):
 
 
 def _check_init_process_group(dev):
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        assert dist.get_backend() == (_state.active().chip.collective_backend or "gloo")
-    finally:
-        dist.destroy_process_group()
-    dist.init_process_group(backend="nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        assert dist.get_backend() == (_state.active().chip.collective_backend or "gloo")
-    finally:
-        dist.destroy_process_group()
+    """"nccl" (positional, keyword, or in "device:backend" pairs) is the chip's backend
+    (flagos.dist_backend()), and a collective on "cuda" tensors runs on the chip."""
+    for args, kwargs in ((("nccl",), {}), ((), {"backend": "nccl"}),
+                         (("cpu:gloo,cuda:nccl",), {}), ((), {"backend": "nccl", "device_id": 0})):
+        dist.init_process_group(*args, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        try:
+            backend = dist.get_backend()
+            assert flagos.dist_backend() in backend and "nccl" not in backend, backend
+            t = torch.arange(3.0, device="cuda")
+            dist.all_reduce(t)
+            _on_chip(t, dev)
+            assert t.cpu().tolist() == [0.0, 1.0, 2.0]
+        finally:
+            dist.destroy_process_group()
 
 
 def _check_cuda_module(name, dev):

@@ -12,6 +12,10 @@ Neither library is edited. While flagos owns the device (device mode):
   `get_max_memory()` lists the flagos devices by index, as accelerate lists GPUs, with their free
   memory from `torch.flagos.mem_get_info` (an index means the current accelerator to PyTorch:
   `torch.device(0)` is flagos:0).
+- accelerate knows no distributed type for flagos: processes started by a launcher
+  (`LOCAL_RANK` set) get the "flagos" process group (`flagos.dist_backend()`), accelerate's
+  MULTI_GPU type and flagos:(local rank % device count) as their device, and
+  `Accelerator.prepare` gives DDP that device's index.
 - safetensors checks device names in Rust against the ones it knows, so
   `safetensors.torch.load_file(path, device="flagos")` (Diffusers' group offloading to disk)
   loads to the host and moves the tensors to flagos.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import importlib.abc
 import logging
+import os
 import sys
 import threading
 
@@ -35,6 +40,7 @@ import torch
 
 from ..core import _state
 from ..runtime._tensor import FlagosTensor
+from . import _distributed
 
 log = logging.getLogger("flagos")
 _lock = threading.Lock()
@@ -80,6 +86,68 @@ def _accelerate_state(module) -> None:
     default_device._flagos = True
     default_device.__doc__ = original.__doc__
     cls.default_device = property(default_device)
+    _accelerate_distributed(cls, module.DistributedType)
+
+
+def _accelerate_distributed(cls, kinds) -> None:
+    """Processes started by a launcher (accelerate launch, torchrun: LOCAL_RANK is set) form a
+    group on flagos: accelerate knows only the named accelerators (it would run them apart, or
+    on the host), so the backend becomes `flagos.dist_backend()` ("flagos") and each process's
+    device flagos:(local rank modulo the device count), as accelerate spreads processes over
+    GPUs. The distributed type is MULTI_GPU, the one accelerate treats as data-parallel over
+    devices (Accelerator.prepare wraps models in DDP)."""
+    prepare, set_device = cls._prepare_backend, cls.set_device
+
+    def _prepare_backend(self, cpu: bool = False, sagemaker_dp=False, backend: str | None = None):
+        found, kind = prepare(self, cpu, sagemaker_dp, backend)
+        device = _flagos_default()
+        if (device is None or cpu or sagemaker_dp or kind not in (kinds.NO, kinds.MULTI_GPU)
+                or int(os.environ.get("LOCAL_RANK", -1)) == -1):
+            return found, kind
+        # An explicit backend other than flagos's ("gloo": accelerate then says "Your assigned
+        # backend gloo is not available, please use flagos") unless it is "nccl" under the CUDA
+        # redirect, which init_process_group maps to flagos's.
+        if backend == "nccl" and _state.active().redirect_cuda:
+            return backend, kinds.MULTI_GPU
+        return _distributed.dist_backend(), kinds.MULTI_GPU
+
+    def _set_device(self) -> None:
+        backend = getattr(self, "backend", None)
+        if self.device is None and _flagos_default() is not None and (
+                backend == _distributed.BACKEND or (backend == "nccl" and _state.active().redirect_cuda)):
+            index = self.local_process_index % _state.active().device_count
+            torch.flagos.set_device(index)
+            self.device = _state.device(index)
+            return
+        set_device(self)
+
+    _prepare_backend.__doc__, _set_device.__doc__ = prepare.__doc__, set_device.__doc__
+    cls._prepare_backend, cls.set_device = _prepare_backend, _set_device
+
+
+def _accelerate_accelerator(module) -> None:
+    """Accelerator.prepare wraps a model for several devices in DDP with device_ids=[local
+    rank], which is a GPU's index only where each process has the GPU of its rank. On flagos a
+    process's device is flagos:(local rank % device count) (flagos:0 for every process on the
+    cpu chip), so DDP is given that device's index, as accelerate does for HPUs."""
+    cls = module.Accelerator
+    original = cls.prepare_model
+    if getattr(original, "_flagos", False):
+        return
+
+    def prepare_model(self, model, *args, **kwargs):
+        model = original(self, model, *args, **kwargs)
+        ddp = torch.nn.parallel.DistributedDataParallel
+        device = self.device
+        if (isinstance(model, ddp) and device.type == "flagos" and model.device_ids
+                and model.device_ids != [device.index]):
+            model.device_ids, model.output_device = [device.index], device.index
+        return model
+
+    prepare_model._flagos = True
+    prepare_model.__doc__ = original.__doc__
+    prepare_model.__wrapped__ = original
+    cls.prepare_model = prepare_model
 
 
 def _accelerate_modeling(module) -> None:
@@ -200,6 +268,7 @@ _PATCHES = {
     "diffusers.utils.torch_utils": _diffusers_torch_utils,
     "diffusers.pipelines.pipeline_utils": _diffusers_pipeline_utils,
     "accelerate.state": _accelerate_state,
+    "accelerate.accelerator": _accelerate_accelerator,
     "accelerate.utils.modeling": _accelerate_modeling,
     "safetensors.torch": _safetensors_torch,
     "huggingface_hub.serialization._torch": _huggingface_hub_torch,

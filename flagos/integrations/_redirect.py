@@ -4,7 +4,8 @@
 `torch.device("cuda")` is parsed in C++ and nothing can make it mean another device, so the
 redirect rewrites device arguments where they enter PyTorch: the Python-visible functions and
 methods that take a device (factories, `Tensor.to`/`.cuda()`, `Module.cuda()`, `torch.load`,
-`torch.Generator`, autocast, GradScaler, `init_process_group`) are replaced by wrappers that
+`torch.Generator`, autocast, GradScaler, `init_process_group`: "nccl" becomes
+`flagos.dist_backend()`) are replaced by wrappers that
 turn "cuda", "cuda:N" and `torch.device("cuda", N)` into the active chip's device (flagos:N in
 device mode, the chip's own device in native mode), and `torch.cuda` is replaced by a module
 whose common functions answer for the active chip (everything else falls through to PyTorch's
@@ -30,6 +31,7 @@ import torch.utils._pytree as pytree
 
 from ..core import _state
 from ..runtime import _device_module
+from . import _distributed
 
 log = logging.getLogger("flagos")
 
@@ -286,14 +288,37 @@ def _generator_class(current):
     return Generator
 
 
-def _process_group(fn, backend_name: str):
+def _backend_spec(spec: str) -> str:
+    """An `init_process_group` backend string written for CUDA, for the active chip: "nccl"
+    becomes `flagos.dist_backend()` ("flagos" in device mode, the chip's own backend in native
+    mode), and in "device:backend" pairs "cuda:nccl" becomes "flagos:flagos" (or "npu:hccl")."""
+    name = _distributed.dist_backend()
+    if ":" not in spec:
+        return name if spec.lower() == "nccl" else spec
+    pairs = []
+    for pair in spec.split(","):
+        device, _, backend = pair.partition(":")
+        if device.strip().lower() == "cuda":
+            device = _target_type
+        if backend.strip().lower() == "nccl":
+            backend = name
+        pairs.append(f"{device}:{backend}")
+    return ",".join(pairs)
+
+
+def _process_group(fn):
+    """init_process_group("nccl") (positional or backend=): the active chip's backend. Without a
+    backend PyTorch asks the accelerator, which is flagos in device mode: nothing to map."""
     @functools.wraps(fn)
     def redirected(*args, **kwargs):
         if args and isinstance(args[0], str):
-            args = (args[0].replace("nccl", backend_name),) + args[1:]
+            args = (_backend_spec(args[0]),) + args[1:]
         elif isinstance(kwargs.get("backend"), str):
-            kwargs["backend"] = kwargs["backend"].replace("nccl", backend_name)
+            kwargs["backend"] = _backend_spec(kwargs["backend"])
+        if "device_id" in kwargs:
+            kwargs["device_id"] = _map_index(kwargs["device_id"]) if kwargs["device_id"] is not None else None
         return fn(*args, **kwargs)
+    redirected.__flagos_redirect__ = fn
     return redirected
 
 
@@ -327,8 +352,7 @@ def install(state) -> bool:
     _set(scaler, "__init__", _grad_scaler_init(scaler.__init__))
     if torch.distributed.is_available():
         dist = torch.distributed
-        _set(dist, "init_process_group",
-             _process_group(dist.init_process_group, state.chip.collective_backend or "gloo"))
+        _set(dist, "init_process_group", _process_group(dist.init_process_group))
     _set(torch, "cuda", _cuda_namespace(sys.modules["torch.cuda"], state))
     log.info("redirect_cuda: 'cuda' now means %s", _target_type)
     return True
