@@ -19,7 +19,7 @@ Each collective runs on the chip's own collective backend:
 
 Host tensors given to the same group (object collectives, barrier) go to a gloo group. Every
 collective completes before it returns (its Work is already done), so `async_op=True` works and
-waits for nothing. docs/parallel.md ("torch.distributed") and docs/design.md §21.
+waits for nothing. docs/parallel.md ("torch.distributed") and docs/design.md §18.
 """
 from __future__ import annotations
 
