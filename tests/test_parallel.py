@@ -5,6 +5,9 @@ Each pool costs seconds (every worker imports torch), so the tests share one poo
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 
 import psutil
 import pytest
@@ -61,6 +64,10 @@ def kill_for_seed(model, seed):
     if seed == 7:
         os.kill(os.getpid(), signal.SIGKILL)
     return model(seed)
+
+
+def sleep_for(model, seconds):
+    time.sleep(seconds)
 
 
 def build_fails(device):
@@ -181,3 +188,36 @@ def test_failed_build_names_the_device_and_leaves_nothing():
     assert "building the pipeline on sim device 1 failed: RuntimeError: no pipeline on flagos:0" in str(info.value)
     assert "in build_fails" in info.value.worker_traceback
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_ctrl_c_stops_the_workers():
+    """SIGINT to the parent while map waits: KeyboardInterrupt there, and no worker is left."""
+    code = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from flagos.parallel import PipelinePool
+import test_parallel
+pool = PipelinePool(test_parallel.build, devices=1, chip="cpu")
+print("PIDS", *pool.pids, flush=True)
+try:
+    pool.map(test_parallel.sleep_for, [60])
+except KeyboardInterrupt:
+    print("INTERRUPTED", flush=True)
+    raise
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        pids = [int(p) for p in line.split()[1:]]
+        time.sleep(1)  # the request is running
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "INTERRUPTED" in out and "KeyboardInterrupt" in err
+    assert not any(psutil.pid_exists(pid) for pid in pids)
