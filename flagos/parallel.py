@@ -40,7 +40,7 @@ from .errors import ConfigError
 # runtime when it starts). cuda and sim are the ones checked here; the others follow the vendors'
 # documentation and are not validated on hardware. mps has one device; the host (cpu) is shared.
 VISIBLE_VARIABLE = {
-    "cuda": "CUDA_VISIBLE_DEVICES",         # NVIDIA; ROCm's PyTorch honours it too
+    "cuda": "CUDA_VISIBLE_DEVICES",         # NVIDIA; ROCm builds are said to honour it too (unverified)
     "npu": "ASCEND_RT_VISIBLE_DEVICES",
     "mlu": "MLU_VISIBLE_DEVICES",
     "musa": "MUSA_VISIBLE_DEVICES",
