@@ -183,6 +183,13 @@ def test_killed_worker_names_its_device_others_come_back_nothing_left():
             if i != 2:
                 torch.testing.assert_close(e.results[i]["y"], expected(seed)["y"])
         assert pool.devices == [d for d in ("cpu worker 0", "cpu worker 1") if d != e.device]
+        last = pool.devices[0]
+        pool.timeout = 1  # a request that hangs: its worker is stopped, map returns
+        out = pool.map(sleep_for, [60, 0], return_exceptions=True)
+        assert isinstance(out[0], WorkerError) and out[0].device == last
+        assert f"request 0 on {last} took more than timeout=1 s" in str(out[0])
+        assert isinstance(out[1], WorkerError) and "every worker is gone" in str(out[1])
+        assert pool.devices == []
     finally:
         pool.close()
     pool.close()  # idempotent
