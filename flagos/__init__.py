@@ -41,7 +41,7 @@ __all__ = sorted([*_EXPORTS, "errors", "__version__"])
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
-        if name in ("errors", "chips", "metrics"):
+        if name in ("errors", "chips", "metrics", "parallel"):
             return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module 'flagos' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)

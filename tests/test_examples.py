@@ -28,6 +28,16 @@ def test_diffusers_pipeline_example(tmp_path, chip):
     assert "save_pretrained + from_pretrained on flagos: the same image" in proc.stdout
 
 
+@device_mode_only
+def test_diffusers_pool_example():
+    """Two workers on the cpu chip: every image equals the one process's for its seed (the
+    example exits non-zero otherwise)."""
+    proc = run_example("diffusers_pool.py", "--chip", "cpu", "--devices", "2", "--prompts", "3",
+                       "--steps", "2")
+    assert "2 worker(s) on chip cpu (cpu worker 0, cpu worker 1)" in proc.stdout
+    assert "every image matches the one process's image for its seed" in proc.stdout
+
+
 def test_quickstart_example():
     proc = run_example("quickstart.py", env={"FLAGOS_DEVICE": "cpu"})
     gelu = [l for l in proc.stdout.splitlines() if l.startswith("aten::gelu ")]

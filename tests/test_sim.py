@@ -118,6 +118,23 @@ def test_sticky_device_failure_spares_other_devices():
     assert "DEV0 [2.0, 2.0]" in proc.stdout
 
 
+def test_visible_devices_pick_and_order_the_machines_devices():
+    """FLAGOS_VISIBLE_DEVICES=2,0: the process's flagos:0 is sim device 2, and the failed device
+    named by its machine index is the process's flagos:1."""
+    proc = run_sim("""
+        import torch, flagos
+        print("NAMES", flagos.info()["devices"])
+        print("DEV0", (torch.ones(2, device="flagos:0") + 1).cpu().tolist())
+        try:
+            torch.ones(2, device="flagos:1")
+        except flagos.DeviceError as e:
+            print("ERR", e)
+    """, FLAGOS_SIM_DEVICES="3", FLAGOS_VISIBLE_DEVICES="2,0", FLAGOS_SIM_FAIL_DEVICE="0")
+    assert "NAMES ['flagos sim device 2', 'flagos sim device 0']" in proc.stdout
+    assert "DEV0 [2.0, 2.0]" in proc.stdout
+    assert "ERR sim device 1: alloc failed (SIM_ERROR_DEVICE_LOST" in proc.stdout
+
+
 def test_copies_between_devices():
     proc = run_sim("""
         import torch, flagos
@@ -159,6 +176,7 @@ BAD_SIM_VALUES = {
     "FLAGOS_SIM_DEVICES": [" 2", "+2", "-1", "2 ", "0", "17", "two"],
     "FLAGOS_SIM_FAIL_ALLOC_AT": [" 1", "+1", "-1", "0", "1e3"],
     "FLAGOS_SIM_FAIL_DEVICE": [" 0", "+0", "-0", "-1", "2"],  # 2 devices: indices 0 and 1
+    "FLAGOS_VISIBLE_DEVICES": ["2", "0,0", "1,", ",1", " 1", "one"],
 }
 
 

@@ -6,6 +6,10 @@
  * allocation (FLAGOS_SIM_FAIL_ALLOC_AT) or with a device in a sticky failed state
  * (FLAGOS_SIM_FAIL_DEVICE). Kernels for a subset of aten live in kernels.c.
  *
+ * FLAGOS_VISIBLE_DEVICES=2,0 shows the process only those of the FLAGOS_SIM_DEVICES devices, in
+ * that order (device 0 of the process is device 2 of the machine), as a GPU driver honours
+ * CUDA_VISIBLE_DEVICES: the device name and FLAGOS_SIM_FAIL_DEVICE speak of the machine's index.
+ *
  * Streams and events (adapter ABI 1.1) are real handles with the ABI's checks, but sim runs
  * all work synchronously, on the calling thread: a stream is complete as soon as a call
  * returns, and an event's timestamp is taken when it is recorded. sim counts the calls of
@@ -44,6 +48,7 @@ typedef struct sim_device {
     int failed; /* sticky: every later call on this device fails */
     flagos_stream current; /* where work goes (set_stream); 0: the default stream */
     uint64_t default_copies;
+    int32_t physical; /* the machine's index of the device (FLAGOS_VISIBLE_DEVICES) */
 } sim_device;
 
 /* A stream or an event: one handle space for both, never reused. */
@@ -199,6 +204,38 @@ static int parse_dtypes(const char *text, uint64_t *out, flagos_status *status)
     return SIM_SUCCESS;
 }
 
+/* FLAGOS_VISIBLE_DEVICES: distinct indices below `devices`, comma-separated, at least one. */
+static int32_t parse_visible(const char *text, long devices, int32_t *physical, int32_t *n,
+                             flagos_status *status)
+{
+    char item[32];
+    const char *p = text;
+    *n = 0;
+    for (;;) {
+        size_t len = strcspn(p, ",");
+        long v;
+        if (len == 0 || len >= sizeof(item))
+            goto bad;
+        memcpy(item, p, len);
+        item[len] = '\0';
+        if (parse_count(item, 0, devices - 1, &v) < 0 || *n >= SIM_MAX_DEVICES)
+            goto bad;
+        for (int32_t i = 0; i < *n; i++)
+            if (physical[i] == (int32_t)v)
+                goto bad;
+        physical[(*n)++] = (int32_t)v;
+        p += len;
+        if (*p == '\0')
+            return SIM_SUCCESS;
+        p++;
+    }
+bad:
+    return sim_fail(status, SIM_ERROR_INVALID_VALUE,
+                    "FLAGOS_VISIBLE_DEVICES='%s' is not valid for sim; use distinct device indices "
+                    "from 0 to %ld separated by commas (FLAGOS_SIM_DEVICES=%ld), e.g. "
+                    "FLAGOS_VISIBLE_DEVICES=%ld", text, devices - 1, devices, devices - 1);
+}
+
 static int32_t read_config(flagos_status *status)
 {
     const char *v;
@@ -218,6 +255,12 @@ static int32_t read_config(flagos_status *status)
         return sim_fail(status, SIM_ERROR_INVALID_VALUE,
                         "FLAGOS_SIM_FAIL_ALLOC_AT='%s' is not valid; use a whole number N >= 1 to "
                         "fail the Nth allocation, e.g. FLAGOS_SIM_FAIL_ALLOC_AT=3", v);
+    int32_t physical[SIM_MAX_DEVICES], n_visible = (int32_t)devices;
+    for (int32_t i = 0; i < n_visible; i++)
+        physical[i] = i;
+    if ((v = getenv("FLAGOS_VISIBLE_DEVICES")) && *v &&
+        parse_visible(v, devices, physical, &n_visible, status) != SIM_SUCCESS)
+        return status->code;
     if ((v = getenv("FLAGOS_SIM_FAIL_DEVICE")) && *v &&
         parse_count(v, 0, devices - 1, &fail_device) < 0)
         return sim_fail(status, SIM_ERROR_INVALID_VALUE,
@@ -227,10 +270,10 @@ static int32_t read_config(flagos_status *status)
     if ((v = getenv("FLAGOS_SIM_DTYPES")) && *v && parse_dtypes(v, &dtypes, status) != SIM_SUCCESS)
         return status->code;
 
-    sim.n_devices = (int32_t)devices;
+    sim.n_devices = n_visible;
     for (int32_t i = 0; i < sim.n_devices; i++) {
-        sim.devices[i] = (sim_device){.capacity = memory};
-        sim.devices[i].failed = (i == fail_device);
+        sim.devices[i] = (sim_device){.capacity = memory, .physical = physical[i]};
+        sim.devices[i].failed = (physical[i] == fail_device);
     }
     sim.fail_alloc_at = (uint64_t)fail_at;
     sim.native_dtypes = dtypes;
@@ -314,7 +357,7 @@ static int32_t sim_device_props(int32_t device, flagos_device_props *props, flag
     if (device < 0 || device >= sim.n_devices) {
         rc = sim_fail(status, SIM_ERROR_INVALID_DEVICE, "sim device %d does not exist", device);
     } else {
-        snprintf(props->name, sizeof(props->name), "flagos sim device %d", device);
+        snprintf(props->name, sizeof(props->name), "flagos sim device %d", sim.devices[device].physical);
         props->total_memory = sim.devices[device].capacity;
         props->native_dtypes = sim.native_dtypes;
         rc = sim_ok(status);
