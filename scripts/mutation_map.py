@@ -13,7 +13,7 @@ from __future__ import annotations
 import glob
 import os
 
-from mutation_check import ROOT, Run, cpu, sim
+from mutation_check import ROOT, Run, cpu, sim, sim_default
 
 __all__ = ["TESTS", "Run", "cpu", "sim", "tests_for", "unmapped", "source_files"]
 
@@ -50,7 +50,8 @@ TESTS: dict[str, list[Run]] = {
     "flagos/integrations/_compile.py": [cpu(COMPILE)],
     "flagos/runtime/_device_module.py": [cpu(DEVICE, MULTI), sim(STREAMS)],
     "flagos/core/_env.py": [cpu(ENV_DOCS, ENV, ERRORS)],
-    "flagos/core/_precision.py": [cpu(T + "precision_policy.py"), sim(T + "precision_policy.py")],
+    # sim with its default dtypes: the policy acts where bfloat16 is not native
+    "flagos/core/_precision.py": [cpu(T + "precision_policy.py"), sim_default(T + "precision_policy.py")],
     "flagos/report/_exporters.py": [cpu(TOP)],
     "flagos/runtime/_generator.py": [cpu(GENERATORS), sim(GENERATORS)],
     "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD), cpu(DISTRIBUTED, k="accelerate or ddp")],
