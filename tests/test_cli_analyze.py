@@ -295,6 +295,33 @@ def test_npu_coverage_from_a_torch_npu_wheel_reads_its_operator_list(tmp_path):
 
 
 @runs_once
+@pytest.mark.parametrize("chip, listed, not_aten", [
+    ("mlu", {"aten::mm", "aten::mm.out", "aten::addmm", "aten::native_group_norm", "aten::group_norm",
+             "aten::_fft_r2c"}, "aten::fused_dropout_mlu"),
+    ("musa", {"aten::abs", "aten::abs.out", "aten::silu", "aten::gelu", "aten::_fused_rmsnorm_forward"},
+     "aten::_fused_rmsnorm_forward"),
+])
+def test_mlu_and_musa_coverage_from_the_plugins_codegen_lists(tmp_path, chip, listed, not_aten):
+    from flagos.report.coverage import FileCoverage
+    from flagos.report.coverage.generate import main, vendor_functions_ops
+    excerpt = os.path.join(ROOT, "tests", "data", f"{chip}_functions_excerpt.yaml")
+    assert vendor_functions_ops(open(excerpt).read()) == listed   # other namespaces left out
+    assert main(["--out", str(tmp_path), chip, "--vendor-functions", excerpt,
+                 "--vendor-source", "the test's excerpt"]) == 0
+    table = json.load(open(tmp_path / f"{chip}.json"))
+    assert (table["chip"], table["dispatch_key"]) == (chip, "PrivateUse1")
+    assert table["source"].startswith("the test's excerpt (")
+    kernel, no_kernel = set(table["kernel"]), set(table["no_kernel"])
+    assert listed - {not_aten} <= kernel and "aten::linear" in kernel   # a decomposition
+    assert "aten::cumsum" in no_kernel and not_aten not in kernel | no_kernel
+    cov = FileCoverage(chip, str(tmp_path / f"{chip}.json"))
+    assert cov.classify("aten::cumsum")[0] == "fallback"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("aten: 3\n")
+    assert main(["--out", str(tmp_path), chip, "--vendor-functions", str(bad)]) == 1
+
+
+@runs_once
 def test_shipped_npu_coverage_comes_from_the_torch_npu_wheel_of_its_pytorch():
     shipped = json.load(open(os.path.join(ROOT, "flagos", "report", "coverage", "npu.json")))
     assert shipped["torch_npu"] == shipped["torch"]   # torch_npu X.Y.Z is built for torch X.Y.Z

@@ -4,6 +4,7 @@
     python -m flagos.report.coverage.generate npu        # where torch_npu is installed: npu.json
     python -m flagos.report.coverage.generate npu --op-plugin op_plugin_functions.yaml   # anywhere
     python -m flagos.report.coverage.generate npu --torch-npu-wheel torch_npu-2.13.0-...whl
+    python -m flagos.report.coverage.generate mlu --vendor-functions mlu_functions.yaml
 
 cpu, cuda, mps: PyTorch ships its operator declarations
 (torchgen/packaged/ATen/native/native_functions.yaml) with every wheel, CPU-only ones included,
@@ -204,6 +205,50 @@ def torch_npu_wheel_table(path: str) -> dict:
     return table
 
 
+# chip -> where its plugin's source tree keeps the list of aten ops its codegen registers
+VENDOR_FUNCTIONS = {"mlu": "Cambricon/torch_mlu: codegen/mlu_functions.yaml",
+                    "musa": "MooreThreads/torch_musa: torch_musa/csrc/aten/ops/musa_functions.yaml"}
+
+
+def vendor_functions_ops(text: str) -> set[str]:
+    """The aten ops a vendor plugin's codegen list names: torch_mlu's mlu_functions.yaml (an
+    `aten:` list beside `custom:`, `vision:`, ... lists) or torch_musa's musa_functions.yaml (one
+    top-level list); each entry's `func` is "name.overload" or a whole schema."""
+    import yaml
+
+    data = yaml.safe_load(text)
+    entries = data.get("aten") if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise ValueError("not a vendor functions list: expected a list of `- func: NAME` "
+                         "entries, or an `aten:` key holding one")
+    ops = set()
+    for entry in entries:
+        func = entry.get("func") if isinstance(entry, dict) else entry
+        if func:
+            ops.add("aten::" + str(func).split("(", 1)[0].strip())
+    return ops
+
+
+def vendor_functions_table(chip: str, path: str, source: str | None = None) -> dict:
+    """mlu or musa from the plugin's codegen list: an op has a kernel when the list names it, or
+    when its kernel is device-generic or a decomposition in the installed PyTorch. Kernels the
+    plugin registers in C++ outside that list are not in it (--from-dispatcher on the machine
+    has them)."""
+    with open(path) as f:
+        listed = vendor_functions_ops(f.read())
+    table = kernel_table("cpu", listed=listed)
+    table.update({
+        "chip": chip,
+        "dispatch_key": "PrivateUse1",
+        "source": f"{source or path} ({VENDOR_FUNCTIONS[chip]}: the aten ops the plugin's "
+                  f"codegen registers; kernels registered outside it are not counted); "
+                  f"device-generic kernels and decompositions from native_functions.yaml shipped "
+                  f"with PyTorch, parsed with torchgen",
+        "generated_by": f"python -m flagos.report.coverage.generate {chip} --vendor-functions PATH",
+    })
+    return table
+
+
 def dispatcher_table(chip: str) -> dict:
     """The same table from the kernels registered in this process's dispatcher (the chip's
     plugin imported first)."""
@@ -255,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-npu-wheel", metavar="WHEEL",
                         help="npu without Ascend hardware: a torch_npu wheel (pip download "
                              "--no-deps torch-npu==VERSION), whose operator list is read")
+    parser.add_argument("--vendor-functions", metavar="YAML",
+                        help="mlu or musa without the card: the plugin's codegen list ("
+                             + "; ".join(f"{c}: {v}" for c, v in VENDOR_FUNCTIONS.items()) + ")")
+    parser.add_argument("--vendor-source", metavar="TEXT",
+                        help="what to record as that file's origin (repository, commit)")
     parser.add_argument("chips", nargs="*", default=sorted(CHIP_KEYS),
                         help=f"chips to write, of {', '.join(known)} (default: "
                              f"{' '.join(sorted(CHIP_KEYS))})")
@@ -266,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if chip == "npu" and args.torch_npu_wheel:
                 table = torch_npu_wheel_table(args.torch_npu_wheel)
+            elif chip in VENDOR_FUNCTIONS and args.vendor_functions:
+                table = vendor_functions_table(chip, args.vendor_functions, args.vendor_source)
             elif chip == "npu" and args.op_plugin:
                 table = op_plugin_table(args.op_plugin, args.op_plugin_version, args.op_plugin_source)
             elif args.from_dispatcher or chip in PLUGIN_KEYS:
