@@ -89,6 +89,10 @@ def _summary(data: dict) -> str:
                      f'{t.get("downcast_calls", 0)} calls made '
                      f'{escape(str(data.get("downcast_to") or "another dtype"))} instead of bfloat16, '
                      f'{t.get("downcast_bytes", 0) / 1e6:.3f} MB</p>')
+    if t.get("bytes_between_devices"):
+        lines.append(f'<p class="meta" id="between-devices">between devices: '
+                     f'{t["bytes_between_devices"] / 1e6:.3f} MB copied from one flagos device to '
+                     f'another</p>')
     target = data.get("target")
     if target:
         lines.append(f'<p class="verdict" id="target-verdict">{escape(target["verdict"])}'

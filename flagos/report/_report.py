@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from .. import _C
 from ..core import _env, _state
 from ..integrations import _compile
+from ..runtime import _transfers
 from ._html import render
 from ._sites import short_site
 
@@ -28,7 +29,8 @@ class Report:
     """
 
     def __init__(self, rows: list[dict] | None = None, elapsed_s: float = 0.0, chip: str | None = None,
-                 compiled_calls: int = 0, downcast_to: str | None = None):
+                 compiled_calls: int = 0, downcast_to: str | None = None,
+                 bytes_between_devices: int = 0):
         self.rows = [r for r in (rows or []) if sum(r["calls"].values())]
         # Calls of torch.compile'd graphs: they run generated code, not routed ops, so
         # their ops are not in the rows.
@@ -38,6 +40,9 @@ class Report:
         self.chip = chip
         # dtype_policy="downcast" on a chip without native bfloat16: the dtype bfloat16 ran in
         self.downcast_to = downcast_to
+        # Bytes copied from one flagos device to another (a model split over devices): counted
+        # by the copy ops themselves, not by any op's row
+        self.bytes_between_devices = bytes_between_devices
 
     # -- totals ---------------------------------------------------------
     def calls(self, route: str | None = None) -> int:
@@ -82,6 +87,7 @@ class Report:
                                         if self.elapsed_s else 0.0),
                 "bytes_to_host": sum(r["bytes_to_host"] for r in self.rows),
                 "bytes_to_device": sum(r["bytes_to_device"] for r in self.rows),
+                "bytes_between_devices": self.bytes_between_devices,
                 "compiled_graph_calls": self.compiled_calls,
                 "downcast_calls": self.downcast_calls,
                 "downcast_bytes": self.downcast_bytes,
@@ -130,6 +136,9 @@ class Report:
             f"calls), {1000 * t['fallback_s']:.2f} ms ({100 * t['fallback_time_share']:.1f}% of "
             f"{self.elapsed_s:.2f} s), {t['bytes_to_host'] / 1e6:.2f} MB to host, "
             f"{t['bytes_to_device'] / 1e6:.2f} MB back")
+        if t["bytes_between_devices"]:
+            lines.append(f"between devices: {t['bytes_between_devices'] / 1e6:.3f} MB copied from "
+                         f"one flagos device to another ({t['bytes_between_devices']} bytes)")
         if self.downcast_to or t["downcast_calls"]:
             lines.append(f"downcast (dtype_policy='downcast'): {t['downcast_calls']} calls made "
                          f"{self.downcast_to or 'another dtype'} instead of bfloat16, "
@@ -156,13 +165,15 @@ def _downcast_to() -> str | None:
 def fallback_report() -> Report:
     """Every op routed since activation or the last `reset_report()`."""
     return Report(_C.table(), time.perf_counter() - _since, _chip(), _compile.compiled_calls(),
-                  _downcast_to())
+                  _downcast_to(), _transfers.total())
 
 
 def reset_report() -> None:
-    """Zero all counters (the downcast counts too) and restart the clock."""
+    """Zero all counters (the downcast counts and the bytes between devices too) and restart
+    the clock."""
     global _since
     _C.reset_counters()
+    _transfers.reset()
     _compile.reset_compiled_calls()
     _since = time.perf_counter()
 
@@ -190,12 +201,14 @@ def track():
     report = Report(chip=_chip(), downcast_to=_downcast_to())
     before = _C.table()
     compiled_before = _compile.compiled_calls()
+    between_before = _transfers.total()
     start = time.perf_counter()
     try:
         yield report
     finally:
         scoped = Report(_diff(_C.table(), before), time.perf_counter() - start, _chip(),
-                        _compile.compiled_calls() - compiled_before, _downcast_to())
+                        _compile.compiled_calls() - compiled_before, _downcast_to(),
+                        _transfers.total() - between_before)
         report.__dict__.update(scoped.__dict__)
 
 

@@ -22,7 +22,7 @@ from torch.utils.dlpack import to_dlpack
 from .. import _C
 from ..core import _routes, _schema, _state
 from ..errors import DeviceMismatchError
-from . import _math_keys
+from . import _math_keys, _transfers
 from ._tensor import FlagosTensor, copy_math_bits, set_metadata
 
 NATIVE, FALLBACK, WOULD_FALL_BACK = _C.ROUTE_NATIVE, _C.ROUTE_FALLBACK, _C.ROUTE_ERROR
@@ -488,6 +488,8 @@ class Runner:
             dst.copy_(self._download(src) if isinstance(src, FlagosTensor) else src)
             return dst
         _strided_only(src, "copying to the flagos device")
+        if isinstance(src, FlagosTensor) and src.device.index != dst.device.index:
+            _transfers.add(dst.numel() * dst.element_size())
         tagged = dst.is_conj() or dst.is_neg()
         if (isinstance(src, FlagosTensor) and src.dtype == dst.dtype and src.shape == dst.shape
                 and src.is_contiguous() and dst.is_contiguous() and not tagged
@@ -527,6 +529,8 @@ class Runner:
         if isinstance(device, torch.device) and device.type != "flagos":
             return torch.empty_strided(t.shape, stride, dtype=dtype, device=device).copy_(self._download(t))
         index = self._index_of(device, t.device.index)
+        if index != t.device.index:
+            _transfers.add(t.numel() * dtype.itemsize)
         if (dtype == t.dtype and tuple(stride) == t.stride() and not t.is_conj() and not t.is_neg()
                 and (t.is_contiguous() or _dense_order(t.shape, stride))):
             # same bytes in the same layout: one device copy of the span
