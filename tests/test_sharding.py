@@ -131,7 +131,7 @@ def test_diffusers_balanced_pipeline_places_components_over_the_devices_and_matc
     """A Stable-Diffusion pipeline of three small models saved from the host, loaded with
     device_map="balanced": Diffusers puts the largest component (the UNet) on flagos:0 and the
     others on the next device (flagos:0 again on a chip with one device); the image is the
-    CPU's."""
+    CPU's. Moving it with .to() needs reset_device_map() first, as on CUDA."""
     diffusers = pytest.importorskip("diffusers")
     import models
 
@@ -154,3 +154,9 @@ def test_diffusers_balanced_pipeline_places_components_over_the_devices_and_matc
         assert report.bytes_between_devices >= 2 * 8 * 16 * 4 + 4 * 2 * 2 * 4
     else:
         assert report.bytes_between_devices == 0
+    with pytest.raises(ValueError, match="reset_device_map"):  # Diffusers' own refusal
+        pipe.to(dev)
+    pipe.reset_device_map()
+    pipe.to(dev)
+    assert pipe.vae.device == pipe.text_encoder.device == dev
+    np.testing.assert_allclose(models.run_sd(pipe), expected, atol=1e-5, rtol=0)
