@@ -251,6 +251,14 @@ MUTATIONS = [
       '        for k in ("fallback_ns", "bytes_to_host", "bytes_to_device", "downcast_calls",',
       '        for k in ("fallback_ns", "bytes_to_host", "downcast_calls",',
       cpu("tests/test_routes.py", k="track")),
+    M("between_devices_unscoped", "track(): bytes_between_devices is the running total, not the "
+      "scope's", "flagos/report/_report.py", "                        _transfers.total() - between_before)",
+      "                        _transfers.total())",
+      sim_default("tests/test_sharding.py", k="bytes_between_devices_are")),
+    M("between_devices_to_copy_uncounted", "a .to('flagos:N') across devices is not counted",
+      "flagos/runtime/_adapter_ops.py", "        if index != t.device.index:\n            _transfers.add(",
+      "        if False:\n            _transfers.add(",
+      sim_default("tests/test_sharding.py", k="bytes_between_devices_are")),
     M("compare_drops_reference_only", "compare: modules that ran on the reference only are left "
       "out", "flagos/tools/_compare.py",
       '    keys = chip_rec["order"] + [k for k in ref_rec["order"] if k not in chip_rec["records"]]',
