@@ -97,6 +97,9 @@ def test_device_map_auto_splits_a_model_too_big_for_one_device_over_their_free_m
         flagos.activate("sim")
         free = [torch.flagos.mem_get_info(i) for i in range(torch.flagos.device_count())]
         seen = accelerate.utils.get_max_memory()
+        with accelerate.init_empty_weights():
+            empty = transformers.LlamaForCausalLM(config)
+        plan = accelerate.infer_auto_device_map(empty, no_split_module_classes=empty._no_split_modules)
         model = transformers.LlamaForCausalLM.from_pretrained(folder, device_map="auto").eval()
         inputs = ids.to(flagos.device())
         with torch.no_grad():
@@ -106,6 +109,7 @@ def test_device_map_auto_splits_a_model_too_big_for_one_device_over_their_free_m
         print(json.dumps({
             "size": size, "free": free, "seen": {str(k): v for k, v in seen.items()},
             "map": {k: str(v) for k, v in model.hf_device_map.items()},
+            "plan": sorted({str(v) for v in plan.values()}),
             "layer3": str(model.model.layers[3].mlp.up_proj.weight.device),
             "error": (logits.cpu() - expected).abs().max().item(),
             "same_tokens": generated.cpu().tolist() == tokens.tolist(),
@@ -120,6 +124,7 @@ def test_device_map_auto_splits_a_model_too_big_for_one_device_over_their_free_m
     assert list(out["seen"]) == ["0", "1", "cpu"]
     assert [out["seen"]["0"], out["seen"]["1"]] == [free for free, _ in out["free"]]
     assert set(out["map"].values()) == {"0", "1"}, out["map"]
+    assert out["plan"] == ["0", "1"]  # infer_auto_device_map without max_memory: flagos:0 first, then 1
     assert out["layer3"] == "flagos:1"
     assert out["error"] < 1e-5
     assert out["same_tokens"]
