@@ -25,13 +25,15 @@ def test_copies_to_and_from_the_host_and_on_one_device_cross_no_devices(dev):
         y = x.to("cpu").to(dev)
         y.copy_(x)
         x.clone()
+        x.to(dev)
+    assert report.calls() > 0
     assert report.bytes_between_devices == 0
     assert report.to_dict()["totals"]["bytes_between_devices"] == 0
     assert "between devices" not in str(report)
 
 
 @two_devices
-def test_bytes_between_devices_are_the_bytes_copied_from_one_device_to_another():
+def test_bytes_between_devices_are_the_bytes_copied_from_one_device_to_another(tmp_path):
     x = torch.randn(1000, device="flagos:0")            # 4000 bytes
     half = torch.ones(10, 10, device="flagos:1")
     x.to("flagos:1")                                     # before the scope: 4000
@@ -44,6 +46,8 @@ def test_bytes_between_devices_are_the_bytes_copied_from_one_device_to_another()
     assert report.bytes_between_devices == 8200
     assert report.to_dict()["totals"]["bytes_between_devices"] == 8200
     assert "between devices: 0.008 MB" in str(report)
+    report.save(tmp_path / "report.html")
+    assert 'id="between-devices">between devices: 0.008 MB' in (tmp_path / "report.html").read_text()
     assert flagos.fallback_report().bytes_between_devices == 12200  # the running total
     torch.testing.assert_close(z.cpu(), torch.ones(10, 10, dtype=torch.float16))
     torch.testing.assert_close(y.cpu(), x.cpu())
