@@ -222,3 +222,27 @@ def test_cli_on_a_missing_root(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_leaving_gives_back_what_the_variable_held_just_before_the_last_activation(monkeypatch, tmp_path):
+    """Activated twice without leaving (the second time after the variable was removed): leaving
+    gives back what it held before the second, not the first."""
+    # this process's own activation is left as it is: the test works on fresh bookkeeping
+    monkeypatch.setattr(_caches, "_ours", {})
+    monkeypatch.setattr(_caches, "_before", {})
+    for variable, _ in _caches.VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(tmp_path / "cache"))
+    other = tmp_path / "other-chip"   # a folder another flagos process made: replaced, not kept
+    (other / "inductor").mkdir(parents=True)
+    (other / _caches.MARKER).write_text("{}")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(other / "inductor"))
+    chip = types.SimpleNamespace(name="toy", vendor="v", architecture=lambda: "a1")
+    try:
+        _caches.install(types.SimpleNamespace(chip=chip))
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "cache"))
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        _caches.install(types.SimpleNamespace(chip=chip))
+    finally:
+        _caches.uninstall()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ

@@ -115,7 +115,8 @@ def _apply(caches: dict, chip, architecture: str) -> None:
                 caches[f"{sub}_set_by"] = "user"
             elif problem is None:
                 path = os.path.join(folder, sub)
-                _before.setdefault(variable, current)
+                if current != _ours.get(variable):  # what it held just before flagos set it now
+                    _before[variable] = current
                 os.environ[variable] = _ours[variable] = path
                 caches[sub] = path
                 caches[f"{sub}_set_by"] = "flagos"
