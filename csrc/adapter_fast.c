@@ -18,7 +18,11 @@
 #include "adapter_internal.h"
 #include "payload.h"
 
-enum { FAST_UNKNOWN = 0, FAST_NONE, FAST_BINARY_ALPHA, FAST_BINARY, FAST_UNARY };
+enum {
+    FAST_UNKNOWN = 0, FAST_NONE,
+    FAST_BINARY_ALPHA, FAST_BINARY, FAST_UNARY, /* elementwise: contiguous operands, broadcast */
+    FAST_MM, FAST_BMM, FAST_ADDMM, FAST_SOFTMAX /* any strides: the kernel reads them */
+};
 
 static const struct {
     const char *op;
@@ -29,7 +33,14 @@ static const struct {
     {"aten::neg", FAST_UNARY},               {"aten::relu", FAST_UNARY},
     {"aten::silu", FAST_UNARY},              {"aten::sigmoid", FAST_UNARY},
     {"aten::tanh", FAST_UNARY},              {"aten::exp", FAST_UNARY},
+    {"aten::mm", FAST_MM},                   {"aten::bmm", FAST_BMM},
+    {"aten::addmm", FAST_ADDMM},             {"aten::_softmax", FAST_SOFTMAX},
 };
+
+/* Per kind: the aten arguments it takes (positional, no keyword), and its tensors among them
+ * (the first ones). */
+static const int kind_args[] = {0, 0, 2, 2, 1, 2, 2, 3, 3};
+static const int kind_tensors[] = {0, 0, 2, 2, 1, 2, 2, 3, 1};
 
 /* float32, float16, bfloat16, float64: the codes whose elementwise results keep their dtype. */
 #define FAST_DTYPES (FLAGOS_DTYPE_BIT(0) | FLAGOS_DTYPE_BIT(1) | FLAGOS_DTYPE_BIT(2) | FLAGOS_DTYPE_BIT(3))
@@ -166,7 +177,8 @@ static int is_contiguous(const operand *o)
 
 /* An operand in the fast case: 1 (o filled, its references owned), 0 (not in the fast case: o
  * holds nothing, no error set), or -1 (an error that is not about the fast case). */
-static int read_operand(flagos_state *st, PyObject *adapter, PyObject *dtypes, PyObject *t, operand *o)
+static int read_operand(flagos_state *st, PyObject *adapter, PyObject *dtypes, PyObject *t,
+                        int contiguous, operand *o)
 {
     static PyObject *is_neg_name = NULL; /* kept for the process */
     if (is_neg_name == NULL && (is_neg_name = PyUnicode_InternFromString("is_neg")) == NULL)
@@ -209,7 +221,7 @@ static int read_operand(flagos_state *st, PyObject *adapter, PyObject *dtypes, P
         o->device >= st->fast_n_devices)
         goto done;
     neg = PyObject_CallMethodNoArgs(t, is_neg_name);
-    if (neg != Py_False || !is_contiguous(o))
+    if (neg != Py_False || (contiguous && !is_contiguous(o)))
         goto done;
     /* inside its buffer, as Adapter.run_kernel checks (a view outside goes to the runner, which
      * raises that error) */
@@ -277,7 +289,8 @@ static PyObject *int_tuple(const int64_t *v, int n)
 }
 
 /* Allocate, run and wrap with the operands read; same return values as the caller. */
-static int run(flagos_state *st, op_entry *e, operand *ops, int n_ops, PyObject **out)
+static int run(flagos_state *st, op_entry *e, const operand *ops, int n_ops, int64_t dim,
+               PyObject **out)
 {
     AdapterObject *adapter = (AdapterObject *)st->fast_adapter;
     int code = ops[0].code, device = ops[0].device;
@@ -287,21 +300,66 @@ static int run(flagos_state *st, op_entry *e, operand *ops, int n_ops, PyObject 
     if (!((e->fast_kernel_dtypes >> code) & 1) || !((st->fast_native[device] >> code) & 1) ||
         device >= PyTuple_GET_SIZE(st->flagos_devices))
         return 0;
-    /* the output shape: the operands' broadcast (the runner's _broadcast) */
-    int ndim = 0;
-    for (int i = 0; i < n_ops; i++)
-        ndim = ops[i].ndim > ndim ? ops[i].ndim : ndim;
-    int64_t shape[FLAGOS_MAX_DIMS];
-    for (int d = 0; d < ndim; d++) {
-        shape[d] = 1;
-        for (int i = 0; i < n_ops; i++) {
-            int k = d - (ndim - ops[i].ndim);
-            int64_t s = k < 0 ? 1 : ops[i].sizes[k];
-            if (s != shape[d] && s != 1 && shape[d] != 1)
-                return 0; /* not broadcastable: the host raises PyTorch's error */
-            if (s != 1)
-                shape[d] = s;
+    int ndim = 0, n_scalars = 0;
+    int64_t shape[FLAGOS_MAX_DIMS], ints[1];
+    double scalars[2] = {1.0, 1.0};
+    const operand *a = &ops[0], *b = &ops[1], *c = &ops[2];
+    /* the output shape, and which operands the kernel sees broadcast to it: the runner's
+     * builders (_binary, _unary, _mm, _bmm, _addmm, _softmax) */
+    int broadcast = 0; /* operands [0, broadcast) are broadcast to the output's shape */
+    switch (e->fast_kind) {
+    case FAST_MM:
+        if (a->ndim != 2 || b->ndim != 2 || a->sizes[1] != b->sizes[0])
+            return 0;
+        ndim = 2;
+        shape[0] = a->sizes[0];
+        shape[1] = b->sizes[1];
+        break;
+    case FAST_BMM:
+        if (a->ndim != 3 || b->ndim != 3 || a->sizes[0] != b->sizes[0] || a->sizes[2] != b->sizes[1])
+            return 0;
+        ndim = 3;
+        shape[0] = a->sizes[0];
+        shape[1] = a->sizes[1];
+        shape[2] = b->sizes[2];
+        break;
+    case FAST_ADDMM: /* addmm(self, mat1, mat2), beta = alpha = 1: self broadcast to the result */
+        if (b->ndim != 2 || c->ndim != 2 || b->sizes[1] != c->sizes[0] || a->ndim > 2)
+            return 0;
+        ndim = 2;
+        shape[0] = b->sizes[0];
+        shape[1] = c->sizes[1];
+        for (int d = 0; d < a->ndim; d++) {
+            int64_t s = a->sizes[d];
+            if (s != 1 && s != shape[d + 2 - a->ndim])
+                return 0; /* _broadcast(self.shape, shape) != shape */
         }
+        broadcast = 1;
+        n_scalars = 2;
+        break;
+    case FAST_SOFTMAX:
+        if (a->ndim == 0 || dim < -a->ndim || dim >= a->ndim)
+            return 0;
+        ndim = a->ndim;
+        memcpy(shape, a->sizes, (size_t)ndim * sizeof(int64_t));
+        ints[0] = (dim + ndim) % ndim;
+        break;
+    default: /* elementwise: the operands' broadcast (the runner's _broadcast) */
+        for (int i = 0; i < n_ops; i++)
+            ndim = ops[i].ndim > ndim ? ops[i].ndim : ndim;
+        for (int d = 0; d < ndim; d++) {
+            shape[d] = 1;
+            for (int i = 0; i < n_ops; i++) {
+                int k = d - (ndim - ops[i].ndim);
+                int64_t s = k < 0 ? 1 : ops[i].sizes[k];
+                if (s != shape[d] && s != 1 && shape[d] != 1)
+                    return 0; /* not broadcastable: the host raises PyTorch's error */
+                if (s != 1)
+                    shape[d] = s;
+            }
+        }
+        broadcast = n_ops;
+        n_scalars = e->fast_kind == FAST_BINARY_ALPHA;
     }
     layout l = {.ndim = ndim, .has_strides = 0};
     memcpy(l.sizes, shape, (size_t)ndim * sizeof(int64_t));
@@ -322,9 +380,8 @@ static int run(flagos_state *st, op_entry *e, operand *ops, int n_ops, PyObject 
     if (shape_obj == NULL && (shape_obj = int_tuple(shape, ndim)) == NULL)
         return -1;
     PyObject *stride_obj = NULL, *offset_obj = NULL, *buf = NULL, *w = NULL;
-    flagos_tensor inputs[2], output;
+    flagos_tensor inputs[3], output;
     operand out_op = {.code = code, .ndim = ndim};
-    double alpha = 1.0;
     flagos_status status = {0};
     int rc = -1;
     stride_obj = int_tuple(strides, ndim);
@@ -334,16 +391,20 @@ static int run(flagos_state *st, op_entry *e, operand *ops, int n_ops, PyObject 
     buf = flagos_adapter_new_buffer(adapter, device, nbytes); /* OOM: the runner's error */
     if (buf == NULL)
         goto done;
-    for (int i = 0; i < n_ops; i++)
-        describe(&ops[i], shape, ndim, &inputs[i]);
+    for (int i = 0; i < n_ops; i++) {
+        if (i < broadcast)
+            describe(&ops[i], shape, ndim, &inputs[i]);
+        else
+            describe(&ops[i], ops[i].sizes, ops[i].ndim, &inputs[i]);
+    }
     out_op.buf = (BufferObject *)buf;
     memcpy(out_op.sizes, shape, sizeof(shape));
     memcpy(out_op.strides, strides, sizeof(strides));
     describe(&out_op, shape, ndim, &output);
     flagos_kernel_args ka = {
         .struct_size = sizeof(ka), .device = device, .n_inputs = n_ops, .inputs = inputs,
-        .n_outputs = 1, .outputs = &output, .n_scalars = e->fast_kind == FAST_BINARY_ALPHA,
-        .scalars = &alpha, .n_ints = 0, .ints = NULL,
+        .n_outputs = 1, .outputs = &output, .n_scalars = n_scalars, .scalars = scalars,
+        .n_ints = e->fast_kind == FAST_SOFTMAX, .ints = ints,
     };
     int k = flagos_adapter_call_kernel(adapter, e->fast_kernel, &ka, &status);
     if (k != 0) {
@@ -376,20 +437,33 @@ int flagos_adapter_fast_call(flagos_state *st, op_entry *e, PyObject *args, PyOb
         resolve_kind(st, e);
     if (e->fast_kind == FAST_NONE || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0))
         return 0;
-    int n_ops = e->fast_kind == FAST_UNARY ? 1 : 2;
-    if (PyTuple_GET_SIZE(args) != n_ops)
+    int n_ops = kind_tensors[e->fast_kind];
+    if (PyTuple_GET_SIZE(args) != kind_args[e->fast_kind])
         return 0;
+    int64_t dim = 0;
+    if (e->fast_kind == FAST_SOFTMAX) { /* _softmax(self, dim, half_to_float=False) */
+        PyObject *d = PyTuple_GET_ITEM(args, 1);
+        if (!PyLong_CheckExact(d) || PyTuple_GET_ITEM(args, 2) != Py_False)
+            return 0;
+        dim = PyLong_AsLongLong(d);
+        if (dim == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
     /* held: reading the operands runs Python code, which may configure another chip */
     PyObject *adapter = Py_NewRef(st->fast_adapter), *dtypes = Py_NewRef(st->fast_dtypes);
-    operand ops[2];
+    operand ops[3];
+    memset(ops, 0, sizeof(ops));
     int got = 0, rc = 0;
     for (; got < n_ops; got++) {
-        rc = read_operand(st, adapter, dtypes, PyTuple_GET_ITEM(args, got), &ops[got]);
+        rc = read_operand(st, adapter, dtypes, PyTuple_GET_ITEM(args, got),
+                          e->fast_kind <= FAST_UNARY, &ops[got]);
         if (rc <= 0)
             break;
     }
     if (got == n_ops && adapter == st->fast_adapter && dtypes == st->fast_dtypes)
-        rc = run(st, e, ops, n_ops, out);
+        rc = run(st, e, ops, n_ops, dim, out);
     else if (rc > 0)
         rc = 0;
     for (int i = 0; i < got; i++)
