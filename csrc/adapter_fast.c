@@ -118,13 +118,13 @@ static void resolve_kind(flagos_state *st, op_entry *e)
             kind = fast_ops[i].kind;
     if (kind == FAST_NONE)
         return;
+    /* the last entry of that name, as the runner's kernel dict keeps it */
     const flagos_adapter *api = ((AdapterObject *)st->fast_adapter)->api;
     for (int32_t i = 0; i < api->n_kernels; i++) {
         if (api->kernels[i].op != NULL && strcmp(api->kernels[i].op, name) == 0) {
             e->fast_kind = kind;
             e->fast_kernel = i;
             e->fast_kernel_dtypes = api->kernels[i].dtypes;
-            return;
         }
     }
 }
