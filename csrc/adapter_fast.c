@@ -216,10 +216,10 @@ static int read_operand(flagos_state *st, PyObject *adapter, PyObject *dtypes, P
     device = PyObject_CallMethodNoArgs(t, fl_names.get_device);
     if (device == NULL)
         goto done;
-    o->device = _PyLong_AsInt(device);
-    if (o->device != ((BufferObject *)payload)->device || o->device < 0 ||
-        o->device >= st->fast_n_devices)
+    long index = PyLong_AsLong(device);
+    if (index < 0 || index >= st->fast_n_devices || index != ((BufferObject *)payload)->device)
         goto done;
+    o->device = (int)index;
     neg = PyObject_CallMethodNoArgs(t, is_neg_name);
     if (neg != Py_False || (contiguous && !is_contiguous(o)))
         goto done;
