@@ -31,6 +31,9 @@ typedef struct {
     uint64_t nbytes;
 } BufferObject;
 
+/* Whether obj is a flagos._C.Adapter (adapter_load.c). */
+int flagos_is_adapter(PyObject *obj);
+
 /* flagos._C.Buffer (adapter_memory.c). */
 extern PyTypeObject flagos_buffer_type;
 
@@ -81,6 +84,9 @@ int flagos_new_tensor_nbytes(PyObject *sizes, PyObject *strides, PyObject *items
 /* ---- Adapter methods implemented outside adapter_load.c: Adapter.<name> ---- */
 
 /* adapter_memory.c */
+/* A new Buffer of nbytes on device; raises torch.OutOfMemoryError / flagos.DeviceError as
+ * Adapter.alloc() does. */
+PyObject *flagos_adapter_new_buffer(AdapterObject *self, int device, uint64_t nbytes);
 PyObject *flagos_adapter_memory_info(AdapterObject *self, PyObject *arg);
 PyObject *flagos_adapter_reset_peak(AdapterObject *self, PyObject *arg);
 PyObject *flagos_adapter_empty_cache(AdapterObject *self, PyObject *arg);
@@ -101,6 +107,11 @@ PyObject *flagos_adapter_event_synchronize(AdapterObject *self, PyObject *args);
 PyObject *flagos_adapter_event_query(AdapterObject *self, PyObject *args);
 PyObject *flagos_adapter_event_elapsed_ms(AdapterObject *self, PyObject *args);
 /* adapter_kernels.c */
+/* Call kernel `index` (a valid index) with checked arguments: 0; 1 when the kernel declined
+ * them (FLAGOS_STATUS_UNSUPPORTED, no error set, st->message says why); -1 with the flagos
+ * error of a failed call set (flagos.DeviceError, torch.OutOfMemoryError). */
+int flagos_adapter_call_kernel(AdapterObject *self, int index, const flagos_kernel_args *ka,
+                               flagos_status *st);
 PyObject *flagos_adapter_kernels(AdapterObject *self, PyObject *arg);
 PyObject *flagos_adapter_run_kernel(AdapterObject *self, PyObject *args);
 

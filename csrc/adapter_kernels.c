@@ -89,6 +89,24 @@ static int parse_tensors(AdapterObject *self, PyObject *seq, flagos_tensor *out,
     return 0;
 }
 
+int flagos_adapter_call_kernel(AdapterObject *self, int index, const flagos_kernel_args *ka,
+                               flagos_status *st)
+{
+    const flagos_kernel *k = &self->api->kernels[index];
+    int32_t rc = k->fn(ka, st);
+    if (rc == FLAGOS_STATUS_UNSUPPORTED) {
+        st->message[sizeof(st->message) - 1] = '\0';
+        return 1;
+    }
+    if (rc != 0) {
+        char call[128];
+        snprintf(call, sizeof(call), "kernel %s", k->op);
+        flagos_adapter_raise_status(self, call, ka->device, rc, st, NULL);
+        return -1;
+    }
+    return 0;
+}
+
 /* run_kernel(index, device, inputs, outputs, scalars, ints) */
 PyObject *flagos_adapter_run_kernel(AdapterObject *self, PyObject *args)
 {
@@ -124,19 +142,12 @@ PyObject *flagos_adapter_run_kernel(AdapterObject *self, PyObject *args)
         .n_ints = (int32_t)ni, .ints = ivals,
     };
     flagos_status st = {0};
-    const flagos_kernel *k = &self->api->kernels[index];
-    int32_t rc;
-    rc = k->fn(&ka, &st);
-    if (rc == FLAGOS_STATUS_UNSUPPORTED) {
-        st.message[sizeof(st.message) - 1] = '\0';
-        PyErr_Format(PyExc_NotImplementedError, "%s: %s", k->op, st.message);
+    int rc = flagos_adapter_call_kernel(self, index, &ka, &st);
+    if (rc == 1) {
+        PyErr_Format(PyExc_NotImplementedError, "%s: %s", self->api->kernels[index].op, st.message);
         return NULL;
     }
-    if (rc != 0) {
-        char call[128];
-        snprintf(call, sizeof(call), "kernel %s", k->op);
-        flagos_adapter_raise_status(self, call, device, rc, &st, NULL);
+    if (rc < 0)
         return NULL;
-    }
     Py_RETURN_NONE;
 }

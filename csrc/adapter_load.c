@@ -352,3 +352,8 @@ int flagos_adapter_types_ready(PyObject *module)
                ? -1
                : 0;
 }
+
+int flagos_is_adapter(PyObject *obj)
+{
+    return Py_TYPE(obj) == &Adapter_Type;
+}

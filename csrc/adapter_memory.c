@@ -268,7 +268,7 @@ PyObject *flagos_adapter_empty_cache(AdapterObject *self, PyObject *arg)
     return flagos_adapter_call_on_device(self, arg, self->api->empty_cache, "empty_cache");
 }
 
-static PyObject *new_buffer(AdapterObject *self, int device, uint64_t nbytes)
+PyObject *flagos_adapter_new_buffer(AdapterObject *self, int device, uint64_t nbytes)
 {
     flagos_buffer handle = 0;
     flagos_status st = {0};
@@ -309,7 +309,7 @@ PyObject *flagos_adapter_alloc(AdapterObject *self, PyObject *args)
     uint64_t nbytes;
     if (!PyArg_ParseTuple(args, "iO", &device, &n) || parse_bytes(n, &nbytes) < 0)
         return NULL;
-    return new_buffer(self, device, nbytes);
+    return flagos_adapter_new_buffer(self, device, nbytes);
 }
 
 /* alloc_tensor(device, sizes, strides | None, itemsize) -> Buffer: the storage of a new tensor,
@@ -322,5 +322,5 @@ PyObject *flagos_adapter_alloc_tensor(AdapterObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "iOOO", &device, &sizes, &strides, &itemsize) ||
         flagos_new_tensor_nbytes(sizes, strides, itemsize, &nbytes) < 0)
         return NULL;
-    return new_buffer(self, device, nbytes);
+    return flagos_adapter_new_buffer(self, device, nbytes);
 }

@@ -7,6 +7,7 @@
 #include "router.h"
 #include "state.h"
 #include "adapter.h"
+#include "adapter_fast.h"
 #include "guard.h"
 
 static flagos_state *flagos_get_state(PyObject *module)
@@ -32,6 +33,8 @@ static void state_clear_config(flagos_state *st)
     Py_CLEAR(st->device_mismatch);
     Py_CLEAR(st->skip_prefixes);
     Py_CLEAR(st->adapter_dispatch);
+    Py_CLEAR(st->fast_adapter);
+    Py_CLEAR(st->fast_dtypes);
     Py_CLEAR(st->set_metadata);
     Py_CLEAR(st->math_call);
     Py_CLEAR(st->complex_dtypes);
@@ -200,6 +203,9 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
             return NULL;
         }
     }
+    adapter_fast_spec fast;
+    if (flagos_adapter_fast_parse(adapter_dispatch, &fast) < 0)
+        return NULL;
     flagos_state *st = flagos_get_state(module);
     /* The new configuration is in place before the old one is dropped: dropping a reference
      * can run Python code, and an op routed by another thread meanwhile must find a whole
@@ -217,12 +223,16 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
         old[i] = *slots[i];
         *slots[i] = Py_XNewRef(o[i]);
     }
+    PyObject *old_fast_adapter, *old_fast_dtypes;
+    flagos_adapter_fast_install(st, &fast, &old_fast_adapter, &old_fast_dtypes);
     st->device_mode = device_mode;
     st->chip_is_host = chip_is_host;
     st->configured = 1;
     flagos_table_clear(st);
     for (int i = 0; i < 17; i++)
         Py_XDECREF(old[i]);
+    Py_XDECREF(old_fast_adapter);
+    Py_XDECREF(old_fast_dtypes);
     Py_RETURN_NONE;
 }
 
@@ -402,6 +412,8 @@ static int fl_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->skip_prefixes);
     Py_VISIT(st->set_metadata);
     Py_VISIT(st->adapter_dispatch);
+    Py_VISIT(st->fast_adapter);
+    Py_VISIT(st->fast_dtypes);
     Py_VISIT(st->math_call);
     Py_VISIT(st->complex_dtypes);
     Py_VISIT(st->downcast_from);

@@ -328,6 +328,29 @@ static int copy_math_bits(PyObject *w, PyObject *t, int complex)
     return 0;
 }
 
+/* _make_wrapper_subclass(cls, size, *, strides, storage_offset, dtype, device, storage_size):
+ * a new wrapper on flagos:index with this metadata and no payload yet. */
+PyObject *flagos_new_wrapper(flagos_state *st, PyObject *shape, PyObject *stride, PyObject *offset,
+                             PyObject *dtype, int index)
+{
+    static PyObject *kwnames = NULL, *storage_size = NULL; /* built once, kept for the process */
+    if (kwnames == NULL) {
+        PyObject *names = Py_BuildValue("(sssss)", "strides", "storage_offset", "dtype", "device",
+                                        "storage_size");
+        PyObject *size = PyLong_FromLongLong(WRAPPER_STORAGE_BYTES);
+        if (names == NULL || size == NULL) {
+            Py_XDECREF(names);
+            Py_XDECREF(size);
+            return NULL;
+        }
+        kwnames = names;
+        storage_size = size;
+    }
+    PyObject *argv[7] = {st->wrapper_type, shape, stride, offset, dtype,
+                         PyTuple_GET_ITEM(st->flagos_devices, index), storage_size};
+    return PyObject_Vectorcall(st->make_wrapper, argv, 2, kwnames);
+}
+
 static PyObject *wrap_tensor(flagos_state *st, PyObject *t, int target)
 {
     int index = target;
@@ -364,23 +387,7 @@ static PyObject *wrap_tensor(flagos_state *st, PyObject *t, int target)
     dtype = PyObject_GetAttr(t, fl_names.dtype);
     if (dtype == NULL)
         goto done;
-    /* _make_wrapper_subclass(cls, size, *, strides, storage_offset, dtype, device, storage_size) */
-    static PyObject *kwnames = NULL, *storage_size = NULL; /* built once, kept for the process */
-    if (kwnames == NULL) {
-        PyObject *names = Py_BuildValue("(sssss)", "strides", "storage_offset", "dtype", "device",
-                                        "storage_size");
-        PyObject *size = PyLong_FromLongLong(WRAPPER_STORAGE_BYTES);
-        if (names == NULL || size == NULL) {
-            Py_XDECREF(names);
-            Py_XDECREF(size);
-            goto done;
-        }
-        kwnames = names;
-        storage_size = size;
-    }
-    PyObject *argv[7] = {st->wrapper_type, shape, stride, offset, dtype,
-                         PyTuple_GET_ITEM(st->flagos_devices, index), storage_size};
-    w = PyObject_Vectorcall(st->make_wrapper, argv, 2, kwnames);
+    w = flagos_new_wrapper(st, shape, stride, offset, dtype, index);
     if (w == NULL)
         goto done;
     int complex = 0;

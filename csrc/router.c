@@ -8,6 +8,7 @@
  */
 #include "router.h"
 
+#include "adapter_fast.h"
 #include "callsite.h"
 #include "fallback.h"
 #include "payload.h"
@@ -316,6 +317,17 @@ static PyObject *route_entry(flagos_state *st, op_entry *e, int route, PyObject 
         return NULL;
     }
     if (st->adapter_dispatch != NULL) {
+        /* The common case of the kernel-table ops runs in C (adapter_fast.c); it declines
+         * everything else, and the runner takes it as before. */
+        if (route == ROUTE_NATIVE && !from_factory && !(e->flags & OP_VIEW)) {
+            int fast = flagos_adapter_fast_call(st, e, args, kwargs, &out);
+            if (fast < 0)
+                return NULL;
+            if (fast > 0) {
+                e->calls[ROUTE_NATIVE]++;
+                return out;
+            }
+        }
         /* held: a new configuration during the call must not free the runner */
         PyObject *runner = Py_NewRef(st->adapter_dispatch);
         if (!(e->flags & OP_VIEW)) {

@@ -49,6 +49,12 @@ typedef struct op_entry {
     uint64_t dtype_mask;     /* bit i: dtype i of the state's dtype registry seen in fallback */
     uint64_t downcast_calls; /* calls whose `dtype` the downcast policy rewrote */
     uint64_t downcast_bytes; /* bytes of the tensors those calls made */
+    /* adapter_fast.c's answer for this op on the configured adapter (valid while
+     * fast_generation equals the state's): its kind (FAST_*), kernel index and dtype mask */
+    int fast_kind;
+    int32_t fast_kernel;
+    uint64_t fast_kernel_dtypes;
+    uint64_t fast_generation;
     Py_ssize_t users;        /* calls running with this entry (and exports reading it) */
     int detached;            /* cleared from the table while in use: its last user frees it */
     struct op_entry *next_cleared; /* flagos_table_clear's list of the entries it removed */
@@ -87,6 +93,13 @@ typedef struct flagos_state {
     PyObject *device_mismatch; /* exception type for mixed devices */
     PyObject *skip_prefixes;   /* tuple of path prefixes that are not user code */
     PyObject *adapter_dispatch;/* C-ABI chips: Python runner of one op, or NULL */
+    /* C-ABI chips: the common case of kernel-table ops runs in C (adapter_fast.c), from the
+     * runner's `c_fast` = (adapter, native dtype mask per device, torch.dtype per flagos code) */
+    PyObject *fast_adapter;    /* the runner's flagos._C.Adapter, or NULL: no op runs in C */
+    PyObject *fast_dtypes;     /* tuple: the torch.dtype of each flagos_dtype code */
+    uint64_t fast_native[MAX_DEVICES]; /* per device: the dtypes it computes in natively */
+    int fast_n_devices;
+    uint64_t fast_generation;  /* bumped by every configure(): entries look their kernel up again */
     PyObject *set_metadata;    /* (wrapper, size, stride, offset): resync a wrapper's view */
     PyObject *math_call;       /* Python: (fn, args, kwargs) with the conj/neg keys enabled */
     PyObject *complex_dtypes;  /* tuple of the complex torch.dtype objects */

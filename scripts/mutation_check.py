@@ -75,6 +75,7 @@ ENV_TESTS, POLICY = "tests/test_env.py", "tests/test_policy.py"
 COUNTERS, KERNEL_TESTS = "tests/test_fallback_counters.py", "tests/test_sim_kernels.py"
 LOADER = "tests/test_adapter_loader.py"
 PRECISION = "tests/test_precision_policy.py"
+FAST_PATH = "tests/test_sim_fast_path.py"
 
 MUTATIONS = [
     # ---- 16 bugs the suite used to miss, and two claims that had no test ----
@@ -189,6 +190,15 @@ MUTATIONS = [
       "static float add_tensor_fn(float a, float b, const float *s) { return a + s[0] * b; }",
       "static float add_tensor_fn(float a, float b, const float *s) { (void)s; return a + b; }",
       sim(KERNEL_TESTS, k="binary_tensor")),
+    M("fast_path_uncounted", "C-ABI chips: an op run by the C hot path is not counted", ROUTER,
+      "                e->calls[ROUTE_NATIVE]++;\n                return out;",
+      "                return out;",
+      cpu(FAST_PATH, k="counters")),
+    M("fast_path_broadcast_keeps_strides", "C-ABI chips: the C hot path broadcasts size-1 dims "
+      "with their own strides", "csrc/adapter_fast.c",
+      "            t->strides[i] = i < pad || (o->sizes[i - pad] == 1 && shape[i] != 1)",
+      "            t->strides[i] = i < pad",
+      cpu(FAST_PATH, k="results_of_pytorch")),
     M("bf16_truncates", "sim: float32 -> bfloat16 truncates", KERNELS,
       "    uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);",
       "    uint32_t rounding_bias = 0u * ((bits >> 16) & 1u);",

@@ -1,0 +1,34 @@
+/* The C-ABI hot path (adapter_fast.c): the common case of the kernel-table ops on a C-ABI chip
+ * run from the router without the Python runner.
+ */
+#ifndef FLAGOS_ADAPTER_FAST_H
+#define FLAGOS_ADAPTER_FAST_H
+
+#include "state.h"
+
+/* What configure() reads from the runner's `c_fast` attribute; filled by
+ * flagos_adapter_fast_parse, installed into the state by flagos_adapter_fast_install. */
+typedef struct adapter_fast_spec {
+    PyObject *adapter;            /* new reference, or NULL: the runner has no c_fast */
+    PyObject *dtypes;             /* new reference (tuple), or NULL */
+    uint64_t native[MAX_DEVICES];
+    int n_devices;
+} adapter_fast_spec;
+
+/* Read runner.c_fast = (Adapter, tuple of native dtype masks per device, tuple of the
+ * torch.dtype of each flagos_dtype code). runner NULL or without the attribute: an empty spec.
+ * 0, or -1 with a TypeError naming what is wrong (nothing held then). */
+int flagos_adapter_fast_parse(PyObject *runner, adapter_fast_spec *spec);
+/* Replace the state's fast-path configuration with spec (its references move to the state);
+ * the old references go to *old_adapter / *old_dtypes for the caller to drop once the whole
+ * configuration is in place. */
+void flagos_adapter_fast_install(flagos_state *st, adapter_fast_spec *spec, PyObject **old_adapter,
+                                 PyObject **old_dtypes);
+
+/* Run one op in C when it is in the fast case: 1 and *out (a new flagos tensor) when it ran;
+ * 0 when it is not in the fast case (nothing ran, no error set: the Python runner takes it);
+ * -1 with the error the runner would raise (out of memory, a failed kernel). */
+int flagos_adapter_fast_call(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs,
+                             PyObject **out);
+
+#endif
