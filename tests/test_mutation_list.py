@@ -29,5 +29,4 @@ def test_mutation_names_are_unique():
 def test_every_source_file_names_its_tests_for_mutation_testing():
     """scripts/mutation_full.sh and mutation_c.py stop on a file without a selection: a new module
     is given its tests in scripts/mutation_map.py when it lands, not when a pass meets it."""
-    import mutation_map
     assert mutation_map.unmapped("python") == [] and mutation_map.unmapped("c") == []
