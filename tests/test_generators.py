@@ -136,3 +136,23 @@ def test_generator_without_an_index_is_on_the_current_device():
     finally:
         torch.flagos.set_device(0)
     assert torch.Generator("flagos").device == torch.device("flagos", 0)
+
+
+@device_mode_only
+def test_leaving_never_replaces_a_generator_someone_else_installed(monkeypatch):
+    """uninstall() gives torch.Generator back only when flagos's is still the one installed:
+    a library that replaced it since keeps its own, and leaving twice changes nothing."""
+    from flagos.runtime import _generator
+    assert torch.Generator is _generator.Generator   # activated in device mode
+    monkeypatch.setattr(_generator, "_saved", _generator._saved)  # restored after the test
+
+    class Replacement(_generator._TORCH_GENERATOR):
+        pass
+
+    monkeypatch.setattr(torch, "Generator", Replacement)
+    _generator.uninstall()
+    assert torch.Generator is Replacement
+    monkeypatch.setattr(_generator, "_saved", None)
+    monkeypatch.setattr(torch, "Generator", _generator.Generator)
+    _generator.uninstall()   # nothing saved: nothing to give back
+    assert torch.Generator is _generator.Generator
