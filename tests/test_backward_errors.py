@@ -4,6 +4,8 @@ exception, and the process stays usable: memory comes back and the next step is 
 
 Each case runs in its own process, so a regression (an abort) is a failed test, not a lost run.
 """
+import json
+
 import pytest
 from conftest import CHIP, device_mode_only, run_python, runs_once
 
@@ -430,3 +432,55 @@ def test_pending_error_outside_backward_is_reported():
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     assert "SYSTEM ERROR |" in proc.stdout and "NEXT [2.0, 2.0, 2.0]" in proc.stdout, proc.stdout
     assert "ValueError: raised by the hook" in proc.stderr, proc.stderr
+
+
+def test_a_pass_still_running_on_the_engine_thread_at_exit_ends_cleanly(tmp_path):
+    """A pass that fails on the CPU side while flagos's engine thread still runs a slow hook:
+    backward() raises at once (as on CPU) and the program ends while the engine thread holds the
+    pass. The process exits with the program's status, not an abort in the engine thread, and
+    the report written at exit is the program's: the drain's own ops are not in it."""
+    report = tmp_path / "report.json"
+    proc = run_python(f"""
+        import json, os, time, torch, flagos
+        flagos.activate("{CHIP}")
+        d = flagos.device()
+
+        class FailsLater(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                time.sleep(0.2)          # the flagos branch is in its hook by now
+                raise ValueError("the CPU branch failed")
+
+        def slow(g):
+            time.sleep(1.0)
+            return g
+
+        a = torch.ones(2, requires_grad=True)
+        b = torch.ones(2, device=d, requires_grad=True)
+        yb = b * 2
+        yb.register_hook(slow)
+        loss = FailsLater.apply(a).sum() + yb.sum().cpu()
+        try:
+            loss.backward()
+        except ValueError as e:
+            print("RAISED", e, flush=True)
+        with open(os.environ["FLAGOS_REPORT"] + ".at-end", "w") as f:
+            json.dump(flagos.fallback_report().to_dict()["ops"], f)
+    """, env={"FLAGOS_FALLBACK": "allow", "FLAGOS_REPORT": str(report)}, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "RAISED the CPU branch failed" in proc.stdout
+    at_exit = json.loads(report.read_text())["ops"]
+    at_end = json.loads((tmp_path / "report.json.at-end").read_text())
+    assert at_exit == at_end
+
+
+def test_the_exit_wait_reads_pytorchs_limit(monkeypatch):
+    from flagos.integrations import _engine_exit
+
+    for raw, limit in (("", 10.0), ("2.5", 2.5), ("0", 0.0), ("-3", 0.0), ("soon", 10.0)):
+        monkeypatch.setenv(_engine_exit.WAIT_LIMIT_VARIABLE, raw)
+        assert _engine_exit.wait_limit() == limit

@@ -18,6 +18,7 @@ import torch
 from .. import _C, errors
 from ..core import _state
 from ..runtime._guard_errors import KEPT
+from . import _engine_exit
 
 
 def install() -> None:
@@ -74,6 +75,7 @@ def _install_engine_check() -> None:
 
     @functools.wraps(run)
     def run_backward(*args, **kwargs):
+        _engine_exit.note_pass()
         kept: list[BaseException] = []
         outer = torch._C._get_obj_in_tls(KEPT) if torch._C._is_key_in_tls(KEPT) else None
         torch._C._stash_obj_in_tls(KEPT, kept)
