@@ -123,6 +123,10 @@ def _check_load(dev):
         w = torch.load(buf, map_location=loc)["w"]
         _on_chip(w, dev)
         assert torch.equal(w.cpu(), _x)
+        buf.seek(0)
+        w = torch.load(buf, loc, weights_only=True)["w"]   # map_location given positionally
+        _on_chip(w, dev)
+        assert torch.equal(w.cpu(), _x)
 
 
 def _check_generator(dev):

@@ -223,3 +223,29 @@ def test_routes_take_op_objects_as_well_as_names(dev):
     assert_close(product, x * x)
     assert_close(scaled, x * 2.0)
     assert_close(matmul, x @ x, atol=1e-5, rtol=1.3e-6)
+
+
+def test_a_report_built_by_hand_adds_up():
+    """`flagos.Report` is public: an empty one is all zeros, and the table's milliseconds and
+    megabytes are the rows' nanoseconds and bytes (hand-computed)."""
+    empty = flagos.Report()
+    assert empty.to_dict()["totals"] == {
+        "ops": 0, "calls": 0, "calls_by_route": {k: 0 for k in empty.to_dict()["totals"]["calls_by_route"]},
+        "fallback_ops": 0, "fallback_s": 0.0, "fallback_call_share": 0.0, "fallback_time_share": 0.0,
+        "bytes_to_host": 0, "bytes_to_device": 0, "bytes_between_devices": 0,
+        "compiled_graph_calls": 0, "downcast_calls": 0, "downcast_bytes": 0}
+    assert str(empty).splitlines()[-1].startswith("total: 0 ops, 0 calls; fallback: 0 ops, 0 calls")
+    assert "between devices" not in str(empty)
+
+    def row(op, fallback, native, ns, to_host, to_device):
+        return {"op": op, "calls": {"override": 0, "native": native, "fallback": fallback, "error": 0},
+                "fallback_ns": ns, "bytes_to_host": to_host, "bytes_to_device": to_device,
+                "site": None}
+
+    report = flagos.Report([row("aten::mm", 3, 0, 2_500_000, 3_000_000, 1_500_000),
+                            row("aten::add.Tensor", 0, 5, 0, 0, 0)], elapsed_s=0.01, chip="sim")
+    lines = str(report).splitlines()
+    mm = next(line for line in lines if line.startswith("aten::mm "))
+    assert mm.split()[1:6] == ["fallback", "3", "2.50", "3.000", "1.500"]
+    assert lines[-1] == ("total: 2 ops, 8 calls; fallback: 1 ops, 3 calls (37.5% of calls), "
+                         "2.50 ms (25.0% of 0.01 s), 3.00 MB to host, 1.50 MB back")
