@@ -47,6 +47,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_autocast.py": [cpu(AUTOCAST), sim(AUTOCAST)],
     "flagos/_autoload.py": [cpu(AUTOLOAD, CHIP_NAMES)],
     "flagos/integrations/_backward_errors.py": [cpu(BACKWARD)],
+    "flagos/integrations/_engine_exit.py": [cpu(BACKWARD, k="exit"), sim(BACKWARD, k="exit")],
     "flagos/integrations/_compile.py": [cpu(COMPILE)],
     "flagos/runtime/_device_module.py": [cpu(DEVICE, MULTI), sim(STREAMS)],
     "flagos/core/_env.py": [cpu(ENV_DOCS, ENV, ERRORS)],
