@@ -484,3 +484,27 @@ def test_the_exit_wait_reads_pytorchs_limit(monkeypatch):
     for raw, limit in (("", 10.0), ("2.5", 2.5), ("0", 0.0), ("-3", 0.0), ("soon", 10.0)):
         monkeypatch.setenv(_engine_exit.WAIT_LIMIT_VARIABLE, raw)
         assert _engine_exit.wait_limit() == limit
+
+
+def test_the_exit_drain_goes_through_the_engine_thread_and_needs_no_kernel():
+    """The drain's node runs on autograd's engine thread for flagos:0 (not a Python thread),
+    and with every kernel it could have needed routed to 'error' it still runs: nothing is
+    logged at exit."""
+    proc = run_python(f"""
+        import threading, torch, flagos
+        from flagos.integrations import _engine_exit
+        flagos.activate("{CHIP}")
+        x = torch.ones(3).to(flagos.device()).requires_grad_()
+        (x + 1).sum().backward()
+        seen = []
+        plain = _engine_exit._KernelFree.backward
+        def spy(ctx, grad):
+            seen.append((isinstance(threading.current_thread(), threading._DummyThread),
+                         str(grad.device)))
+            return plain(ctx, grad)
+        _engine_exit._KernelFree.backward = staticmethod(spy)
+        print("DRAINED", _engine_exit.drain(), seen)
+    """, env={"FLAGOS_FALLBACK": "allow",
+              "FLAGOS_ROUTE": "aten::mul=error,aten::clone=error,aten::fill_=error,aten::zero_=error"})
+    assert "DRAINED True [(True, 'flagos:0')]" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr == "", proc.stderr

@@ -9,8 +9,8 @@ and CPython ends that thread inside a `noexcept` frame: the process aborts at ex
 called without an active exception") after the program did all its work. On plain CPU the caller
 runs every node itself, so it never happens there.
 
-At exit, before the interpreter starts finalizing, one tiny backward pass goes through the
-engine from a fresh thread: the engine thread takes it only after it has finished what it was
+At exit, before the interpreter starts finalizing, one scalar backward pass that runs no kernel
+goes through the engine from a fresh thread: the engine thread takes it only after it has finished what it was
 doing and let go of the previous pass, and this pass holds no Python object, so what the thread
 does after it never needs the GIL (docs/design.md §11, "At exit").
 """
@@ -66,13 +66,27 @@ def drain() -> bool:
     return True
 
 
+class _KernelFree(torch.autograd.Function):
+    """A node whose backward runs no op: the drain's pass needs no kernel of the chip, so forced
+    routes and the fallback policy cannot make it fail."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
 def _one_pass(device: torch.device) -> None:
     try:
-        x = torch.zeros((), device=device, requires_grad=True)
-        root = x * 2
-        # The engine directly: backward()'s wrapper would put a Python object in the pass.
+        x = torch.empty((), device=device, requires_grad=True)
+        root = _KernelFree.apply(x)
+        # The engine directly: backward()'s wrapper would put a Python object in the pass. The
+        # node runs on flagos:0's engine thread because its incoming gradient is on flagos:0.
         torch.autograd.Variable._execution_engine.run_backward(
-            (root,), (torch.ones((), device=device),), False, False, (), True, True)
+            (root,), (torch.empty((), device=device),), False, False, (), True, True)
     except BaseException as e:  # noqa: BLE001 - a broken chip at exit: nothing to wait for
         log.debug("the engine drain at exit failed: %s", e)
 
