@@ -508,3 +508,87 @@ def test_the_exit_drain_goes_through_the_engine_thread_and_needs_no_kernel():
               "FLAGOS_ROUTE": "aten::mul=error,aten::clone=error,aten::fill_=error,aten::zero_=error"})
     assert "DRAINED True [(True, 'flagos:0')]" in proc.stdout, proc.stdout + proc.stderr
     assert proc.stderr == "", proc.stderr
+
+
+SPY_ON_THE_DRAIN = """
+import threading, time, torch, flagos
+from flagos.integrations import _engine_exit
+seen = []
+plain = _engine_exit._KernelFree.backward
+def spy(ctx, grad):
+    seen.append(str(grad.device))
+    return plain(ctx, grad)
+_engine_exit._KernelFree.backward = staticmethod(spy)
+def drain(label):
+    seen.clear()
+    print(label, _engine_exit.drain(), seen, flush=True)
+def one_pass():
+    x = torch.ones(3).to(flagos.device()).requires_grad_()
+    (x + 1).sum().backward()
+"""
+
+
+def test_the_exit_drain_runs_only_when_a_pass_may_be_held():
+    """No pass through the engine yet (flagos activated at `import torch`, which runs no
+    backward), flagos not activated, or native mode (no flagos engine thread): nothing to wait
+    for, and no pass is pushed."""
+    proc = run_python(SPY_ON_THE_DRAIN + """
+drain("BEFORE")
+one_pass()
+drain("AFTER")
+""", env={"FLAGOS_DEVICE": CHIP, "FLAGOS_FALLBACK": "allow"})
+    assert proc.stdout.splitlines() == ["BEFORE True []", "AFTER True ['flagos:0']"], proc.stdout
+    proc = run_python(SPY_ON_THE_DRAIN + """
+x = torch.ones(3, requires_grad=True)
+(x + 1).sum().backward()
+drain("INACTIVE")
+flagos.activate("cpu", mode="native")
+(x + 1).sum().backward()
+drain("NATIVE")
+""", env={"FLAGOS_FALLBACK": "allow"})
+    assert proc.stdout.splitlines() == ["INACTIVE True []", "NATIVE True []"], proc.stdout
+
+
+def test_the_exit_drain_gives_up_after_pytorchs_limit_and_says_so():
+    """The engine thread held in a hook past TORCH_AUTOGRAD_SHUTDOWN_WAIT_LIMIT: drain() says
+    False and warns; once the hook returns, a drain finds the thread free (the limit is read at
+    each drain)."""
+    proc = run_python(SPY_ON_THE_DRAIN + f"""
+import os
+flagos.activate("{CHIP}")
+started, release = threading.Event(), threading.Event()
+
+class FailsOnceTheHookRuns(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        started.wait(60)
+        raise ValueError("the CPU branch failed")
+
+def hook(g):
+    started.set()
+    release.wait(60)
+    return g
+
+b = torch.ones(2).to(flagos.device()).requires_grad_()
+yb = b * 2
+yb.register_hook(hook)
+loss = FailsOnceTheHookRuns.apply(torch.ones(2, requires_grad=True)).sum() + yb.sum().cpu()
+try:
+    loss.backward()
+except ValueError:
+    pass
+drain("BUSY")
+release.set()
+os.environ["TORCH_AUTOGRAD_SHUTDOWN_WAIT_LIMIT"] = "120"
+drain("FREE")
+""", env={"FLAGOS_FALLBACK": "allow", "TORCH_AUTOGRAD_SHUTDOWN_WAIT_LIMIT": "0.5"}, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "BUSY False []", proc.stdout
+    # the first drain's pass, still queued when it gave up, runs first; then the second one's
+    assert lines[1] in ("FREE True ['flagos:0']", "FREE True ['flagos:0', 'flagos:0']"), proc.stdout
+    assert "autograd's engine thread was still busy 0 s after the program ended" in proc.stderr
