@@ -56,6 +56,18 @@ def test_bytes_between_devices_are_the_bytes_copied_from_one_device_to_another(t
 
 
 @two_devices
+def test_a_fresh_process_counts_from_zero():
+    """Since activation, with no reset and no scope: the report holds exactly the bytes copied."""
+    proc = run_python("""
+        import torch, flagos
+        flagos.activate("sim")
+        torch.randn(1000, device="flagos:0").to("flagos:1")
+        print("BETWEEN", flagos.fallback_report().bytes_between_devices)
+    """, env={"FLAGOS_FALLBACK": "allow", "FLAGOS_SIM_DEVICES": "2"})
+    assert "BETWEEN 4000" in proc.stdout, proc.stdout + proc.stderr
+
+
+@two_devices
 def test_a_model_dispatched_over_two_devices_counts_the_activations_that_cross():
     """Linear(8, 16) on flagos:0, Linear(16, 4) on flagos:1, input (3, 8) on flagos:0: the
     first output (3 x 16 float32, 192 bytes) goes to flagos:1, and the result (3 x 4, 48 bytes)
