@@ -696,6 +696,8 @@ def _reduce(runner, name, args, kwargs):
     ndim = self.dim()
     if dim and any(not -max(ndim, 1) <= d < max(ndim, 1) for d in dim):
         return None
+    if dim and ndim and len({d % ndim for d in dim}) != len(dim):
+        return None  # a dim named twice: the host raises PyTorch's error
     dims = sorted({d % ndim for d in dim} if dim else range(ndim)) if ndim else []
     keep = tuple(1 if i in dims else s for i, s in enumerate(self.shape))
     final = keep if keepdim else tuple(s for i, s in enumerate(self.shape) if i not in dims)
@@ -743,6 +745,7 @@ KERNEL_BUILDERS = {
     "aten::bmm": _bmm,
     "aten::addmm": _addmm,
     "aten::sum.dim_IntList": _reduce,
+    "aten::sum": lambda r, n, a, k: _reduce(r, "aten::sum.dim_IntList", a, k),  # every dim
     "aten::mean.dim": _reduce,
     "aten::_softmax": _softmax,
     "aten::native_layer_norm": _layer_norm,
