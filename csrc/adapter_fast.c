@@ -876,8 +876,9 @@ static int run_view(flagos_state *st, int kind, const operand *a, const call_arg
         start = start < 0 ? 0 : start >= size ? size : start;
         end = end < start ? start : end >= size ? size : end;
         offset += start * a->strides[d0];
-        sizes[d0] = (end - start + ca->step - 1) / ca->step;
-        strides[d0] = a->strides[d0] * ca->step;
+        sizes[d0] = (end - start) / ca->step + ((end - start) % ca->step != 0);
+        if (__builtin_mul_overflow(a->strides[d0], ca->step, &strides[d0]))
+            return 0;
         break;
     }
     case FAST_SELECT:

@@ -188,9 +188,9 @@ class Runner:
         self.devices = flagos_devices
         self.kernels = {op: (i, mask) for i, (op, mask) in enumerate(self.adapter.kernels())}
         self.native = [self.adapter.props(i)["native_dtypes"] for i in range(len(flagos_devices))]
-        # the router runs the common case of the elementwise kernel-table ops in C
-        # (csrc/adapter_fast.c) from these: the adapter, the native dtypes of each device, the
-        # torch dtype of each flagos dtype code
+        # the router runs the common case of the kernel-table ops, their in-place forms and
+        # views in C (csrc/adapter_fast.c) from these: the adapter, the native dtypes of each
+        # device, the torch dtype of each flagos dtype code
         codes = {code: dtype for dtype, code in DTYPE_CODES.items()}
         self.c_fast = (self.adapter, tuple(self.native), tuple(codes[i] for i in range(len(codes))))
         self.facts = {}
