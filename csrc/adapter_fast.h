@@ -1,5 +1,5 @@
-/* The C-ABI hot path (adapter_fast.c): the common case of the kernel-table ops on a C-ABI chip
- * run from the router without the Python runner.
+/* The C-ABI hot path (adapter_fast.c): the common case of the kernel-table ops, their
+ * in-place forms and views on a C-ABI chip, run from the router without the Python runner.
  */
 #ifndef FLAGOS_ADAPTER_FAST_H
 #define FLAGOS_ADAPTER_FAST_H

@@ -317,29 +317,25 @@ static PyObject *route_entry(flagos_state *st, op_entry *e, int route, PyObject 
         return NULL;
     }
     if (st->adapter_dispatch != NULL) {
-        /* The common case of the kernel-table ops runs in C (adapter_fast.c); it declines
+        /* A view's wrapper is made under the view guard, by either path. */
+        PyObject *guard = NULL;
+        if ((e->flags & OP_VIEW) && (guard = flagos_view_guard(st, args)) == NULL)
+            return NULL;
+        /* The common case of the ops a model repeats runs in C (adapter_fast.c); it declines
          * everything else, and the runner takes it as before. */
-        if (route == ROUTE_NATIVE && !from_factory && !(e->flags & OP_VIEW)) {
-            int fast = flagos_adapter_fast_call(st, e, args, kwargs, &out);
-            if (fast < 0)
-                return NULL;
-            if (fast > 0) {
+        int fast = 0;
+        if (route == ROUTE_NATIVE && !from_factory) {
+            fast = flagos_adapter_fast_call(st, e, args, kwargs, &out);
+            if (fast > 0)
                 e->calls[ROUTE_NATIVE]++;
-                return out;
-            }
         }
-        /* held: a new configuration during the call must not free the runner */
-        PyObject *runner = Py_NewRef(st->adapter_dispatch);
-        if (!(e->flags & OP_VIEW)) {
+        if (fast == 0) {
+            /* held: a new configuration during the call must not free the runner */
+            PyObject *runner = Py_NewRef(st->adapter_dispatch);
             out = route_adapter(st, runner, e, func, args, kwargs, route, from_factory);
-        } else {
-            PyObject *guard = flagos_view_guard(st, args);
-            if (guard != NULL)
-                out = flagos_leave_guard(guard, route_adapter(st, runner, e, func, args, kwargs,
-                                                              route, from_factory));
+            Py_DECREF(runner);
         }
-        Py_DECREF(runner);
-        return out;
+        return guard != NULL ? flagos_leave_guard(guard, out) : out;
     }
     if (route == ROUTE_FALLBACK)
         goto fallback;

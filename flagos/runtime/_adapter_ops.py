@@ -188,9 +188,9 @@ class Runner:
         self.devices = flagos_devices
         self.kernels = {op: (i, mask) for i, (op, mask) in enumerate(self.adapter.kernels())}
         self.native = [self.adapter.props(i)["native_dtypes"] for i in range(len(flagos_devices))]
-        # the router runs the common case of the elementwise kernel-table ops in C
-        # (csrc/adapter_fast.c) from these: the adapter, the native dtypes of each device, the
-        # torch dtype of each flagos dtype code
+        # the router runs the common case of the kernel-table ops, their in-place forms and
+        # views in C (csrc/adapter_fast.c) from these: the adapter, the native dtypes of each
+        # device, the torch dtype of each flagos dtype code
         codes = {code: dtype for dtype, code in DTYPE_CODES.items()}
         self.c_fast = (self.adapter, tuple(self.native), tuple(codes[i] for i in range(len(codes))))
         self.facts = {}
@@ -696,6 +696,8 @@ def _reduce(runner, name, args, kwargs):
     ndim = self.dim()
     if dim and any(not -max(ndim, 1) <= d < max(ndim, 1) for d in dim):
         return None
+    if dim and ndim and len({d % ndim for d in dim}) != len(dim):
+        return None  # a dim named twice: the host raises PyTorch's error
     dims = sorted({d % ndim for d in dim} if dim else range(ndim)) if ndim else []
     keep = tuple(1 if i in dims else s for i, s in enumerate(self.shape))
     final = keep if keepdim else tuple(s for i, s in enumerate(self.shape) if i not in dims)
@@ -743,6 +745,7 @@ KERNEL_BUILDERS = {
     "aten::bmm": _bmm,
     "aten::addmm": _addmm,
     "aten::sum.dim_IntList": _reduce,
+    "aten::sum": lambda r, n, a, k: _reduce(r, "aten::sum.dim_IntList", a, k),  # every dim
     "aten::mean.dim": _reduce,
     "aten::_softmax": _softmax,
     "aten::native_layer_norm": _layer_norm,
