@@ -146,16 +146,35 @@ class _HostRegions:
         self.data = {}     # id(buffer) -> (host uint8 tensor, first byte)
         self.views = {}    # id(flagos tensor) -> its host view
         self.uploaded = set()
+        self.staged = []   # staging buffers taken (_C.staging_take), handed back by release()
 
-    def download(self) -> int:
+    def download(self, stage: bool) -> int:
+        """Copy each region to the host: into a reused staging buffer when `stage` (every
+        result is uploaded, so none can keep seeing it) and the region is large enough for
+        fresh memory to cost page faults, else into a host tensor of its own."""
         moved = 0
         for key, (buf, b0, b1) in self.regions.items():
-            data = torch.empty(max(b1 - b0, 0), dtype=torch.uint8)
-            if b1 > b0:
+            n = max(b1 - b0, 0)
+            if stage and n >= _C.STAGING_MIN_BYTES:
+                flat = _C.staging_take(n)
+                self.staged.append(flat)
+                data = flat[:n]
+            else:
+                data = torch.empty(n, dtype=torch.uint8)
+            if n:
                 buf.read(to_dlpack(data), b0)
-                moved += b1 - b0
+                moved += n
             self.data[key] = (data, b0)
         return moved
+
+    def release(self) -> None:
+        """Hand the staging buffers back; the pool keeps one only when nothing else sees its
+        memory any more (a result that is a host view of it keeps it out of the pool)."""
+        self.data.clear()
+        self.views.clear()
+        staged, self.staged = self.staged, []
+        for flat in staged:
+            _C.staging_give(flat)
 
     def view(self, t: FlagosTensor) -> torch.Tensor:
         data, b0 = self.data[id(t._payload)]
@@ -397,7 +416,15 @@ class Runner:
     def _fallback(self, func, index, args, kwargs):
         fts = [t for t in _flatten((args, tuple(kwargs.values()))) if isinstance(t, FlagosTensor)]
         trip = _HostRegions(fts)
-        to_host = trip.download()
+        try:  # the host views and results die with _round_trip's frame, before release()
+            return self._round_trip(trip, fts, func, index, args, kwargs)
+        finally:
+            trip.release()
+
+    def _round_trip(self, trip, fts, func, index, args, kwargs):
+        target = kwargs.get("device")
+        # results handed back as host tensors (.to("cpu") falling back) must own their memory
+        to_host = trip.download(not (isinstance(target, torch.device) and target.type != "flagos"))
         hargs = _walk(args, trip.view)
         hkwargs = {k: CPU if _is_flagos_device(v) else _walk(v, trip.view) for k, v in kwargs.items()}
         if any(isinstance(t, torch.Tensor) and t.is_complex()
@@ -417,7 +444,6 @@ class Runner:
         to_device = sum(self._write_back(trip, t) for i in write_args
                         for t in _flatten((argument(i),)) if isinstance(t, FlagosTensor))
         dtypes = tuple(sorted({t.dtype for t in fts}, key=str))
-        target = kwargs.get("device")
         if isinstance(target, torch.device) and target.type != "flagos":
             return out, to_host, to_device, dtypes  # the op asked for host results
         if _is_flagos_device(target):
