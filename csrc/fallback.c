@@ -26,7 +26,6 @@ static uint64_t now_ns(void)
 typedef struct copy_ctx {
     flagos_state *st;
     op_entry *e;
-    PyObject *to_host_kw;  /* {"device": host} */
     int device_index;      /* chip device of the first chip tensor seen */
     int target;            /* flagos index results go to, for to_chip over containers */
     int stage;             /* host copies may live in staging buffers (results are copied out) */
@@ -80,6 +79,29 @@ static int note_device(copy_ctx *c, PyObject *payload)
     return 0;
 }
 
+/* New reference: a copy of a host tensor t in host memory. On a chip whose payloads are host
+ * tensors `clone()` is the same copy as `_to_copy(t, device=cpu)` (math bits resolved, layout
+ * kept) at half its cost: a Tensor method instead of an op called through its schema. */
+static PyObject *host_copy(copy_ctx *c, PyObject *t, PyObject *device)
+{
+    if (c->st->chip_is_host) {
+        PyObject *on_cpu = PyObject_GetAttr(t, fl_names.cpu);
+        int yes = on_cpu ? PyObject_IsTrue(on_cpu) : -1;
+        Py_XDECREF(on_cpu);
+        if (yes < 0)
+            return NULL;
+        if (yes)
+            return PyObject_CallMethodNoArgs(t, fl_names.clone);
+    }
+    PyObject *kw = Py_BuildValue("{s:O}", "device", device);
+    if (kw == NULL)
+        return NULL;
+    PyObject *argv[1] = {t};
+    PyObject *r = PyObject_VectorcallDict(c->st->to_copy, argv, 1, kw);
+    Py_DECREF(kw);
+    return r;
+}
+
 static PyObject *to_host(copy_ctx *c, PyObject *v);
 
 static PyObject *to_host_item(void *ctx, PyObject *item)
@@ -95,7 +117,6 @@ static PyObject *to_host(copy_ctx *c, PyObject *v)
         PyObject *payload = flagos_payload(st, v);
         if (payload == NULL)
             return NULL;
-        PyObject *argv[1] = {payload};
         PyObject *h = NULL, *dtype = NULL;
         uint64_t nbytes;
         if (note_device(c, payload) < 0 || (dtype = PyObject_GetAttr(payload, fl_names.dtype)) == NULL ||
@@ -115,7 +136,7 @@ static PyObject *to_host(copy_ctx *c, PyObject *v)
                 goto out;
         }
         if (h == NULL)
-            h = PyObject_VectorcallDict(st->to_copy, argv, 1, c->to_host_kw);
+            h = host_copy(c, payload, st->host_device);
 out:
         Py_XDECREF(dtype);
         Py_DECREF(payload);
@@ -198,14 +219,9 @@ static PyObject *to_chip(copy_ctx *c, PyObject *v, int target)
     int index = target >= 0 ? target : (c->device_index >= 0 ? c->device_index : 0);
     if (index >= PyTuple_GET_SIZE(st->chip_devices))
         index = 0;
-    PyObject *kw = Py_BuildValue("{s:O}", "device", PyTuple_GET_ITEM(st->chip_devices, index));
-    if (kw == NULL)
-        return NULL;
-    PyObject *argv[1] = {v};
     PyObject *d = NULL;
     if (add_bytes(v, &c->e->bytes_to_device) == 0)
-        d = PyObject_VectorcallDict(st->to_copy, argv, 1, kw);
-    Py_DECREF(kw);
+        d = host_copy(c, v, PyTuple_GET_ITEM(st->chip_devices, index));
     if (d == NULL || !st->device_mode)
         return d;
     PyObject *tgt = PyLong_FromLong(index);
@@ -250,12 +266,9 @@ PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyO
     int target = (int)PyLong_AsLong(target_obj);
     /* Host copies may be staging buffers only when every result is copied out of them: not
      * when the op's host results are handed back as they are (.cpu()). */
-    copy_ctx c = {st, e, NULL, -1, target, !(st->device_mode && target == TARGET_HOST), 0, {0}};
+    copy_ctx c = {st, e, -1, target, !(st->device_mode && target == TARGET_HOST), 0, {0}};
     PyObject *hargs = NULL, *hkwargs = NULL, *out = NULL, *res = NULL;
 
-    c.to_host_kw = Py_BuildValue("{s:O}", "device", st->host_device);
-    if (c.to_host_kw == NULL)
-        goto done;
     hargs = to_host(&c, args);
     if (hargs == NULL)
         goto done;
@@ -295,7 +308,6 @@ PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyO
     if (res != NULL && PyTuple_GET_SIZE(e->write_args) > 0)
         res = flagos_alias_outputs(e, args, kwargs, res);
 done:
-    Py_XDECREF(c.to_host_kw);
     Py_XDECREF(hargs);
     Py_XDECREF(hkwargs);
     Py_XDECREF(out);
