@@ -97,8 +97,18 @@ def _walk(value, fn):
     if isinstance(value, FlagosTensor):
         return fn(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_walk(v, fn) for v in value)
+        return type(value)([_walk(v, fn) for v in value])  # a list: cheaper than a generator
     return value
+
+
+def _collect(values, out: list, kind=FlagosTensor) -> list:
+    """Append every `kind` in values (lists and tuples at any depth) to out, in order."""
+    for v in values:
+        if isinstance(v, kind):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            _collect(v, out, kind)
+    return out
 
 
 def _flagos_index(device: torch.device) -> int:
@@ -221,7 +231,10 @@ class Runner:
         special = SPECIAL.get(name)
         if special is not None:
             return special(self, func, args, kwargs), NATIVE, 0, 0, 0, ()
-        index = self._device_index(name, flags, args, kwargs)
+        fts = _collect(args, [])  # the flagos tensors of the call, args first then kwargs
+        if kwargs:
+            _collect(kwargs.values(), fts)
+        index = self._device_index(name, flags, fts, kwargs)
         if flags & _C.OP_VIEW:
             if name in TO_OPS:
                 # aten::to (an alias only when nothing changes) reaches the router itself for
@@ -248,12 +261,11 @@ class Runner:
         if policy:  # the router warns or raises first, then calls again with policy 0
             return None, WOULD_FALL_BACK, 0, 0, 0, ()
         start = time.perf_counter_ns()
-        out, to_host, to_device, dtypes = self._fallback(func, index, args, kwargs)
+        out, to_host, to_device, dtypes = self._fallback(func, index, fts, args, kwargs)
         return out, FALLBACK, to_host, to_device, time.perf_counter_ns() - start, dtypes
 
-    def _device_index(self, name, flags, args, kwargs) -> int:
-        seen = set()
-        _walk((args, tuple(kwargs.values())), lambda t: seen.add(t.device.index))
+    def _device_index(self, name, flags, fts, kwargs) -> int:
+        seen = {t.device.index for t in fts}
         if len(seen) > 1 and not flags & _C.OP_CROSS_DEVICE:
             found = ", ".join(f"flagos:{i}" for i in sorted(seen))
             raise DeviceMismatchError(
@@ -413,8 +425,7 @@ class Runner:
         return (t._payload, t.storage_offset(), DTYPE_CODES[t.dtype], size, stride)
 
     # ---- the host round trip ------------------------------------------------------
-    def _fallback(self, func, index, args, kwargs):
-        fts = [t for t in _flatten((args, tuple(kwargs.values()))) if isinstance(t, FlagosTensor)]
+    def _fallback(self, func, index, fts, args, kwargs):
         trip = _HostRegions(fts)
         try:  # the host views and results die with _round_trip's frame, before release()
             return self._round_trip(trip, fts, func, index, args, kwargs)
@@ -426,9 +437,11 @@ class Runner:
         # results handed back as host tensors (.to("cpu") falling back) must own their memory
         to_host = trip.download(not (isinstance(target, torch.device) and target.type != "flagos"))
         hargs = _walk(args, trip.view)
-        hkwargs = {k: CPU if _is_flagos_device(v) else _walk(v, trip.view) for k, v in kwargs.items()}
-        if any(isinstance(t, torch.Tensor) and t.is_complex()
-               for t in _flatten((hargs, tuple(hkwargs.values())))):
+        hkwargs = ({k: CPU if _is_flagos_device(v) else _walk(v, trip.view) for k, v in kwargs.items()}
+                   if kwargs else {})
+        # the host arguments' tensors have the dtypes of the call's own
+        if any(t.is_complex() for t in _collect(kwargs.values(), _collect(args, [], torch.Tensor),
+                                                torch.Tensor)):
             out = _math_keys.call(func, hargs, hkwargs)  # conjugate views inside composite ops
         else:
             out = func(*hargs, **hkwargs)
@@ -442,8 +455,9 @@ class Runner:
             return args[i] if i < len(args) else kwargs.get(arg_names[i])
 
         to_device = sum(self._write_back(trip, t) for i in write_args
-                        for t in _flatten((argument(i),)) if isinstance(t, FlagosTensor))
-        dtypes = tuple(sorted({t.dtype for t in fts}, key=str))
+                        for t in _flatten((argument(i),)) if isinstance(t, FlagosTensor)) if write_args else 0
+        dtypes = {t.dtype for t in fts}
+        dtypes = tuple(dtypes) if len(dtypes) < 2 else tuple(sorted(dtypes, key=str))
         if isinstance(target, torch.device) and target.type != "flagos":
             return out, to_host, to_device, dtypes  # the op asked for host results
         if _is_flagos_device(target):
