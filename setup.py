@@ -48,7 +48,8 @@ san_compile, san_link = sanitizer_flags()
 core = Extension(
     "flagos._C",
     sources=["csrc/module.c", "csrc/state.c", "csrc/router.c", "csrc/payload.c",
-             "csrc/fallback.c", "csrc/callsite.c", "csrc/adapter_load.c", "csrc/adapter_checks.c",
+             "csrc/fallback.c", "csrc/staging.c", "csrc/callsite.c", "csrc/adapter_load.c",
+             "csrc/adapter_checks.c",
              "csrc/adapter_memory.c", "csrc/adapter_streams.c", "csrc/adapter_kernels.c",
              "csrc/adapter_fast.c", "csrc/guard.c"],
     include_dirs=["csrc", "csrc/include"] + [d for d in [find_uthash()] if d != "/usr/include"],

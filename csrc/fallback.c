@@ -8,6 +8,7 @@
 #include "fallback.h" /* first: Python.h sets the feature macros */
 
 #include "payload.h"
+#include "staging.h"
 
 #include <time.h>
 
@@ -18,16 +19,21 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* Arguments of one call whose host copies can live in staging buffers; the rest get their own. */
+#define MAX_STAGED 16
+
 /* One fallback call: what it copies and what it learns on the way. */
 typedef struct copy_ctx {
     flagos_state *st;
     op_entry *e;
-    PyObject *to_host_kw;  /* {"device": host} */
     int device_index;      /* chip device of the first chip tensor seen */
     int target;            /* flagos index results go to, for to_chip over containers */
+    int stage;             /* host copies may live in staging buffers (results are copied out) */
+    int n_staged;
+    PyObject *staged[MAX_STAGED]; /* the staging buffers this call took */
 } copy_ctx;
 
-static int add_bytes(PyObject *t, uint64_t *counter)
+static int get_nbytes(PyObject *t, uint64_t *out)
 {
     PyObject *n = PyObject_GetAttr(t, fl_names.nbytes);
     if (n == NULL)
@@ -35,6 +41,15 @@ static int add_bytes(PyObject *t, uint64_t *counter)
     unsigned long long b = PyLong_AsUnsignedLongLong(n);
     Py_DECREF(n);
     if (b == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = b;
+    return 0;
+}
+
+static int add_bytes(PyObject *t, uint64_t *counter)
+{
+    uint64_t b;
+    if (get_nbytes(t, &b) < 0)
         return -1;
     *counter += b;
     return 0;
@@ -52,16 +67,6 @@ void flagos_note_dtype(flagos_state *st, op_entry *e, PyObject *dtype)
         e->dtype_mask |= (uint64_t)1 << i;
 }
 
-static int note_dtype(copy_ctx *c, PyObject *t)
-{
-    PyObject *dtype = PyObject_GetAttr(t, fl_names.dtype);
-    if (dtype == NULL)
-        return -1;
-    flagos_note_dtype(c->st, c->e, dtype);
-    Py_DECREF(dtype);
-    return 0;
-}
-
 static int note_device(copy_ctx *c, PyObject *payload)
 {
     if (c->device_index >= 0 || c->st->chip_is_host)
@@ -72,6 +77,29 @@ static int note_device(copy_ctx *c, PyObject *payload)
     c->device_index = (int)PyLong_AsLong(d);
     Py_DECREF(d);
     return 0;
+}
+
+/* New reference: a copy of a host tensor t in host memory. On a chip whose payloads are host
+ * tensors `clone()` is the same copy as `_to_copy(t, device=cpu)` (math bits resolved, layout
+ * kept) at half its cost: a Tensor method instead of an op called through its schema. */
+static PyObject *host_copy(copy_ctx *c, PyObject *t, PyObject *device)
+{
+    if (c->st->chip_is_host) {
+        PyObject *on_cpu = PyObject_GetAttr(t, fl_names.cpu);
+        int yes = on_cpu ? PyObject_IsTrue(on_cpu) : -1;
+        Py_XDECREF(on_cpu);
+        if (yes < 0)
+            return NULL;
+        if (yes)
+            return PyObject_CallMethodNoArgs(t, fl_names.clone);
+    }
+    PyObject *kw = Py_BuildValue("{s:O}", "device", device);
+    if (kw == NULL)
+        return NULL;
+    PyObject *argv[1] = {t};
+    PyObject *r = PyObject_VectorcallDict(c->st->to_copy, argv, 1, kw);
+    Py_DECREF(kw);
+    return r;
 }
 
 static PyObject *to_host(copy_ctx *c, PyObject *v);
@@ -89,11 +117,28 @@ static PyObject *to_host(copy_ctx *c, PyObject *v)
         PyObject *payload = flagos_payload(st, v);
         if (payload == NULL)
             return NULL;
-        PyObject *argv[1] = {payload};
-        PyObject *h = NULL;
-        if (note_device(c, payload) == 0 && note_dtype(c, payload) == 0 &&
-            add_bytes(payload, &c->e->bytes_to_host) == 0)
-            h = PyObject_VectorcallDict(st->to_copy, argv, 1, c->to_host_kw);
+        PyObject *h = NULL, *dtype = NULL;
+        uint64_t nbytes;
+        if (note_device(c, payload) < 0 || (dtype = PyObject_GetAttr(payload, fl_names.dtype)) == NULL ||
+            get_nbytes(payload, &nbytes) < 0)
+            goto out;
+        flagos_note_dtype(st, c->e, dtype);
+        c->e->bytes_to_host += nbytes;
+        if (c->stage && c->n_staged < MAX_STAGED) {
+            /* straight into a reused host buffer laid out as the payload */
+            PyObject *flat;
+            h = flagos_staging_copy(payload, nbytes, dtype, &flat);
+            if (flat != NULL)
+                c->staged[c->n_staged++] = flat;
+            if (h == Py_None)
+                Py_CLEAR(h);
+            else if (h == NULL)
+                goto out;
+        }
+        if (h == NULL)
+            h = host_copy(c, payload, st->host_device);
+out:
+        Py_XDECREF(dtype);
         Py_DECREF(payload);
         return h;
     }
@@ -174,14 +219,9 @@ static PyObject *to_chip(copy_ctx *c, PyObject *v, int target)
     int index = target >= 0 ? target : (c->device_index >= 0 ? c->device_index : 0);
     if (index >= PyTuple_GET_SIZE(st->chip_devices))
         index = 0;
-    PyObject *kw = Py_BuildValue("{s:O}", "device", PyTuple_GET_ITEM(st->chip_devices, index));
-    if (kw == NULL)
-        return NULL;
-    PyObject *argv[1] = {v};
     PyObject *d = NULL;
     if (add_bytes(v, &c->e->bytes_to_device) == 0)
-        d = PyObject_VectorcallDict(st->to_copy, argv, 1, kw);
-    Py_DECREF(kw);
+        d = host_copy(c, v, PyTuple_GET_ITEM(st->chip_devices, index));
     if (d == NULL || !st->device_mode)
         return d;
     PyObject *tgt = PyLong_FromLong(index);
@@ -224,12 +264,11 @@ PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyO
 {
     uint64_t t0 = now_ns();
     int target = (int)PyLong_AsLong(target_obj);
-    copy_ctx c = {st, e, NULL, -1, target};
+    /* Host copies may be staging buffers only when every result is copied out of them: not
+     * when the op's host results are handed back as they are (.cpu()). */
+    copy_ctx c = {st, e, -1, target, !(st->device_mode && target == TARGET_HOST), 0, {0}};
     PyObject *hargs = NULL, *hkwargs = NULL, *out = NULL, *res = NULL;
 
-    c.to_host_kw = Py_BuildValue("{s:O}", "device", st->host_device);
-    if (c.to_host_kw == NULL)
-        goto done;
     hargs = to_host(&c, args);
     if (hargs == NULL)
         goto done;
@@ -269,10 +308,11 @@ PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyO
     if (res != NULL && PyTuple_GET_SIZE(e->write_args) > 0)
         res = flagos_alias_outputs(e, args, kwargs, res);
 done:
-    Py_XDECREF(c.to_host_kw);
     Py_XDECREF(hargs);
     Py_XDECREF(hkwargs);
     Py_XDECREF(out);
+    for (int i = 0; i < c.n_staged; i++) /* their host views are gone with hargs and out */
+        flagos_staging_give(c.staged[i]);
     e->fallback_ns += now_ns() - t0;
     return res;
 }

@@ -9,6 +9,7 @@
 #include "adapter.h"
 #include "adapter_fast.h"
 #include "guard.h"
+#include "staging.h"
 
 static flagos_state *flagos_get_state(PyObject *module)
 {
@@ -385,6 +386,14 @@ static PyMethodDef fl_methods[] = {
      "load_adapter(path) -> Adapter: dlopen a chip adapter and check its ABI."},
     {"set_error_types", flagos_set_error_types, METH_VARARGS,
      "set_error_types(adapter_error, out_of_memory, device_error): what adapter failures raise."},
+    {"staging_take", flagos_staging_take_py, METH_O,
+     "staging_take(nbytes) -> a uint8 host tensor of at least nbytes from the fallback's pool."},
+    {"staging_give", flagos_staging_give_py, METH_O,
+     "staging_give(t): hand a staging_take tensor back once nothing else can see its memory."},
+    {"staging_release", flagos_staging_release_py, METH_NOARGS,
+     "Free every kept fallback staging buffer (the chip's empty_cache calls it)."},
+    {"staging_stats", flagos_staging_stats_py, METH_NOARGS,
+     "The staging pool: kept_bytes, kept_buffers, limit, hits, misses."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -441,6 +450,7 @@ static int fl_clear(PyObject *module)
         Py_CLEAR(st->dtypes[i]);
     st->n_dtypes = 0;
     flagos_adapter_types_clear();
+    flagos_staging_clear();
     return 0;
 }
 
@@ -461,6 +471,7 @@ static int fl_exec(PyObject *module)
         PyModule_AddIntConstant(module, "ROUTE_FALLBACK", ROUTE_FALLBACK) < 0 ||
         PyModule_AddIntConstant(module, "ROUTE_ERROR", ROUTE_ERROR) < 0 ||
         PyModule_AddIntConstant(module, "OP_VIEW", OP_VIEW) < 0 ||
+        PyModule_AddIntConstant(module, "STAGING_MIN_BYTES", (long)FLAGOS_STAGING_MIN_BYTES) < 0 ||
         PyModule_AddIntConstant(module, "OP_CROSS_DEVICE", OP_CROSS_DEVICE) < 0 ||
         PyModule_AddIntConstant(module, "OP_DEVICE_ARG", OP_DEVICE_ARG) < 0 ||
         PyModule_AddIntConstant(module, "OP_RELAYOUT", OP_RELAYOUT) < 0 ||

@@ -25,6 +25,7 @@ int flagos_intern_names(void)
     NAME(requires_grad, "requires_grad")
     NAME(dim, "dim")
     NAME(cpu, "is_cpu")
+    NAME(clone, "clone")
 #undef NAME
     return 0;
 }

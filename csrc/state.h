@@ -118,7 +118,7 @@ typedef struct flagos_state {
 /* Interned attribute names, created once at module init. */
 typedef struct flagos_names {
     PyObject *payload, *shape, *stride, *storage_offset, *dtype, *nbytes, *get_device,
-        *type, *index, *op, *strides, *device, *requires_grad, *dim, *cpu;
+        *type, *index, *op, *strides, *device, *requires_grad, *dim, *cpu, *clone;
 } flagos_names;
 extern flagos_names fl_names;
 

@@ -211,6 +211,10 @@ def activate(device: str | None = "auto", mode: str | None = None,
         if redirect_cuda is None:
             redirect_cuda = _env.flag("FLAGOS_REDIRECT_CUDA")
         _routes.parse_route_spec(_env.get("FLAGOS_ROUTE"))
+        try:  # the fallback's staging limit, read by the C pool on each use: checked here first
+            _C.staging_stats()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         dtype_policy = (_precision.env_policy() if dtype_policy is None
                         else _precision.check_policy(dtype_policy))
         _apply_log_level()

@@ -39,6 +39,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "files `<chip>.json` (`flagos analyze --target`) before the package's own"),
     EnvVar("FLAGOS_FALLBACK", "warn", "what a CPU fallback does: allow (silently), warn (once per "
            "op) or error (raise before running the op)", ("allow", "warn", "error")),
+    EnvVar("FLAGOS_FALLBACK_STAGING", "256M", "bytes of host staging buffers the CPU fallback "
+           "keeps between calls (K, M, G suffixes; 0 keeps none); torch.flagos.empty_cache() "
+           "frees them"),
     EnvVar("FLAGOS_DTYPE_POLICY", "strict", "what bfloat16 work does on a chip whose bfloat16 is "
            "not native: strict (runs as asked; ops the chip lacks fall back) or downcast (runs in "
            "float16, float32 where float16 is not native either); the same as "

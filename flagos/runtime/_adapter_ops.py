@@ -97,8 +97,18 @@ def _walk(value, fn):
     if isinstance(value, FlagosTensor):
         return fn(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_walk(v, fn) for v in value)
+        return type(value)([_walk(v, fn) for v in value])  # a list: cheaper than a generator
     return value
+
+
+def _collect(values, out: list, kind=FlagosTensor) -> list:
+    """Append every `kind` in values (lists and tuples at any depth) to out, in order."""
+    for v in values:
+        if isinstance(v, kind):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            _collect(v, out, kind)
+    return out
 
 
 def _flagos_index(device: torch.device) -> int:
@@ -146,16 +156,35 @@ class _HostRegions:
         self.data = {}     # id(buffer) -> (host uint8 tensor, first byte)
         self.views = {}    # id(flagos tensor) -> its host view
         self.uploaded = set()
+        self.staged = []   # staging buffers taken (_C.staging_take), handed back by release()
 
-    def download(self) -> int:
+    def download(self, stage: bool) -> int:
+        """Copy each region to the host: into a reused staging buffer when `stage` (every
+        result is uploaded, so none can keep seeing it) and the region is large enough for
+        fresh memory to cost page faults, else into a host tensor of its own."""
         moved = 0
         for key, (buf, b0, b1) in self.regions.items():
-            data = torch.empty(max(b1 - b0, 0), dtype=torch.uint8)
-            if b1 > b0:
+            n = max(b1 - b0, 0)
+            if stage and n >= _C.STAGING_MIN_BYTES:
+                flat = _C.staging_take(n)
+                self.staged.append(flat)
+                data = flat[:n]
+            else:
+                data = torch.empty(n, dtype=torch.uint8)
+            if n:
                 buf.read(to_dlpack(data), b0)
-                moved += b1 - b0
+                moved += n
             self.data[key] = (data, b0)
         return moved
+
+    def release(self) -> None:
+        """Hand the staging buffers back; the pool keeps one only when nothing else sees its
+        memory any more (a result that is a host view of it keeps it out of the pool)."""
+        self.data.clear()
+        self.views.clear()
+        staged, self.staged = self.staged, []
+        for flat in staged:
+            _C.staging_give(flat)
 
     def view(self, t: FlagosTensor) -> torch.Tensor:
         data, b0 = self.data[id(t._payload)]
@@ -202,7 +231,10 @@ class Runner:
         special = SPECIAL.get(name)
         if special is not None:
             return special(self, func, args, kwargs), NATIVE, 0, 0, 0, ()
-        index = self._device_index(name, flags, args, kwargs)
+        fts = _collect(args, [])  # the flagos tensors of the call, args first then kwargs
+        if kwargs:
+            _collect(kwargs.values(), fts)
+        index = self._device_index(name, flags, fts, kwargs)
         if flags & _C.OP_VIEW:
             if name in TO_OPS:
                 # aten::to (an alias only when nothing changes) reaches the router itself for
@@ -229,12 +261,11 @@ class Runner:
         if policy:  # the router warns or raises first, then calls again with policy 0
             return None, WOULD_FALL_BACK, 0, 0, 0, ()
         start = time.perf_counter_ns()
-        out, to_host, to_device, dtypes = self._fallback(func, index, args, kwargs)
+        out, to_host, to_device, dtypes = self._fallback(func, index, fts, args, kwargs)
         return out, FALLBACK, to_host, to_device, time.perf_counter_ns() - start, dtypes
 
-    def _device_index(self, name, flags, args, kwargs) -> int:
-        seen = set()
-        _walk((args, tuple(kwargs.values())), lambda t: seen.add(t.device.index))
+    def _device_index(self, name, flags, fts, kwargs) -> int:
+        seen = {t.device.index for t in fts}
         if len(seen) > 1 and not flags & _C.OP_CROSS_DEVICE:
             found = ", ".join(f"flagos:{i}" for i in sorted(seen))
             raise DeviceMismatchError(
@@ -394,14 +425,23 @@ class Runner:
         return (t._payload, t.storage_offset(), DTYPE_CODES[t.dtype], size, stride)
 
     # ---- the host round trip ------------------------------------------------------
-    def _fallback(self, func, index, args, kwargs):
-        fts = [t for t in _flatten((args, tuple(kwargs.values()))) if isinstance(t, FlagosTensor)]
+    def _fallback(self, func, index, fts, args, kwargs):
         trip = _HostRegions(fts)
-        to_host = trip.download()
+        try:  # the host views and results die with _round_trip's frame, before release()
+            return self._round_trip(trip, fts, func, index, args, kwargs)
+        finally:
+            trip.release()
+
+    def _round_trip(self, trip, fts, func, index, args, kwargs):
+        target = kwargs.get("device")
+        # results handed back as host tensors (.to("cpu") falling back) must own their memory
+        to_host = trip.download(not (isinstance(target, torch.device) and target.type != "flagos"))
         hargs = _walk(args, trip.view)
-        hkwargs = {k: CPU if _is_flagos_device(v) else _walk(v, trip.view) for k, v in kwargs.items()}
-        if any(isinstance(t, torch.Tensor) and t.is_complex()
-               for t in _flatten((hargs, tuple(hkwargs.values())))):
+        hkwargs = ({k: CPU if _is_flagos_device(v) else _walk(v, trip.view) for k, v in kwargs.items()}
+                   if kwargs else {})
+        # the host arguments' tensors have the dtypes of the call's own
+        if any(t.is_complex() for t in _collect(kwargs.values(), _collect(args, [], torch.Tensor),
+                                                torch.Tensor)):
             out = _math_keys.call(func, hargs, hkwargs)  # conjugate views inside composite ops
         else:
             out = func(*hargs, **hkwargs)
@@ -415,9 +455,9 @@ class Runner:
             return args[i] if i < len(args) else kwargs.get(arg_names[i])
 
         to_device = sum(self._write_back(trip, t) for i in write_args
-                        for t in _flatten((argument(i),)) if isinstance(t, FlagosTensor))
-        dtypes = tuple(sorted({t.dtype for t in fts}, key=str))
-        target = kwargs.get("device")
+                        for t in _flatten((argument(i),)) if isinstance(t, FlagosTensor)) if write_args else 0
+        dtypes = {t.dtype for t in fts}
+        dtypes = tuple(dtypes) if len(dtypes) < 2 else tuple(sorted(dtypes, key=str))
         if isinstance(target, torch.device) and target.type != "flagos":
             return out, to_host, to_device, dtypes  # the op asked for host results
         if _is_flagos_device(target):

@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 import torch
 
+from .. import _C
 from ..core import _state
 from ._streams import Event, Stream, StreamContext, current_stream, default_stream, set_stream, stream  # noqa: F401
 
@@ -113,6 +114,8 @@ def memory_stats(device=None) -> OrderedDict[str, int]:
 
 
 def empty_cache() -> None:
+    """The chip's cached memory, and the CPU fallback's host staging buffers (_C.staging_*)."""
+    _C.staging_release()
     _state.active().chip.empty_cache()
 
 
