@@ -114,6 +114,7 @@ TESTS: dict[str, list[Run]] = {
     "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS), sim(ROUTES, POLICY, COUNTERS)],
     "csrc/payload.c": [cpu(ROUTES, POLICY, COUNTERS), sim(ROUTES, POLICY, COUNTERS)],
     "csrc/fallback.c": [cpu(COUNTERS, POLICY, FIDELITY), sim(COUNTERS)],
+    "csrc/staging.c": [cpu(T + "fallback_staging.py", FIDELITY), sim(T + "fallback_staging.py")],
     "csrc/callsite.c": [cpu(ANALYZE)],
     "csrc/guard.c": [cpu(BACKWARD)],
     "csrc/adapter_load.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
