@@ -4,7 +4,7 @@
  * The fast cases, on flagos tensors of one floating dtype on one device, without the negative
  * bit, at most FLAGOS_MAX_DIMS dims, inside their buffers:
  * - kernel-table ops (the dtype in the kernel's and the device's native masks, a non-empty
- *   result): the elementwise add/sub/mul/div.Tensor (alpha a number), neg, relu, silu, sigmoid,
+ *   result): the elementwise add/sub/mul/div.Tensor (alpha 1), neg, relu, silu, sigmoid,
  *   tanh, exp on contiguous operands, same-shaped or broadcast; mm, bmm, addmm (beta = alpha =
  *   1), _softmax, sum and sum.dim_IntList (no dtype), native_layer_norm on any strides. That
  *   is exactly a call the runner's builders and _try_kernel send to the kernel with a
@@ -397,6 +397,10 @@ static int parse_args(int kind, PyObject *args, PyObject *kwargs, call_args *ca)
         PyObject *alpha;
         if ((kind != FAST_BINARY_ALPHA && kind != FAST_INPLACE_ALPHA) || PyDict_GET_SIZE(kwargs) != 1 ||
             (alpha = PyDict_GetItemString(kwargs, "alpha")) == NULL || !as_number(alpha, &ca->scalars[0]))
+            return 0;
+        /* Another alpha goes to the runner: sim's kernel rounds a + alpha * b differently from
+         * the CPU, and optimizers (SGD's add_(grad, alpha=-lr)) must match it bit for bit. */
+        if (ca->scalars[0] != 1.0)
             return 0;
     }
     PyObject *x1 = n > 1 ? PyTuple_GET_ITEM(args, 1) : NULL;
