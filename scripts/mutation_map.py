@@ -30,12 +30,12 @@ METRICS, HTML, ECOSYSTEM = T + "metrics.py", T + "report_html.py", T + "ecosyste
 GENERATORS, OFFLOAD, ACCELERATE = T + "generators.py", T + "offload.py", T + "accelerate.py"
 AUTOCAST, COMPILE, BACKWARD = T + "autocast.py", T + "compile.py", T + "backward_errors.py"
 MODELS, KERNEL_CHECKS = T + "models.py", T + "sim_kernel_checks.py"
-CHIP_NAMES = T + "chip_names.py"
+CHIP_NAMES, CHIP_PROFILES, PACKAGE = T + "chip_names.py", T + "chip_profiles.py", T + "package.py"
 DISTRIBUTED = T + "distributed.py"
 
 TESTS: dict[str, list[Run]] = {
     # ---- the Python package ----
-    "flagos/__init__.py": [cpu(DEVICE, ERRORS)],
+    "flagos/__init__.py": [cpu(DEVICE, ERRORS, PACKAGE)],
     "flagos/__main__.py": [cpu(DEVICES)],
     # the layers' __init__ files hold a docstring only: nothing to mutate, listed to say so
     "flagos/core/__init__.py": [cpu(DEVICE)],
@@ -61,7 +61,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_transfers.py": [cpu(T + "sharding.py"), sim(T + "sharding.py")],
     "flagos/tools/_cache.py": [cpu(T + "cache_dirs.py", k="cli")],
     "flagos/integrations/_distributed.py": [cpu(DISTRIBUTED, k="not recipe"), sim(DISTRIBUTED, k="not recipe")],
-    "flagos/runtime/_math_keys.py": [sim(SIM_FIDELITY, FIDELITY)],
+    "flagos/runtime/_math_keys.py": [cpu(FIDELITY), sim(SIM_FIDELITY, FIDELITY)],
     "flagos/runtime/_native_mode.py": [cpu(NATIVE)],
     "flagos/integrations/_redirect.py": [cpu(T + "redirect.py"), sim(T + "redirect.py")],
     "flagos/integrations/_offload.py": [cpu(OFFLOAD), sim(OFFLOAD)],
@@ -70,7 +70,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/report/_report.py": [cpu(ROUTES, COUNTERS, HTML)],
     "flagos/report/_html.py": [cpu(HTML)],
     "flagos/core/_routes.py": [cpu(ROUTES, POLICY), cpu(ENV, k="route"), cpu(ERRORS, k="environment")],
-    "flagos/_activation.py": [cpu(DEVICE, ERRORS, VERSIONS, ENV, CHIP_NAMES)],
+    "flagos/_activation.py": [cpu(DEVICE, ERRORS, VERSIONS, ENV, CHIP_NAMES, CHIP_PROFILES)],
     "flagos/core/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD), sim(COUNTERS, FIDELITY)],
     "flagos/runtime/_streams.py": [sim(STREAMS), cpu(STREAMS)],
     "flagos/runtime/_tensor.py": [cpu(DEVICE, FIDELITY), sim(DEVICE, SIM_FIDELITY)],
@@ -80,17 +80,17 @@ TESTS: dict[str, list[Run]] = {
     "flagos/report/_sites.py": [cpu(HTML, ANALYZE)],
     "flagos/errors.py": [cpu(ERRORS)],
     "flagos/metrics.py": [cpu(METRICS)],
-    "flagos/chips/__init__.py": [cpu(DEVICE, ERRORS)],
+    "flagos/chips/__init__.py": [cpu(DEVICE, ERRORS, CHIP_PROFILES, LOADER)],
     "flagos/chips/adapter.py": [cpu(LOADER, ADAPTERS)],
     "flagos/chips/base.py": [cpu(DEVICE, ERRORS), sim(DEVICE)],
     "flagos/chips/cpu.py": [cpu(DEVICE, ERRORS)],
     "flagos/chips/cuda.py": [cpu(CHIP_NAMES, ERRORS, DIAGNOSE)],
     "flagos/chips/names.py": [cpu(CHIP_NAMES, ERRORS)],
-    "flagos/chips/mlu.py": [cpu(ERRORS, DIAGNOSE)],
-    "flagos/chips/mps.py": [cpu(ERRORS, DIAGNOSE)],
-    "flagos/chips/musa.py": [cpu(ERRORS, DIAGNOSE)],
-    "flagos/chips/npu.py": [cpu(ERRORS, DIAGNOSE)],
-    "flagos/chips/xpu.py": [cpu(ERRORS, DIAGNOSE)],
+    "flagos/chips/mlu.py": [cpu(ERRORS, DIAGNOSE, CHIP_PROFILES)],
+    "flagos/chips/mps.py": [cpu(ERRORS, DIAGNOSE, CHIP_PROFILES)],
+    "flagos/chips/musa.py": [cpu(ERRORS, DIAGNOSE, CHIP_PROFILES)],
+    "flagos/chips/npu.py": [cpu(ERRORS, DIAGNOSE, CHIP_PROFILES)],
+    "flagos/chips/xpu.py": [cpu(ERRORS, DIAGNOSE, CHIP_PROFILES)],
     "flagos/chips/sim.py": [sim(SIM_TESTS, MULTI)],
     "flagos/report/coverage/__init__.py": [cpu(ANALYZE)],
     "flagos/report/coverage/generate.py": [cpu(ANALYZE, k="coverage")],

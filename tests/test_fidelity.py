@@ -41,6 +41,18 @@ def test_conjugate_view_reads(dev):
     close(zd.conj().clone(), z.conj())
 
 
+def test_complex_ops_keep_their_keyword_arguments(dev):
+    """Ops on complex tensors run with the conjugate keys on; their keyword-only arguments
+    (alpha, dtype, rounding_mode) must reach the op."""
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 4, dtype=torch.complex64), torch.randn(3, 4, dtype=torch.complex64)
+    ad, bd = a.to(dev), b.to(dev)
+    close(torch.add(ad, bd, alpha=2), torch.add(a, b, alpha=2))
+    close(torch.sub(ad.conj(), bd, alpha=-3), torch.sub(a.conj(), b, alpha=-3))
+    close(torch.sum(ad.conj(), dim=0, dtype=torch.complex128), torch.sum(a.conj(), dim=0, dtype=torch.complex128))
+    assert torch.sum(ad, dim=1, dtype=torch.complex128).dtype == torch.complex128
+
+
 def test_conjugate_through_fft_and_gradients(dev):
     torch.manual_seed(0)
     x = torch.randn(4, 6, dtype=torch.complex64)
