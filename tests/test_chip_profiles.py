@@ -6,6 +6,7 @@ import pytest
 
 from flagos import _activation, chips
 from flagos.chips import mps
+from flagos.chips.adapter import AdapterChip
 from flagos.errors import ConfigError
 
 VENDOR_PLUGINS = {"npu": ("torch_npu", "hccl"), "mlu": ("torch_mlu", "cncl"), "musa": ("torch_musa", "mccl")}
@@ -20,6 +21,8 @@ def test_auto_tries_vendor_plugins_then_found_adapters_then_pytorchs_devices(tmp
     assert order.index("cuda") > 3 and order[-1] == "cpu"
     assert "sim" not in order, "the emulated chip is never picked by auto"
     assert chips.known() == order + ("sim",)
+    toy = chips.profile("toy")   # no profile module of its own: an adapter chip of that name
+    assert isinstance(toy, AdapterChip) and toy.name == "toy"
     monkeypatch.setenv("FLAGOS_ADAPTER_PATH", os.pathsep.join([str(tmp_path), str(tmp_path)]))
     assert chips.auto_order().count("toy") == 1
 

@@ -226,6 +226,15 @@ def test_a_bad_dtype_policy_is_a_config_error_and_changes_nothing(dev):
     assert torch.ones(2, device=dev).to(torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_the_policy_is_read_as_typed_whatever_its_case_and_spaces(dev):
+    try:
+        assert flagos.activate(CHIP, dtype_policy=" Downcast ")["dtype_policy"] == "downcast"
+        assert flagos.info()["dtype_policy"] == "downcast"
+    finally:
+        flagos.activate(CHIP, dtype_policy="STRICT")
+    assert flagos.info()["dtype_policy"] == "strict"
+
+
 @runs_once
 def test_dtype_policy_from_the_environment():
     bad = run_python("""
