@@ -77,7 +77,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_tracing.py": [cpu(COMPILE), sim(COMPILE)],
     "flagos/runtime/_guard_errors.py": [cpu(BACKWARD)],
     "flagos/core/_state.py": [cpu(DEVICE, MULTI, VERSIONS), sim(MULTI)],
-    "flagos/report/_sites.py": [cpu(HTML, ANALYZE)],
+    "flagos/report/_sites.py": [cpu(HTML, ANALYZE, T + "report_sites.py")],
     "flagos/errors.py": [cpu(ERRORS)],
     "flagos/metrics.py": [cpu(METRICS)],
     "flagos/chips/__init__.py": [cpu(DEVICE, ERRORS, CHIP_PROFILES, LOADER)],
