@@ -62,3 +62,20 @@ def test_table_and_usage_errors(capsys):
     else:
         raise AssertionError("--json with --csv was accepted")
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_version_help_and_the_aliases_users_know(capsys, monkeypatch):
+    from flagos.tools import SUBCOMMANDS, cli, command_module
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"flagos {flagos.__version__}\n"
+    assert main([]) == 2                                     # no subcommand: usage, on stderr
+    assert "COMMAND" in capsys.readouterr().err
+    helps = cli.build_parser().format_help()
+    for name in SUBCOMMANDS:                                 # each with its docstring's first line
+        first_line = command_module(name).__doc__.strip().splitlines()[0]
+        assert first_line.split("(")[0].strip()[:30] in " ".join(helps.split()), name
+    monkeypatch.setattr("sys.argv", ["flagos-device-list", "--csv"])
+    assert cli.devices_main() == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("chip,index,name")

@@ -4,6 +4,7 @@ import hashlib
 import io
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -216,6 +217,13 @@ def test_pinned_dataloader_batches_move_with_non_blocking(dev):
     pinned = t.pin_memory()
     assert pinned.device.type == "cpu" and pinned.data_ptr() != t.data_ptr()  # a copy, as pinning
     assert pinned.tolist() == [1.0, 1.0, 1.0]
+    # the deprecated device argument, as older scripts pass it: pinned for flagos, not refused
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for device in ("flagos", torch.device("flagos")):
+            for_flagos = t.pin_memory(device)
+            assert for_flagos.tolist() == [1.0, 1.0, 1.0] and for_flagos.data_ptr() != t.data_ptr()
+            assert not t.is_pinned(device)
 
 
 def test_safetensors_load_file_onto_flagos(dev, tmp_path):

@@ -12,7 +12,7 @@ import sys
 from .. import __version__
 from . import SUBCOMMANDS, command_module
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_USAGE = 0, 2   # 1 (a check failed) is each subcommand's own
 
 
 def build_parser() -> argparse.ArgumentParser:

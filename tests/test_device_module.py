@@ -1,0 +1,75 @@
+"""`torch.flagos`, the device module: device indices in every form, the device context, what
+PyTorch's seeding asks of it, and the cpu chip's facts as it reports them."""
+import os
+import platform
+
+import pytest
+import torch
+from conftest import CHIP, run_python, runs_once
+
+import flagos
+from flagos.runtime import _device_module
+
+
+def test_every_form_of_a_device_names_its_index():
+    current = torch.flagos.current_device()
+    index = _device_module._index
+    assert index(None) == index("flagos") == index(torch.device("flagos")) == current
+    assert index(0) == index("flagos:0") == index(torch.device("flagos", 0)) == 0
+
+
+@runs_once
+def test_forms_without_an_index_follow_the_current_device():
+    proc = run_python("""
+        import torch, flagos
+        flagos.activate("sim")
+        from flagos.runtime._device_module import _index
+        torch.flagos.set_device(1)
+        print(_index(None), _index("flagos"), _index(0), _index("flagos:0"), _index(1))
+        with torch.flagos.device("flagos:0"):
+            print(torch.flagos.current_device(), torch.empty(8, device="flagos").device)
+        print(torch.flagos.current_device())
+    """, env={"FLAGOS_SIM_DEVICES": "2"})
+    assert proc.stdout.split("\n")[:3] == ["1 1 0 0 1", "0 flagos:0", "1"]
+
+
+def test_before_activation_there_is_no_device():
+    proc = run_python("""
+        from flagos.runtime import _device_module
+        print(_device_module.is_available(), _device_module.device_count())
+    """)
+    assert proc.stdout.split() == ["False", "0"]
+
+
+def test_an_error_inside_the_device_context_propagates():
+    before = torch.flagos.current_device()
+    with pytest.raises(ValueError, match="inside"):
+        with torch.flagos.device(before):
+            raise ValueError("inside")
+    assert torch.flagos.current_device() == before
+
+
+def test_torch_manual_seed_seeds_the_device(dev):
+    torch.manual_seed(3)
+    first = torch.randn(16, device=dev).cpu()
+    torch.randn(16, device=dev)
+    torch.manual_seed(3)
+    assert torch.equal(torch.randn(16, device=dev).cpu(), first)
+    assert not torch.flagos._is_in_bad_fork()   # what torch.manual_seed asks before seeding
+
+
+@pytest.mark.skipif(CHIP != "cpu", reason="the cpu chip's own facts")
+def test_the_cpu_chip_reports_the_host():
+    assert torch.flagos.device_count() == 1 and torch.flagos.current_device() == 0
+    row = next(d for d in flagos.list_devices() if d.chip == "cpu")
+    assert row.vendor == (platform.processor() or "host")
+    assert row.name == (platform.processor() or platform.machine() or "cpu")
+    assert row.total_memory == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free, total = torch.flagos.mem_get_info()
+    assert total == row.total_memory and 0 < free <= total
+    assert torch.flagos.memory_allocated() == torch.flagos.max_memory_allocated() == 0
+    with pytest.raises(ValueError, match="flagos:1 does not exist: chip 'cpu' has 1 device"):
+        torch.flagos.set_device(1)
+    assert torch.flagos.current_device() == 0
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    assert flagos.chips.profile("cpu").architecture() == f"{platform.machine()}-{isa}"
