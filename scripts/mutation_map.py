@@ -49,7 +49,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/integrations/_backward_errors.py": [cpu(BACKWARD)],
     "flagos/integrations/_engine_exit.py": [cpu(BACKWARD, k="exit"), sim(BACKWARD, k="exit")],
     "flagos/integrations/_compile.py": [cpu(COMPILE)],
-    "flagos/runtime/_device_module.py": [cpu(DEVICE, MULTI), sim(STREAMS)],
+    "flagos/runtime/_device_module.py": [cpu(DEVICE, MULTI, T + "device_module.py"), sim(STREAMS)],
     "flagos/core/_env.py": [cpu(ENV_DOCS, ENV, ERRORS)],
     # sim with its default dtypes: the policy acts where bfloat16 is not native
     "flagos/core/_precision.py": [cpu(T + "precision_policy.py"), sim_default(T + "precision_policy.py")],
@@ -83,7 +83,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/chips/__init__.py": [cpu(DEVICE, ERRORS, CHIP_PROFILES, LOADER)],
     "flagos/chips/adapter.py": [cpu(LOADER, ADAPTERS)],
     "flagos/chips/base.py": [cpu(DEVICE, ERRORS), sim(DEVICE)],
-    "flagos/chips/cpu.py": [cpu(DEVICE, ERRORS)],
+    "flagos/chips/cpu.py": [cpu(DEVICE, ERRORS, T + "device_module.py")],
     "flagos/chips/cuda.py": [cpu(CHIP_NAMES, ERRORS, DIAGNOSE)],
     "flagos/chips/names.py": [cpu(CHIP_NAMES, ERRORS)],
     "flagos/chips/mlu.py": [cpu(ERRORS, DIAGNOSE, CHIP_PROFILES)],
