@@ -21,6 +21,7 @@ from torch.testing import assert_close
 
 import flagos
 from flagos.runtime import _tracing
+from flagos.runtime._tensor import FlagosTensor
 
 pytestmark = device_mode_only
 COMPILES = CHIP == "cpu"  # chips whose flagos tensors hold torch tensors
@@ -284,3 +285,134 @@ def test_adapter_chip_fullgraph_names_the_reason(dev):
         warnings.simplefilter("ignore", UserWarning)
         with pytest.raises(Exception, match="C-ABI adapter chip"):
             torch.compile(lambda t: t * 2, fullgraph=True)(torch.ones(3, device=dev))
+
+
+class LlamaBlock(torch.nn.Module):
+    """One Llama decoder layer with its rotary embedding, as a model runs it: the positions
+    are made on the input's device inside the graph."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        config._attn_implementation = "sdpa"
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        return self.layer(x, position_embeddings=self.rotary(x, positions))
+
+
+def graphs_compiled() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_llama_block_compiles_once_per_shape(dev):
+    """A compiled Llama block matches plain PyTorch eager; a second call with new values is
+    served by the same graph (no recompilation); a new sequence length compiles again and is
+    right too; every call is counted; the outputs are flagos tensors that carry autograd."""
+    ref = LlamaBlock()
+    compiled = torch.compile(copy.deepcopy(ref).to(dev))
+    g = torch.Generator().manual_seed(1)
+    x1, x2, x3 = torch.randn(2, 8, 32, generator=g), torch.randn(2, 8, 32, generator=g), \
+        torch.randn(2, 5, 32, generator=g)
+    flagos.reset_report()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # sim's eager-only notice
+        out1 = compiled(x1.to(dev))
+        graphs = graphs_compiled()
+        out2 = compiled(x2.to(dev))
+        assert graphs_compiled() == graphs and not counters["recompiles"]  # the same graph
+        out3 = compiled(x3.to(dev))
+    for out, x in ((out1, x1), (out2, x2), (out3, x3)):
+        assert isinstance(out, flagos.FlagosTensor) and out.device == dev
+        assert out.requires_grad  # the block's parameters require grad
+        assert_close(out.detach().cpu(), ref(x).detach(), rtol=1e-5, atol=1e-5)
+    assert_no_graph_break()
+    if COMPILES:
+        assert graphs_compiled() > graphs  # the new shape compiled its own graph
+    assert flagos.fallback_report().compiled_calls == (3 if COMPILES else 0)
+    with torch.no_grad():
+        assert not compiled(x2.to(dev)).requires_grad
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_compiled_calls_do_not_ask_flagos_tensors_to_flatten(dev, monkeypatch):
+    """Dynamo guards a tensor subclass by asking it for `__tensor_flatten__` twice per input on
+    every call (in Python, from C++): for a flagos tensor the answer is a constant, and those
+    guards are dropped. Other subclasses keep them (the check still runs for them)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    calls = {FlagosTensor: 0, TwoTensor: 0}
+
+    def counting(cls):
+        flatten = cls.__tensor_flatten__
+
+        def counted(self):
+            calls[cls] += 1
+            return flatten(self)
+        return counted
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    compiled = torch.compile(copy.deepcopy(ref).to(dev))
+    x = torch.randn(5, 8)
+    two = TwoTensor(x.clone(), x.clone())
+    add = torch.compile(lambda t: t + 1)
+    with torch.no_grad():
+        compiled(x.to(dev))
+        add(two)
+        monkeypatch.setattr(FlagosTensor, "__tensor_flatten__", counting(FlagosTensor))
+        monkeypatch.setattr(TwoTensor, "__tensor_flatten__", counting(TwoTensor))
+        out = compiled(x.to(dev))
+        add(two)
+    assert calls[FlagosTensor] == 0
+    assert calls[TwoTensor] > 0
+    assert_close(out.cpu(), ref(x), rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_guards_still_tell_flagos_and_plain_tensors_apart(dev):
+    """The guards that stay check the input's type and its payload: a plain CPU tensor in place
+    of a flagos one compiles its own graph (a plain output), and the flagos graph is kept."""
+    def f(t):
+        return t * 2 + 1
+
+    compiled = torch.compile(f)
+    x = torch.randn(4, 3)
+    flagos.reset_report()
+    out = compiled(x.to(dev))
+    graphs = graphs_compiled()
+    plain = compiled(x)
+    assert graphs_compiled() == graphs + 1
+    assert type(plain) is torch.Tensor and plain.device.type == "cpu"
+    again = compiled(x.to(dev))
+    assert graphs_compiled() == graphs + 1  # served by the first graph
+    assert isinstance(again, flagos.FlagosTensor) and again.device == dev
+    for result in (out, plain, again):
+        assert_close(result.cpu(), f(x))
+    assert flagos.fallback_report().compiled_calls == 2  # the flagos graph's calls only
+
+
+def test_reduce_overhead_mode(dev):
+    """mode="reduce-overhead" asks for CUDA graphs; a CPU payload has none: Inductor skips
+    them and the graph runs as in the default mode (on sim the function runs eagerly)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    compiled = torch.compile(copy.deepcopy(ref).to(dev), mode="reduce-overhead")
+    x = torch.randn(5, 8)
+    flagos.reset_report()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        outs = [compiled((x * i).to(dev)) for i in range(3)]
+    for i, out in enumerate(outs):
+        assert isinstance(out, flagos.FlagosTensor) and out.device == dev
+        assert_close(out.cpu(), ref(x * i), rtol=1.3e-6, atol=1e-5)
+    assert_no_graph_break()
+    assert flagos.fallback_report().compiled_calls == (3 if COMPILES else 0)
+    if COMPILES:  # Inductor said it skipped them, as for a plain CPU graph
+        assert counters["inductor"]["cudagraph_skips"] >= 1

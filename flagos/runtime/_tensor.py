@@ -24,6 +24,7 @@ _META = torch.device("meta")
 
 _BASE_DATA = torch._C.TensorBase.data
 _BASE_COMPATIBLE = torch._has_compatible_shallow_copy_type
+_PLAIN = torch.Tensor  # a real payload's exact type (a traced one is a subclass: fake, functional)
 
 
 class FlagosTensor(torch.Tensor):
@@ -112,11 +113,18 @@ class FlagosTensor(torch.Tensor):
 
     # -- torch.compile: one inner tensor, no extra metadata (runtime/_tracing.py) --
     def __tensor_flatten__(self):
+        # Dynamo's guards call this twice per flagos input on every compiled call: a payload
+        # that is a plain tensor answers at once (a traced one is fake: _tracing.flatten).
+        if type(self._payload) is _PLAIN:
+            return ["_payload"], None
         return _tracing.flatten(self)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        return wrap(inner_tensors["_payload"])
+        payload = inner_tensors["_payload"]
+        if type(payload) is not _PLAIN:  # fake or functional: a compilation is tracing
+            _tracing.unflattened(payload)
+        return wrap(payload)
 
     def _stable_hash_for_caching(self) -> str:
         return _tracing.cache_key(self)

@@ -1,9 +1,9 @@
 """What torch.compile's tracers ask of a flagos tensor (its `__tensor_flatten__`, its cache key,
 its printout while traced), and the refusals for tensors they cannot trace.
 
-Dynamo and AOTAutograd flatten every flagos input, so `flatten` is where a compilation first
-meets flagos: it runs the hook integrations/_compile.py installs at activation (registering the
-flagos device with Inductor). A C-ABI chip's tensors hold adapter buffers and cannot be traced.
+Dynamo makes a fake copy of every flagos input (`__tensor_unflatten__` over a fake payload)
+before it traces anything, so that is where a compilation first meets flagos: it runs the hook
+integrations/_compile.py installs at activation (registering the flagos device with Inductor). A C-ABI chip's tensors hold adapter buffers and cannot be traced.
 """
 from __future__ import annotations
 
@@ -28,12 +28,14 @@ def on_first_trace(hook) -> None:
 
 
 def flatten(tensor):
-    """`__tensor_flatten__` of a flagos tensor: its one inner tensor is the payload. Dynamo and
-    AOTAutograd call it on every flagos input, so it is where a compilation meets flagos."""
+    """`__tensor_flatten__` of a flagos tensor whose payload is not a plain tensor (that case
+    answers in `FlagosTensor.__tensor_flatten__` itself, the one Dynamo's guards meet on every
+    compiled call): its one inner tensor is the payload. A fake or functional payload means a
+    compilation is tracing; an adapter buffer cannot be traced."""
     payload = tensor._payload
     if "torch._dynamo" not in sys.modules:
         return ["_payload"], None
-    if torch._guards.TracingContext.try_get() is None and not torch.compiler.is_compiling():
+    if not _compiling():
         # A library, not a compilation, asks for the inner tensors (huggingface_hub's storage
         # ids when saving): nothing of Inductor to register for it, which costs seconds.
         if not isinstance(payload, torch.Tensor):
@@ -41,14 +43,33 @@ def flatten(tensor):
         return ["_payload"], None
     if not isinstance(payload, torch.Tensor):
         refuse_trace()
+    _meet_compilation()
+    return ["_payload"], None
+
+
+def unflattened(payload) -> None:
+    """`__tensor_unflatten__` was handed a payload that is not a plain tensor. Dynamo makes
+    the fake copy of every flagos input this way before it traces anything, so this is where
+    a compilation first meets flagos (the guards' `__tensor_flatten__` calls, on real
+    tensors, stay a type check)."""
+    if "torch._dynamo" in sys.modules and _compiling():
+        _meet_compilation()
+
+
+def _compiling() -> bool:
+    return torch._guards.TracingContext.try_get() is not None or torch.compiler.is_compiling()
+
+
+def _meet_compilation() -> None:
+    """A compilation traces flagos tensors: Dynamo must skip flagos's own frames, Inductor
+    must know the flagos device (the hook), and the compilation is marked: its graphs are
+    graphs over flagos tensors (the wrapper code reads the mark)."""
     skip_flagos_frames()
     if _on_first_trace is not None:
         _on_first_trace()
-    # Mark the compilation under way: its graphs are graphs over flagos tensors.
     context = torch._guards.TracingContext.try_get()
     if context is not None:
         context.flagos_graph = True
-    return ["_payload"], None
 
 
 def cache_key(tensor) -> str:
