@@ -99,6 +99,10 @@ class AdapterChip(HostGenerator):
             log.warning("flagos: chip %s skipped: %s", self.name, e)
             return False
 
+    def picked_by_auto(self) -> bool:
+        """Whether `auto` takes this chip when it gets to it: when it has a device."""
+        return self.detect()
+
     @property
     def vendor(self) -> str:
         return self._vendor or (self._adapter.vendor if self._adapter else "")
