@@ -73,6 +73,7 @@ class AdapterChip(HostGenerator):
     payload_is_host = False
     torch_type = None
     collective_backend = "gloo"
+    install = ""  # how to get the library and a device, for `flagos diagnose`
 
     def __init__(self, name: str, vendor: str = ""):
         self.name = name

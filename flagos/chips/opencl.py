@@ -19,6 +19,8 @@ INSTALL = ("install the OpenCL headers and ICD loader (Debian/Ubuntu: `apt-get i
 
 
 class OpenCLChip(AdapterChip):
+    install = f"to use it, {INSTALL}"
+
     @property
     def adapter(self):
         if self._adapter is None:
