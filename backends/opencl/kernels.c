@@ -251,9 +251,13 @@ static int32_t launch(int32_t device, int32_t dtype, int which, const arg_list *
         if (err != CL_SUCCESS)
             return ocl_cl_fail(status, err, "clSetKernelArg");
     }
+    cl_event done = NULL;
     cl_int err = clEnqueueNDRangeKernel(ocl.devices[device].current, k, dims, NULL, global, NULL,
-                                        0, NULL, NULL);
-    return err == CL_SUCCESS ? ocl_ok(status) : ocl_cl_fail(status, err, "clEnqueueNDRangeKernel");
+                                        0, NULL, &done);
+    if (err != CL_SUCCESS)
+        return ocl_cl_fail(status, err, "clEnqueueNDRangeKernel");
+    ocl_track(device, done);
+    return ocl_ok(status);
 }
 
 /* Work items for a grid-stride loop over n elements. */

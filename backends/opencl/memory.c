@@ -303,10 +303,13 @@ int32_t ocl_copy_d2d(int32_t dst_device, flagos_buffer dst, uint64_t dst_offset,
             free(staging);
             return rc;
         }
+        cl_event done = NULL;
         err = clEnqueueCopyBuffer(ocl.devices[dst_device].current, s->mem, d->mem, src_offset,
-                                  dst_offset, nbytes, 0, NULL, NULL);
-        return err == CL_SUCCESS ? ocl_ok(status)
-                                 : ocl_cl_fail(status, err, "clEnqueueCopyBuffer");
+                                  dst_offset, nbytes, 0, NULL, &done);
+        if (err != CL_SUCCESS)
+            return ocl_cl_fail(status, err, "clEnqueueCopyBuffer");
+        ocl_track(dst_device, done);
+        return ocl_ok(status);
     }
     void *staging = malloc(nbytes);
     if (staging == NULL)

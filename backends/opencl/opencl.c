@@ -32,6 +32,9 @@ typedef struct ocl_object {
     uint32_t flags;          /* events: FLAGOS_EVENT_TIMING */
     cl_command_queue queue;  /* streams */
     cl_event marker;         /* events: NULL until recorded */
+    cl_event last;           /* streams: the last command enqueued (kernels, device copies,
+                              * waits for events) */
+    cl_event captured;       /* events: the stream's last command when recorded (NULL: none) */
     UT_hash_handle hh;
 } ocl_object;
 
@@ -328,8 +331,26 @@ static int has_extension(cl_device_id id, const char *name)
     return found;
 }
 
+/* FLAGOS_OPENCL_FP16: `auto` (unset): float16 is native where the device has cl_khr_fp16;
+ * `on`: everywhere (the kernels compute in float and only load and store half, with
+ * vload_half/vstore_half, which every OpenCL 1.2 device has); `off`: nowhere. */
+static int32_t read_fp16_mode(int *mode, flagos_status *status)
+{
+    const char *v = getenv("FLAGOS_OPENCL_FP16");
+    *mode = -1;
+    if (v == NULL || *v == '\0' || strcmp(v, "auto") == 0)
+        return ocl_ok(status);
+    if (strcmp(v, "on") == 0 || strcmp(v, "off") == 0) {
+        *mode = strcmp(v, "on") == 0;
+        return ocl_ok(status);
+    }
+    return ocl_fail(status, OCL_ERROR_CONFIG, "FLAGOS_OPENCL_FP16='%s' is not valid; use auto "
+                    "(float16 where the device has cl_khr_fp16), on or off, e.g. "
+                    "FLAGOS_OPENCL_FP16=on", v);
+}
+
 static int32_t open_device(ocl_device *d, const machine_device *m, int32_t machine_index,
-                           flagos_status *status)
+                           int fp16_mode, flagos_status *status)
 {
     cl_int err;
     char platform[64] = "";
@@ -349,7 +370,7 @@ static int32_t open_device(ocl_device *d, const machine_device *m, int32_t machi
     d->total_memory = total;
     d->max_alloc = max_alloc;
     d->native_dtypes = FLAGOS_DTYPE_BIT(FLAGOS_FLOAT32);
-    if (has_extension(m->id, "cl_khr_fp16"))
+    if (fp16_mode == 1 || (fp16_mode == -1 && has_extension(m->id, "cl_khr_fp16")))
         d->native_dtypes |= FLAGOS_DTYPE_BIT(FLAGOS_FLOAT16);
     if (has_extension(m->id, "cl_khr_fp64"))
         d->native_dtypes |= FLAGOS_DTYPE_BIT(FLAGOS_FLOAT64);
@@ -363,6 +384,7 @@ static int32_t open_device(ocl_device *d, const machine_device *m, int32_t machi
         return ocl_cl_fail(status, err, "clCreateCommandQueue");
     }
     d->current = d->default_queue;
+    d->current_last = &d->default_last;
     return ocl_ok(status);
 }
 
@@ -372,6 +394,8 @@ static void close_device(ocl_device *d)
         clFinish(d->default_queue);
         clReleaseCommandQueue(d->default_queue);
     }
+    if (d->default_last != NULL)
+        clReleaseEvent(d->default_last);
     ocl_programs_release(d);
     if (d->context != NULL)
         clReleaseContext(d->context);
@@ -389,6 +413,10 @@ static void release_objects(void)
         }
         if (o->marker != NULL)
             clReleaseEvent(o->marker);
+        if (o->last != NULL)
+            clReleaseEvent(o->last);
+        if (o->captured != NULL)
+            clReleaseEvent(o->captured);
         free(o);
     }
 }
@@ -410,7 +438,10 @@ static int32_t ocl_init(flagos_status *status)
         return ocl_ok(status);
     machine_device machine[MACHINE_MAX_DEVICES];
     int32_t n_machine = 0, chosen[OCL_MAX_DEVICES], n_chosen = 0;
-    int32_t rc = list_machine(machine, &n_machine, status);
+    int fp16_mode = -1;
+    int32_t rc = read_fp16_mode(&fp16_mode, status);
+    if (rc == OCL_SUCCESS)
+        rc = list_machine(machine, &n_machine, status);
     if (rc == OCL_SUCCESS)
         rc = choose_devices(machine, n_machine, chosen, &n_chosen, status);
     if (rc == OCL_SUCCESS)
@@ -418,7 +449,7 @@ static int32_t ocl_init(flagos_status *status)
     if (rc != OCL_SUCCESS)
         return rc;
     for (int32_t i = 0; i < n_chosen; i++) {
-        rc = open_device(&ocl.devices[i], &machine[chosen[i]], chosen[i], status);
+        rc = open_device(&ocl.devices[i], &machine[chosen[i]], chosen[i], fp16_mode, status);
         if (rc != OCL_SUCCESS) {
             close_all();
             return rc;
@@ -442,6 +473,14 @@ int32_t ocl_check_device(int32_t device, flagos_status *status)
         return ocl_fail(status, OCL_ERROR_INVALID_DEVICE, "opencl device %d does not exist "
                         "(%d devices)", device, ocl.n_devices);
     return OCL_SUCCESS;
+}
+
+void ocl_track(int32_t device, cl_event e)
+{
+    cl_event *slot = ocl.devices[device].current_last;
+    if (*slot != NULL)
+        clReleaseEvent(*slot);
+    *slot = e;
 }
 
 static int32_t ocl_device_count(int32_t *count, flagos_status *status)
@@ -566,6 +605,8 @@ static int32_t ocl_stream_destroy(int32_t device, flagos_stream stream, flagos_s
     /* its queued work still runs; buffers freed meanwhile wait for it (memory.c) */
     clFinish(o->queue);
     clReleaseCommandQueue(o->queue);
+    if (o->last != NULL)
+        clReleaseEvent(o->last);
     HASH_DEL(objects, o);
     free(o);
     ocl.devices[device].n_streams--;
@@ -577,7 +618,9 @@ static int32_t ocl_set_stream(int32_t device, flagos_stream stream, flagos_statu
     cl_command_queue q = stream_queue(device, stream, status);
     if (q == NULL)
         return status->code;
-    ocl.devices[device].current = q;
+    ocl_device *d = &ocl.devices[device];
+    d->current = q;
+    d->current_last = stream == 0 ? &d->default_last : &lookup(device, stream, 0, status)->last;
     return ocl_ok(status);
 }
 
@@ -607,17 +650,15 @@ static int32_t event_done(cl_event e, int32_t *done, flagos_status *status)
 static int32_t ocl_stream_query(int32_t device, flagos_stream stream, int32_t *done,
                                 flagos_status *status)
 {
+    /* Host copies block; kernels and device copies are tracked: the queue is done when its
+     * last command is (markers and barriers of events only order, they compute nothing). */
     cl_command_queue q = stream_queue(device, stream, status);
     if (q == NULL)
         return status->code;
-    cl_event marker = NULL;
-    cl_int err = clEnqueueMarkerWithWaitList(q, 0, NULL, &marker);
-    if (err != CL_SUCCESS)
-        return ocl_cl_fail(status, err, "clEnqueueMarkerWithWaitList");
     clFlush(q);
-    int32_t rc = event_done(marker, done, status);
-    clReleaseEvent(marker);
-    return rc;
+    cl_event last = stream == 0 ? ocl.devices[device].default_last
+                                : lookup(device, stream, 0, status)->last;
+    return event_done(last, done, status);
 }
 
 static int32_t ocl_event_create(int32_t device, uint32_t flags, flagos_event *event,
@@ -643,6 +684,8 @@ static int32_t ocl_event_destroy(int32_t device, flagos_event event, flagos_stat
         return status->code;
     if (o->marker != NULL)
         clReleaseEvent(o->marker);
+    if (o->captured != NULL)
+        clReleaseEvent(o->captured);
     HASH_DEL(objects, o);
     free(o);
     return ocl_ok(status);
@@ -665,6 +708,12 @@ static int32_t ocl_event_record(int32_t device, flagos_event event, flagos_strea
     if (o->marker != NULL)
         clReleaseEvent(o->marker);
     o->marker = marker;
+    if (o->captured != NULL)
+        clReleaseEvent(o->captured);
+    o->captured = stream == 0 ? ocl.devices[device].default_last
+                              : lookup(device, stream, 0, status)->last;
+    if (o->captured != NULL)
+        clRetainEvent(o->captured);
     return ocl_ok(status);
 }
 
@@ -679,9 +728,16 @@ static int32_t ocl_stream_wait_event(int32_t device, flagos_stream stream, flago
         return status->code;
     if (o->marker == NULL) /* never recorded: complete, nothing to wait for */
         return ocl_ok(status);
-    cl_int err = clEnqueueBarrierWithWaitList(q, 1, &o->marker, NULL);
-    return err == CL_SUCCESS ? ocl_ok(status)
-                             : ocl_cl_fail(status, err, "clEnqueueBarrierWithWaitList");
+    cl_event barrier = NULL;
+    cl_int err = clEnqueueBarrierWithWaitList(q, 1, &o->marker, &barrier);
+    if (err != CL_SUCCESS)
+        return ocl_cl_fail(status, err, "clEnqueueBarrierWithWaitList");
+    cl_event *last = stream == 0 ? &ocl.devices[device].default_last
+                                 : &lookup(device, stream, 0, status)->last;
+    if (*last != NULL)
+        clReleaseEvent(*last);
+    *last = barrier; /* the stream is done only once the event is */
+    return ocl_ok(status);
 }
 
 static int32_t ocl_event_synchronize(int32_t device, flagos_event event, flagos_status *status)
@@ -701,7 +757,8 @@ static int32_t ocl_event_query(int32_t device, flagos_event event, int32_t *done
     ocl_object *o = rc == OCL_SUCCESS ? lookup(device, event, 1, status) : NULL;
     if (o == NULL)
         return status->code;
-    return event_done(o->marker, done, status);
+    /* complete once the work it captured is, even while its marker waits in the queue */
+    return event_done(o->captured, done, status);
 }
 
 static int32_t ocl_event_elapsed_ms(int32_t device, flagos_event start, flagos_event end,

@@ -36,6 +36,8 @@ typedef struct ocl_device {
     cl_context context;
     cl_command_queue default_queue;
     cl_command_queue current;          /* the queue of the current stream */
+    cl_event default_last;             /* the last command enqueued on the default queue */
+    cl_event *current_last;            /* where the current queue keeps its last command */
     int32_t n_streams;                 /* streams created and not destroyed */
     int32_t machine_index;             /* index in the machine's list of OpenCL devices */
     char name[128];                    /* "device (platform, driver X)" */
@@ -69,6 +71,9 @@ int32_t ocl_ok(flagos_status *status);
 /* An OpenCL failure of `what`: code OCL_CL_BASE - err, message naming the OpenCL code. */
 int32_t ocl_cl_fail(flagos_status *status, cl_int err, const char *what);
 const char *ocl_cl_name(cl_int err);
+/* Keeps `e` (a command just enqueued on the device's current queue, owned from here) as that
+ * queue's last command, which stream_query() asks about; releases the one before. */
+void ocl_track(int32_t device, cl_event e);
 /* OK when `device` is an initialized device of this process. */
 int32_t ocl_check_device(int32_t device, flagos_status *status);
 

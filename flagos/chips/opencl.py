@@ -38,7 +38,7 @@ class OpenCLChip(AdapterChip):
 
     def why_unavailable(self) -> str:
         try:
-            self.adapter
+            _ = self.adapter
         except (AdapterError, DeviceError) as e:
             return str(e)
         return "available"
