@@ -71,7 +71,9 @@ def test_broken_adapters_and_a_failed_device_are_reported_with_every_other_chip(
     assert chips["sim"]["versions"] == {"adapter_abi": "{}.{}".format(*flagos._C.load_adapter(
         chips["sim"]["source"]).abi)} and chips["sim"]["device_count"] == 2
     smoke = {r["chip"]: r for r in found["smoke"]}
-    assert sorted(smoke) == ["cpu", "sim"]
+    # and opencl's where the opencl adapter is built and finds a device (PoCL)
+    assert sorted(set(smoke) - {"opencl"}) == ["cpu", "sim"]
+    assert "opencl" not in smoke or smoke["opencl"]["verdict"] != "fail", smoke["opencl"]
     assert [c["name"] for c in smoke["cpu"]["checks"]] == CHECKS
     assert smoke["cpu"]["verdict"] == "ok" and all(c["level"] == "OK" for c in smoke["cpu"]["checks"])
     # sim's second device is in a failed state: the round trip through it fails, the rest passes
