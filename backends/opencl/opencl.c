@@ -359,11 +359,14 @@ static int32_t open_device(ocl_device *d, const machine_device *m, int32_t machi
     d->id = m->id;
     d->type = m->type;
     d->machine_index = machine_index;
-    clGetDeviceInfo(m->id, CL_DEVICE_NAME, sizeof d->device_name - 1, d->device_name, NULL);
-    clGetDeviceInfo(m->id, CL_DRIVER_VERSION, sizeof d->driver - 1, d->driver, NULL);
+    char device_name[sizeof d->device_name] = "", driver[sizeof d->driver] = "";
+    clGetDeviceInfo(m->id, CL_DEVICE_NAME, sizeof device_name - 1, device_name, NULL);
+    clGetDeviceInfo(m->id, CL_DRIVER_VERSION, sizeof driver - 1, driver, NULL);
     clGetPlatformInfo(m->platform, CL_PLATFORM_NAME, sizeof platform - 1, platform, NULL);
-    snprintf(d->name, sizeof d->name, "%.56s (%.36s, driver %.20s)", d->device_name, platform,
-             d->driver);
+    memcpy(d->device_name, device_name, sizeof device_name);
+    memcpy(d->driver, driver, sizeof driver);
+    snprintf(d->name, sizeof d->name, "%.56s (%.36s, driver %.20s)", device_name, platform,
+             driver);
     cl_ulong total = 0, max_alloc = 0;
     clGetDeviceInfo(m->id, CL_DEVICE_GLOBAL_MEM_SIZE, sizeof total, &total, NULL);
     clGetDeviceInfo(m->id, CL_DEVICE_MAX_MEM_ALLOC_SIZE, sizeof max_alloc, &max_alloc, NULL);
