@@ -764,6 +764,20 @@ static int32_t ocl_event_query(int32_t device, flagos_event event, int32_t *done
     return event_done(o->captured, done, status);
 }
 
+/* When a recorded event became true: when it was recorded, or when the work it captured
+ * finished, whichever is later (its marker's own end adds the queue's scheduling delay). */
+static cl_int event_time(const ocl_object *o, cl_ulong *when)
+{
+    cl_ulong queued = 0, finished = 0;
+    cl_int err = clGetEventProfilingInfo(o->marker, CL_PROFILING_COMMAND_QUEUED, sizeof queued,
+                                         &queued, NULL);
+    if (err == CL_SUCCESS && o->captured != NULL)
+        err = clGetEventProfilingInfo(o->captured, CL_PROFILING_COMMAND_END, sizeof finished,
+                                      &finished, NULL);
+    *when = queued > finished ? queued : finished;
+    return err;
+}
+
 static int32_t ocl_event_elapsed_ms(int32_t device, flagos_event start, flagos_event end,
                                     double *ms, flagos_status *status)
 {
@@ -786,10 +800,9 @@ static int32_t ocl_event_elapsed_ms(int32_t device, flagos_event start, flagos_e
         return ocl_fail(status, OCL_ERROR_INVALID_VALUE, "both events must be complete before "
                         "the time between them is asked; synchronize one first");
     cl_ulong t0 = 0, t1 = 0;
-    cl_int err = clGetEventProfilingInfo(a->marker, CL_PROFILING_COMMAND_END, sizeof t0, &t0,
-                                         NULL);
+    cl_int err = event_time(a, &t0);
     if (err == CL_SUCCESS)
-        err = clGetEventProfilingInfo(b->marker, CL_PROFILING_COMMAND_END, sizeof t1, &t1, NULL);
+        err = event_time(b, &t1);
     if (err != CL_SUCCESS)
         return ocl_cl_fail(status, err, "clGetEventProfilingInfo");
     *ms = ((double)t1 - (double)t0) / 1e6;
