@@ -74,6 +74,7 @@ class AdapterChip(HostGenerator):
     torch_type = None
     collective_backend = "gloo"
     install = ""  # how to get the library and a device, for `flagos diagnose`
+    fork_safe = True  # a forked child may use the library loaded before the fork
 
     def __init__(self, name: str, vendor: str = ""):
         self.name = name

@@ -20,6 +20,7 @@ INSTALL = ("install the OpenCL headers and ICD loader (Debian/Ubuntu: `apt-get i
 
 class OpenCLChip(AdapterChip):
     install = f"to use it, {INSTALL}"
+    fork_safe = False  # OpenCL drivers (PoCL included) run threads a fork does not copy
 
     @property
     def adapter(self):
