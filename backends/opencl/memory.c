@@ -60,23 +60,28 @@ static void release_cache(ocl_device *d)
     d->cache_pending = 0;
 }
 
-/* A cached buffer of class `rounded`, taken out of the cache; NULL when there is none. */
-static cl_mem take_cached(int32_t device, uint64_t rounded, flagos_status *status)
+/* A cached buffer of class `rounded` taken out of the cache into *mem (NULL when there is
+ * none); fails only when waiting for the device's queued work fails. */
+static int32_t take_cached(int32_t device, uint64_t rounded, cl_mem *mem, flagos_status *status)
 {
     ocl_device *d = &ocl.devices[device];
     ocl_cached_block **link = &d->cache;
+    *mem = NULL;
     while (*link != NULL && (*link)->rounded != rounded)
         link = &(*link)->next;
     if (*link == NULL)
-        return NULL;
-    if (d->cache_pending && ocl_finish_device(device, status) != OCL_SUCCESS)
-        return NULL;
+        return OCL_SUCCESS;
+    if (d->cache_pending) {
+        int32_t rc = ocl_finish_device(device, status);
+        if (rc != OCL_SUCCESS)
+            return rc;
+    }
     ocl_cached_block *b = *link;
     *link = b->next;
-    cl_mem mem = b->mem;
+    *mem = b->mem;
     d->cached -= b->rounded;
     free(b);
-    return mem;
+    return OCL_SUCCESS;
 }
 
 int32_t ocl_alloc(int32_t device, uint64_t nbytes, flagos_buffer *buffer, flagos_status *status)
@@ -95,10 +100,11 @@ int32_t ocl_alloc(int32_t device, uint64_t nbytes, flagos_buffer *buffer, flagos
     ocl_allocation *a = calloc(1, sizeof *a);
     if (a == NULL)
         return ocl_fail(status, OCL_ERROR_HOST_MEMORY, "host memory ran out");
-    cl_mem mem = take_cached(device, rounded, status);
-    if (mem == NULL && status != NULL && status->code != OCL_SUCCESS) {
+    cl_mem mem = NULL;
+    rc = take_cached(device, rounded, &mem, status);
+    if (rc != OCL_SUCCESS) {
         free(a);
-        return status->code;
+        return rc;
     }
     if (mem == NULL) {
         uint64_t reserved = d->allocated + d->cached;
