@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: everything in device mode on the cpu chip (with native mode, autoload, the
 # adapter ABI and the real models), the chip-dependent tests again on the emulated accelerator
-# sim and on the opencl chip (PoCL), and the AddressSanitizer and UndefinedBehaviorSanitizer jobs over the C router, the
-# loader and the sim adapter.
+# sim and on the opencl chip (PoCL), and the AddressSanitizer and UndefinedBehaviorSanitizer
+# jobs over the C router, the loader and the sim adapter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
