@@ -50,7 +50,7 @@ def _pick_chip(device: str) -> TorchChip:
     if name == "auto":
         for candidate in chips.auto_order():
             profile = chips.profile(candidate)
-            if profile.detect():
+            if profile.picked_by_auto():
                 return profile
         raise ChipNotFoundError("no chip found (not even cpu)")  # unreachable: cpu is always there
     typed = device.strip()

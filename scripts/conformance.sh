@@ -6,6 +6,7 @@
 #   scripts/conformance.sh                     full sweep; writes its table to docs/conformance.md
 #   scripts/conformance.sh --ops 'add,fft.*'   quick check of some ops (globs over op[.variant])
 #   scripts/conformance.sh --chips sim --dtypes complex64 --directions bwd
+#   scripts/conformance.sh --chips opencl      one chip alone (any chip flagos knows: opencl here)
 #
 # Exits non-zero on a failing case (mismatch, stride, error, crash) that
 # tests/conformance/expected_failures.py does not list, and, on a full sweep, on a listed

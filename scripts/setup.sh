@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# Set up a fresh machine for flagos: uthash (Debian's uthash-dev), PyTorch (2.13.0 CPU build
-# when no torch is installed) and flagos itself with its test and example extras.
+# Set up a fresh machine for flagos: uthash (Debian's uthash-dev), the OpenCL headers, ICD loader
+# and PoCL (for the opencl chip), PyTorch (2.13.0 CPU build when no torch is installed) and
+# flagos itself with its test and example extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
+SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
 if ! echo '#include <uthash.h>' | cc -E -x c - >/dev/null 2>&1; then
     if command -v apt-get >/dev/null; then
-        SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
         $SUDO apt-get update -qq
         $SUDO apt-get install -y -qq uthash-dev
     else
         echo "uthash.h is missing: install uthash (Debian/Ubuntu: uthash-dev, macOS: brew install uthash)" >&2
         exit 1
+    fi
+fi
+
+# The opencl chip: OpenCL headers, the ICD loader and PoCL (OpenCL on the CPU, what the suite's
+# opencl run uses). Without them the build skips the opencl adapter and says so.
+if ! echo '#include <CL/cl.h>' | cc -E -x c - >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null; then
+        $SUDO apt-get update -qq
+        $SUDO apt-get install -y -qq ocl-icd-opencl-dev opencl-headers pocl-opencl-icd clinfo
+    else
+        echo "CL/cl.h is missing: the opencl chip will not be built (Debian/Ubuntu: apt-get install ocl-icd-opencl-dev opencl-headers pocl-opencl-icd)" >&2
     fi
 fi
 

@@ -70,9 +70,9 @@ def script(tmp_path_factory):
     return path
 
 
-# Two runs serve every test: cpu with --target sim, and sim with --target cpu (this one's
-# script exits with status 3 after its work, and its JSON goes to stdout).
-RUNS = {"cpu": ("sim", "0"), "sim": ("cpu", "3")}
+# Two runs serve every test: cpu with --target sim, and sim (or opencl) with --target cpu (this
+# one's script exits with status 3 after its work, and its JSON goes to stdout).
+RUNS = {"cpu": ("sim", "0"), "sim": ("cpu", "3"), "opencl": ("cpu", "3")}
 _runs = {}
 
 

@@ -15,7 +15,8 @@ SIM = {"FLAGOS_SIM_DEVICES": "3", "FLAGOS_SIM_MEMORY": "48M",
 def test_json_has_one_row_per_device_and_names_the_failed_one():
     rows = run_json("devices", env=SIM, returncode=1)  # 1: a device is in a failed state
     by_device = {(r["chip"], r["index"]): r for r in rows}
-    assert sorted(by_device) == [("cpu", 0), ("sim", 0), ("sim", 1), ("sim", 2)]
+    # (and opencl's devices where the opencl adapter is built and finds one)
+    assert sorted(k for k in by_device if k[0] != "opencl") == [("cpu", 0), ("sim", 0), ("sim", 1), ("sim", 2)]
 
     host = next(d for d in flagos.list_devices() if d.chip == "cpu")
     cpu = by_device[("cpu", 0)]
@@ -44,7 +45,8 @@ def test_csv_has_the_same_rows():
     assert [r["index"] for r in sim] == ["0", "1", "2"]
     assert sim[1]["memory_total"] == str(48 * 2**20) and sim[1]["native_dtypes"] == "float32 float16 bfloat16"
     assert sim[2]["memory_total"] == "" and "SIM_ERROR_DEVICE_LOST" in sim[2]["status"]
-    assert rows[0]["chip"] == "cpu" and int(rows[0]["memory_total"]) > 0
+    cpu = next(r for r in rows if r["chip"] == "cpu")
+    assert int(cpu["memory_total"]) > 0
 
 
 def test_table_and_usage_errors(capsys):
@@ -54,7 +56,7 @@ def test_table_and_usage_errors(capsys):
     expected = flagos.tools.devices()
     assert len(lines) == 2 + len(expected)
     for line, row in zip(lines[2:], expected):
-        assert line.startswith(f"{row['chip']:<4}  {row['index']}") and row["name"] in line
+        assert line.split()[:2] == [row["chip"], str(row["index"])] and row["name"] in line
     try:
         main(["devices", "--json", "--csv"])
     except SystemExit as e:

@@ -152,12 +152,15 @@ def test_device_module(dev):
     m.synchronize()
     base = m.memory_allocated()
     held = torch.empty(1000, device=dev)
-    # sim counts its pool byte for byte; PyTorch keeps no allocator statistics for the CPU (0)
-    grown = 4000 if CHIP == "sim" else 0
+    # sim counts its pool byte for byte, opencl its size classes (512-byte steps), and it keeps
+    # freed buffers for reuse; PyTorch keeps no allocator statistics for the CPU (0)
+    grown = {"sim": 4000, "opencl": 4096}.get(CHIP, 0)
     assert m.memory_allocated() == base + grown and m.max_memory_allocated() >= base + grown
-    assert m.memory_reserved() == m.memory_allocated()
+    if CHIP != "opencl":
+        assert m.memory_reserved() == m.memory_allocated()
     del held
     assert m.memory_allocated() == base
+    assert m.memory_reserved() >= m.memory_allocated()
     m.reset_peak_memory_stats()
     m.empty_cache()
     free, total = m.mem_get_info()

@@ -4,6 +4,7 @@ import torch
 from conftest import CHIP, device_mode_only, run_python
 
 import flagos
+from flagos.chips import opencl as opencl_chip
 
 pytestmark = device_mode_only
 
@@ -28,14 +29,14 @@ def test_zero_dim_cpu_tensors_mix_like_pytorch(dev):
 
 
 def test_unknown_chip_lists_the_choices():
-    with pytest.raises(flagos.ChipNotFoundError, match=r"unknown chip 'tpu'; known chips: npu, mlu, musa, cuda, xpu, mps, cpu"):
+    with pytest.raises(flagos.ChipNotFoundError, match=r"unknown chip 'tpu'; known chips: npu, mlu, musa, cuda, xpu, mps, opencl, cpu"):
         flagos.activate("tpu")
 
 
 def test_absent_chip_says_what_is_available():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(flagos.ChipNotFoundError, match=r"chip 'cuda' is not available.*available here: cpu"):
+    with pytest.raises(flagos.ChipNotFoundError, match=r"chip 'cuda' is not available.*available here: (opencl, )?cpu"):
         flagos.activate("cuda")
 
 
@@ -77,6 +78,18 @@ def test_bad_environment_values(var, value, expected):
     """, env={var: value, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     import re
     assert re.search(expected, proc.stdout), proc.stdout
+
+
+def test_opencl_adapter_not_built_names_the_packages(monkeypatch):
+    """Where setup.py found no OpenCL headers or ICD loader, asking for opencl says what to
+    install and how to rebuild (tests/test_opencl.py checks the machine without a device)."""
+    monkeypatch.setattr(opencl_chip, "find_library", lambda name: None)
+    chip = opencl_chip.OpenCLChip("opencl")
+    assert not chip.detect() and not chip.picked_by_auto()
+    with pytest.raises(flagos.AdapterError, match=r"the OpenCL adapter was not built .*"
+                       r"ocl-icd-opencl-dev opencl-headers.*rebuild flagos"):
+        _ = chip.adapter
+    assert "ocl-icd-opencl-dev" in chip.why_unavailable()
 
 
 def test_slot_taken_by_another_plugin():

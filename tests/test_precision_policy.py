@@ -49,7 +49,9 @@ def test_supports_dtype_and_preferred_dtype_follow_the_chip():
     assert flagos.supports_dtype(torch.float32) and flagos.supports_dtype("float32")
     assert flagos.supports_dtype(torch.bfloat16) == ("bfloat16" in native)
     assert flagos.supports_dtype(torch.float16) == ("float16" in native)
-    expected = {"cpu": torch.bfloat16, "sim": torch.float16}[CHIP]
+    # opencl: float16 where the device has cl_khr_fp16 (PoCL's CPU device has not)
+    opencl = torch.float16 if "float16" in native else torch.float32
+    expected = {"cpu": torch.bfloat16, "sim": torch.float16, "opencl": opencl}[CHIP]
     assert flagos.preferred_dtype() == expected
     assert flagos.supports_dtype(torch.bfloat16) == (CHIP == "cpu")  # sim's bf16 is not native
     with pytest.raises(flagos.ConfigError, match="not a torch dtype"):

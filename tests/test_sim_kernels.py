@@ -8,7 +8,8 @@ storage offset, expanded (stride 0), broadcast, 0-dim and empty, and with extrem
 large logits, infinities, NaN, fp16/bf16 rounding ties and denormals.
 
 On the cpu chip this file runs itself again in a pytest process on sim, with bfloat16
-declared native (FLAGOS_SIM_DTYPES), so `pytest tests` covers sim's kernels too.
+declared native (FLAGOS_SIM_DTYPES), so `pytest tests` covers sim's kernels too; the same
+cases run on the opencl chip from tests/test_opencl.py (dtypes its device lacks skipped).
 """
 import math
 import re
@@ -27,10 +28,13 @@ DTYPE_BITS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # FLAGOS_D
 TOL = {torch.float32: dict(atol=1e-5, rtol=1.3e-6), torch.float16: dict(atol=1e-3, rtol=1e-3),
        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 ALL_DTYPES = "float32,float16,bfloat16"
-on_sim = pytest.mark.skipif(CHIP != "sim", reason="sim kernels: runs on sim (see the test below)")
+# The C-ABI chips whose kernel tables these cases cover.
+KERNEL_CHIPS = ("sim", "opencl")
+on_sim = pytest.mark.skipif(CHIP not in KERNEL_CHIPS,
+                            reason="adapter kernels: runs on sim (see the test below) and opencl")
 
 
-@pytest.mark.skipif(CHIP == "sim", reason="this is the sim run")
+@pytest.mark.skipif(CHIP != "cpu", reason="started from the cpu run")
 def test_sim_kernels_in_a_sim_process():
     proc = run_pytest([__file__], env={"FLAGOS_TEST_CHIP": "sim", "FLAGOS_SIM_DTYPES": ALL_DTYPES})
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
@@ -51,7 +55,8 @@ def _native_dtype(dtype):
     if dtype not in DTYPE_BITS:
         return
     if str(dtype).split(".")[1] not in flagos.info()["native_dtypes"]:
-        pytest.skip(f"{dtype} is not native in this sim (FLAGOS_SIM_DTYPES)")
+        pytest.skip(f"{dtype} is not native on this {CHIP} device"
+                    + (" (FLAGOS_SIM_DTYPES)" if CHIP == "sim" else ""))
 
 
 def run_case(op, fn, args, dtype, route="native", exact=False, outputs=None):
@@ -121,14 +126,19 @@ COVERED = {
 }
 
 
+# The dtypes each chip's table claims: those of DTYPES are tested here; opencl's float64
+# kernels are tested in tests/test_opencl.py.
+CLAIMED = {"sim": {"float32", "float16", "bfloat16"}, "opencl": {"float32", "float16", "float64"}}
+
+
 @on_sim
 def test_every_kernel_and_dtype_of_the_table_is_covered():
-    table = dict(flagos.chips.profile("sim").adapter.kernels())
+    table = dict(flagos.chips.profile(CHIP).adapter.kernels())
     assert set(table) == COVERED, "kernels without a test here: " + ", ".join(sorted(set(table) - COVERED))
-    claimed = {op: {d for d, bit in DTYPE_BITS.items() if mask >> bit & 1} for op, mask in table.items()}
-    for op, dtypes in claimed.items():
-        assert dtypes == set(DTYPES), (op, dtypes)  # fp32, fp16 and bf16 are what this file tests
-        assert table[op] >> 3 == 0, (op, "claims a dtype this file does not test")
+    names = flagos.chips.adapter.DTYPE_NAMES
+    for op, mask in table.items():
+        claimed = {name for bit, name in enumerate(names) if mask >> bit & 1}
+        assert claimed == CLAIMED[CHIP], (op, claimed)
 
 
 # ---- elementwise ------------------------------------------------------------------------

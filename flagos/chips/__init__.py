@@ -12,13 +12,18 @@ from .base import DeviceInfo, TorchChip
 
 VENDOR_PLUGINS = ("npu", "mlu", "musa")
 BUILT_IN = ("cuda", "xpu", "mps", "cpu")
+# Built-in C-ABI chips that `auto` tries after PyTorch's accelerators and before cpu; each
+# says itself whether `auto` may pick it (opencl: only for a device that is not a CPU).
+PORTABLE = ("opencl",)
 EMULATED = ("sim",)  # never picked by "auto": it is for tests and for adapter authors
 
 
 def auto_order() -> tuple[str, ...]:
-    """Vendor plugins, then adapters found on FLAGOS_ADAPTER_PATH, then PyTorch's own devices."""
-    adapters = tuple(n for n in discovered_names() if n not in VENDOR_PLUGINS + BUILT_IN + EMULATED)
-    return VENDOR_PLUGINS + adapters + BUILT_IN
+    """Vendor plugins, then adapters found on FLAGOS_ADAPTER_PATH, then PyTorch's own
+    accelerators, then opencl, then cpu."""
+    adapters = tuple(n for n in discovered_names()
+                     if n not in VENDOR_PLUGINS + BUILT_IN + PORTABLE + EMULATED)
+    return VENDOR_PLUGINS + adapters + BUILT_IN[:-1] + PORTABLE + BUILT_IN[-1:]
 
 
 def known() -> tuple[str, ...]:

@@ -73,6 +73,8 @@ class AdapterChip(HostGenerator):
     payload_is_host = False
     torch_type = None
     collective_backend = "gloo"
+    install = ""  # how to get the library and a device, for `flagos diagnose`
+    fork_safe = True  # a forked child may use the library loaded before the fork
 
     def __init__(self, name: str, vendor: str = ""):
         self.name = name
@@ -98,6 +100,10 @@ class AdapterChip(HostGenerator):
         except (AdapterError, DeviceError) as e:
             log.warning("flagos: chip %s skipped: %s", self.name, e)
             return False
+
+    def picked_by_auto(self) -> bool:
+        """Whether `auto` takes this chip when it gets to it: when it has a device."""
+        return self.detect()
 
     @property
     def vendor(self) -> str:

@@ -85,6 +85,10 @@ class TorchChip:
         except Exception:  # a broken vendor package must never break flagos
             return False
 
+    def picked_by_auto(self) -> bool:
+        """Whether `auto` takes this chip when it gets to it: when it is here."""
+        return self.detect()
+
     # -- devices ---------------------------------------------------------
     def device_count(self) -> int:
         return int(self._module().device_count())

@@ -130,7 +130,8 @@ def _adapter_status(profile: AdapterChip) -> dict:
     if path is None:
         folders = ", ".join(e["folder"] for e in adapter_search_path())
         return _status(profile, "adapter", UNAVAILABLE, "library_missing",
-                       f"library missing: no libflagos_{profile.name}_adapter.so in {folders}")
+                       f"library missing: no libflagos_{profile.name}_adapter.so in {folders}"
+                       + (f"; {profile.install}" if profile.install else ""))
     try:
         adapter = load(path)
         count = adapter.device_count()
@@ -143,7 +144,8 @@ def _adapter_status(profile: AdapterChip) -> dict:
     found = {"adapter_abi": f"{major}.{minor}"}
     if count < 1:
         return _status(profile, "adapter", UNAVAILABLE, "no_devices", "no devices: the adapter "
-                       "reports 0 devices", versions_=found, source=path)
+                       "reports 0 devices" + (f"; {profile.install}" if profile.install else ""),
+                       versions_=found, source=path)
     return _status(profile, "adapter", AVAILABLE, device_count=count, versions_=found, source=path)
 
 

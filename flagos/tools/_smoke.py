@@ -154,8 +154,10 @@ def _child_environment() -> dict:
 
 
 def host_side(chip: str) -> bool:
-    """The host and C-ABI adapters: chips without GPU-driver state that a fork could break."""
-    return chip == "cpu" or isinstance(chips.profile(chip), AdapterChip)
+    """The host and C-ABI adapters: chips without GPU-driver state that a fork could break
+    (an adapter over a driver with threads of its own, such as opencl, says it is not)."""
+    profile = chips.profile(chip)
+    return chip == "cpu" or (isinstance(profile, AdapterChip) and profile.fork_safe)
 
 
 def can_fork(chip: str) -> bool:

@@ -32,4 +32,12 @@ EXPECTED = {
         *cases("*", "float32:bwd", "ormqr"),
         *cases("*", "complex64:bwd", "ormqr"),
     ],
+    # The opencl chip's matmul kernel sums each output element in float, k ascending, one fma
+    # a step (fast on a GPU; sim sums in double); CPU BLAS blocks the sum otherwise. In one
+    # backward case of `scripts/conformance.sh --chips opencl` that is one gradient element of
+    # 60 off by 1.3e-5, where the tolerance is 1e-5.
+    "opencl's float32 matmul sums in another order than CPU BLAS: one gradient element of "
+    "householder_product's backward 1.3e-5 off with a 1e-5 tolerance": [
+        "opencl:linalg.householder_product:float32:bwd",
+    ],
 }

@@ -1,0 +1,248 @@
+/* OpenCL C kernels of the opencl adapter (host side: kernels.c), built once per device and
+ * dtype: -DDT_FLOAT, -DDT_HALF (storage only: computed in float, stored rounded to nearest
+ * even) or -DDT_DOUBLE; -DHAVE_FP64 when the device has doubles, for the transcendental
+ * functions of float and half (computed in double, then rounded, as PyTorch's own CPU
+ * results are within an ulp of the exact value).
+ *
+ * Every tensor is a strided view: sizes and per-operand strides of up to 8 dims and an
+ * element offset travel in an `nd` struct passed by value. Sums accumulate in ACC (float,
+ * double for double tensors) with Kahan compensation. Formulas follow PyTorch's CPU kernels:
+ * add is fma(alpha, b, a), silu x * sigmoid(x), gelu the erf or tanh form, softmax subtracts
+ * the row's max, layer_norm uses the biased variance and 1 / sqrt(var + eps).
+ */
+#pragma OPENCL FP_CONTRACT OFF
+
+#if defined(DT_DOUBLE) || defined(HAVE_FP64)
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+#endif
+
+#if defined(DT_DOUBLE)
+typedef double T;
+typedef double ACC;
+#define LD(p, i) ((p)[i])
+#define ST(p, i, v) ((p)[i] = (v))
+#elif defined(DT_HALF)
+typedef half T;
+typedef float ACC;
+#define LD(p, i) vload_half((size_t)(i), (p))
+#define ST(p, i, v) vstore_half_rte((float)(v), (size_t)(i), (p))
+#else
+typedef float T;
+typedef float ACC;
+#define LD(p, i) ((p)[i])
+#define ST(p, i, v) ((p)[i] = (v))
+#endif
+
+#if defined(DT_DOUBLE) || defined(HAVE_FP64)
+typedef double M; /* transcendental functions */
+#else
+typedef float M;
+#endif
+
+#define MAX_DIMS 8
+
+/* Sizes of up to 8 dims, with the strides (in elements) and start offsets of up to four
+ * operands walked together. Laid out as the host's struct (all 8-byte fields first). */
+typedef struct nd {
+    long size[MAX_DIMS];
+    long stride[4][MAX_DIMS];
+    long offset[4];
+    long n;      /* product of the sizes */
+    int ndim;
+    int pad;
+} nd;
+
+/* The element offsets of the first `k` operands at row-major index `idx`. */
+inline void nd_at(const nd *s, long idx, int k, long *off)
+{
+    for (int o = 0; o < k; o++)
+        off[o] = s->offset[o];
+    for (int d = s->ndim - 1; d >= 0; d--) {
+        long size = s->size[d];
+        long c = idx % size;
+        idx /= size;
+        for (int o = 0; o < k; o++)
+            off[o] += c * s->stride[o][d];
+    }
+}
+
+/* ---- elementwise -------------------------------------------------------- */
+
+enum {
+    OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_ADD_SCALAR, OP_SUB_SCALAR, OP_MUL_SCALAR, OP_DIV_SCALAR,
+    OP_NEG, OP_RELU, OP_SILU, OP_SIGMOID, OP_TANH, OP_EXP, OP_GELU, OP_GELU_TANH
+};
+
+inline ACC apply(int op, ACC x, ACC y, ACC s0, ACC s1)
+{
+    M m = (M)x;
+    switch (op) {
+    case OP_ADD: return fma(s0, y, x);
+    case OP_SUB: return fma(-s0, y, x);
+    case OP_MUL: return x * y;
+    case OP_DIV: return x / y;
+    case OP_ADD_SCALAR: return fma(s1, s0, x);
+    case OP_SUB_SCALAR: return fma(-s1, s0, x);
+    case OP_MUL_SCALAR: return x * s0;
+    case OP_DIV_SCALAR: return x / s0;
+    case OP_NEG: return -x;
+    case OP_RELU: return x < (ACC)0 ? (ACC)0 : x; /* NaN and -0.0 pass through */
+    case OP_SILU: return (ACC)(m / ((M)1 + exp(-m)));
+    case OP_SIGMOID: return (ACC)((M)1 / ((M)1 + exp(-m)));
+    case OP_TANH: return (ACC)tanh(m);
+    case OP_EXP: return (ACC)exp(m);
+    case OP_GELU: return (ACC)((M)0.5 * m * ((M)1 + erf(m * (M)0.70710678118654752440)));
+    case OP_GELU_TANH: {
+        M inner = (M)0.79788456080286535588 * (m + (M)0.044715 * m * m * m);
+        return (ACC)((M)0.5 * m * ((M)1 + tanh(inner)));
+    }
+    default: return x;
+    }
+}
+
+__kernel void elementwise(__global T *out, __global const T *a, __global const T *b, nd s,
+                          int op, ACC s0, ACC s1)
+{
+    long off[3];
+    for (long i = get_global_id(0); i < s.n; i += get_global_size(0)) {
+        nd_at(&s, i, 3, off);
+        ACC x = LD(a, off[1]);
+        ACC y = op <= OP_DIV ? LD(b, off[2]) : (ACC)0;
+        ST(out, off[0], apply(op, x, y, s0, s1));
+    }
+}
+
+/* ---- matrix products ---------------------------------------------------- */
+
+typedef struct mm_shape {
+    long m, n, k, batches;
+    long a[4];   /* offset, batch, row and column strides */
+    long b[4];
+    long c[4];   /* addmm's self (batch stride unused) */
+    long o[4];
+} mm_shape;
+
+/* out = alpha * a@b (+ beta * c when use_c); one work item per output element, k ascending.
+ * As in BLAS, c is not read when beta is 0 and a@b is not formed when alpha is 0. */
+__kernel void matmul(__global T *out, __global const T *a, __global const T *b,
+                     __global const T *c, mm_shape s, ACC alpha, ACC beta, int use_c)
+{
+    long j = get_global_id(0), i = get_global_id(1), batch = get_global_id(2);
+    if (j >= s.n || i >= s.m || batch >= s.batches)
+        return;
+    ACC acc = 0;
+    if (alpha != (ACC)0) {
+        long pa = s.a[0] + batch * s.a[1] + i * s.a[2];
+        long pb = s.b[0] + batch * s.b[1] + j * s.b[3];
+        for (long k = 0; k < s.k; k++)
+            acc = fma((ACC)LD(a, pa + k * s.a[3]), (ACC)LD(b, pb + k * s.b[2]), acc);
+        acc = alpha == (ACC)1 ? acc : alpha * acc;
+    }
+    if (use_c && beta != (ACC)0)
+        acc = fma(beta, (ACC)LD(c, s.c[0] + i * s.c[2] + j * s.c[3]), acc);
+    ST(out, s.o[0] + batch * s.o[1] + i * s.o[2] + j * s.o[3], acc);
+}
+
+/* ---- reductions --------------------------------------------------------- */
+
+typedef struct kahan {
+    ACC sum, c;
+} kahan;
+
+inline void kahan_add(kahan *k, ACC x)
+{
+    ACC y = x - k->c;
+    ACC t = k->sum + y;
+    k->c = (t - k->sum) - y;
+    k->sum = t;
+}
+
+/* The sum of the elements `inner` walks from `base` (operand 0 of inner). */
+inline ACC sum_from(__global const T *in, long base, const nd *inner)
+{
+    kahan acc = {0, 0};
+    long off[1];
+    for (long r = 0; r < inner->n; r++) {
+        nd_at(inner, r, 1, off);
+        ACC x = LD(in, base + off[0]);
+        if (isinf(x) || isnan(x)) { /* compensation would turn inf into NaN */
+            acc.sum += x;
+            acc.c = 0;
+        } else {
+            kahan_add(&acc, x);
+        }
+    }
+    return acc.sum;
+}
+
+/* outer: kept dims (operand 0: in, 1: out); inner: reduced dims (operand 0: in). */
+__kernel void reduce(__global T *out, __global const T *in, nd outer, nd inner, int mean)
+{
+    long off[2];
+    for (long i = get_global_id(0); i < outer.n; i += get_global_size(0)) {
+        nd_at(&outer, i, 2, off);
+        ACC sum = sum_from(in, off[0], &inner);
+        ST(out, off[1], mean ? sum / (ACC)inner.n : sum);
+    }
+}
+
+/* ---- softmax ------------------------------------------------------------- */
+
+/* outer: every dim but the softmax one (operand 0: in, 1: out); one work item per row. */
+__kernel void softmax(__global T *out, __global const T *in, nd outer, long len, long in_stride,
+                      long out_stride)
+{
+    long off[2];
+    for (long i = get_global_id(0); i < outer.n; i += get_global_size(0)) {
+        nd_at(&outer, i, 2, off);
+        ACC max = -INFINITY;
+        for (long k = 0; k < len; k++) {
+            ACC x = LD(in, off[0] + k * in_stride);
+            if (x > max || isnan(x))
+                max = x;
+            if (isnan(max))
+                break;
+        }
+        kahan sum = {0, 0};
+        for (long k = 0; k < len; k++)
+            kahan_add(&sum, (ACC)exp((M)LD(in, off[0] + k * in_stride) - (M)max));
+        for (long k = 0; k < len; k++) {
+            ACC e = (ACC)exp((M)LD(in, off[0] + k * in_stride) - (M)max);
+            ST(out, off[1] + k * out_stride, e / sum.sum);
+        }
+    }
+}
+
+/* ---- layer norm ------------------------------------------------------------ */
+
+/* rows: the leading dims (operands x, y, mean, rstd); norm: the normalized dims (operands x,
+ * y, weight, bias, the latter two with their offsets). One work item per row. */
+__kernel void layer_norm(__global T *y, __global T *mean_out, __global T *rstd_out,
+                         __global const T *x, __global const T *w, __global const T *b,
+                         nd rows, nd norm, int has_w, int has_b, ACC eps)
+{
+    long r_off[4], n_off[4];
+    for (long i = get_global_id(0); i < rows.n; i += get_global_size(0)) {
+        nd_at(&rows, i, 4, r_off);
+        ACC mean = norm.n > 0 ? sum_from(x, r_off[0], &norm) / (ACC)norm.n : (ACC)0;
+        kahan sq = {0, 0};
+        for (long k = 0; k < norm.n; k++) {
+            nd_at(&norm, k, 1, n_off);
+            ACC d = LD(x, r_off[0] + n_off[0]) - mean;
+            kahan_add(&sq, d * d);
+        }
+        ACC var = norm.n > 0 ? sq.sum / (ACC)norm.n : (ACC)NAN;
+        ACC rstd = (ACC)1 / sqrt(var + eps);
+        for (long k = 0; k < norm.n; k++) {
+            nd_at(&norm, k, 4, n_off);
+            ACC v = (LD(x, r_off[0] + n_off[0]) - mean) * rstd;
+            if (has_w)
+                v = v * LD(w, n_off[2]);
+            if (has_b)
+                v = v + LD(b, n_off[3]);
+            ST(y, r_off[1] + n_off[1], v);
+        }
+        ST(mean_out, r_off[2], mean);
+        ST(rstd_out, r_off[3], rstd);
+    }
+}

@@ -1,0 +1,271 @@
+"""The opencl chip (backends/opencl) on this machine's OpenCL devices (PoCL's CPU device in CI),
+against plain PyTorch on CPU with the same seed.
+
+The cpu run starts one pytest process on opencl for this file and for test_sim_kernels.py,
+whose kernel cases (every op of the kernel table, contiguous, transposed, offset, broadcast,
+expanded, 0-dim and empty, extreme values) run on whichever C-ABI chip the process has, with
+FLAGOS_OPENCL_FP16=on so that the float16 kernels run on a device without cl_khr_fp16 too;
+bfloat16, which the chip does not have, is skipped there with the reason. Skipped with a reason when the adapter was not built or no OpenCL device exists.
+"""
+import json
+import os
+import re
+
+import models
+import pytest
+import torch
+from conftest import CHIP, assert_close, device_mode_only, run_pytest, run_python
+
+import flagos
+
+OPENCL = flagos.chips.profile("opencl")
+AVAILABLE = OPENCL.detect()
+WHY = "" if AVAILABLE else OPENCL.why_unavailable()
+pytestmark = [device_mode_only,
+              pytest.mark.skipif(not AVAILABLE, reason=f"no opencl chip here: {WHY}")]
+on_opencl = pytest.mark.skipif(CHIP != "opencl", reason="runs in the opencl process (below)")
+# Tests that start processes of their own run once, from the cpu run.
+from_cpu = pytest.mark.skipif(CHIP != "cpu", reason="starts its own processes: runs in the cpu run")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@from_cpu
+def test_opencl_in_an_opencl_process(tmp_path):
+    # float16 native even without cl_khr_fp16 (PoCL): the half kernels are tested too
+    proc = run_pytest([__file__, os.path.join(HERE, "test_sim_kernels.py")],
+                      env={"FLAGOS_TEST_CHIP": "opencl", "FLAGOS_CACHE_DIR": str(tmp_path),
+                           "FLAGOS_OPENCL_FP16": "on"})
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert re.fullmatch(r"\d+ passed(, \d+ skipped)? in .*", summary), summary
+    assert int(summary.split()[0]) > 600, summary  # float32 and float16 cases ran
+
+
+# ---- the device ------------------------------------------------------------------------
+
+@on_opencl
+def test_device_names_platform_and_driver():
+    info = [d for d in flagos.list_devices() if d.chip == "opencl"]
+    assert info and all(re.fullmatch(r".+ \(.+, driver .+\)", d.name) for d in info), info
+    assert "float32" in info[0].native_dtypes
+    assert OPENCL.total_memory(0) > 0
+
+
+@on_opencl
+def test_memory_statistics_are_exact(dev):
+    m = torch.flagos
+    m.synchronize()
+    m.empty_cache()
+    base, reserved = m.memory_allocated(), m.memory_reserved()
+    assert reserved == base  # nothing cached after empty_cache
+    m.reset_peak_memory_stats()
+    a = torch.empty(1000, device=dev)           # 4000 bytes: the 4096-byte size class
+    b = torch.empty(3 * 2**20 + 5, device=dev)  # 1 MiB steps above 1 MiB
+    big = 4 * (3 * 2**20 + 5)
+    big_class = -(-big // 2**20) * 2**20
+    assert m.memory_allocated() == base + 4096 + big_class
+    assert m.max_memory_allocated() == base + 4096 + big_class
+    del b
+    assert m.memory_allocated() == base + 4096
+    assert m.memory_reserved() == base + 4096 + big_class  # kept for reuse
+    c = torch.empty(3 * 2**20 + 100, device=dev)  # same class: the cached buffer comes back
+    assert m.memory_reserved() == base + 4096 + big_class
+    del a, c
+    free, total = m.mem_get_info()
+    assert total == OPENCL.total_memory(0) and free == total - m.memory_reserved()
+    m.empty_cache()
+    assert m.memory_allocated() == base and m.memory_reserved() == base
+    assert m.max_memory_allocated() == base + 4096 + big_class
+
+
+@on_opencl
+def test_out_of_memory_raises_and_the_next_allocation_works(dev):
+    total = OPENCL.total_memory(0)
+    with pytest.raises(torch.OutOfMemoryError, match="opencl"):
+        torch.empty(total // 4 + 1024, device=dev)  # float32: more than the device holds
+    x = torch.arange(6.0).to(dev)
+    assert torch.equal((x * 2).cpu(), torch.arange(6.0) * 2)
+
+
+@on_opencl
+def test_streams_and_events_order_work(dev):
+    torch.manual_seed(0)
+    a = torch.randn(64, 64)
+    x = a.to(dev)
+    s = torch.flagos.Stream()
+    start, end = torch.flagos.Event(enable_timing=True), torch.flagos.Event(enable_timing=True)
+    done = torch.flagos.Event()
+    start.record()
+    y = x @ x
+    done.record()
+    s.wait_event(done)
+    with torch.flagos.stream(s):
+        z = torch.relu(y) + 1   # on s, after y (the wait)
+    end.record(s)
+    end.synchronize()
+    assert end.query() and s.query()
+    assert start.elapsed_time(end) >= 0
+    assert_close(z, torch.relu(a @ a) + 1, atol=1e-4)
+
+
+# ---- errors and the program cache ---------------------------------------------------------
+
+@from_cpu
+def test_bad_opencl_devices_value_is_a_clear_error():
+    for value, words in (("bogus", "is not valid"), ("99", "is not valid"), ("0,0", "is not valid")):
+        proc = run_python("import flagos; flagos.activate('opencl')", check=False,
+                          env={"FLAGOS_OPENCL_DEVICES": value})
+        assert proc.returncode != 0
+        assert f"FLAGOS_OPENCL_DEVICES='{value}' {words}" in proc.stderr, proc.stderr[-2000:]
+        assert "Segmentation" not in proc.stderr and "Traceback" in proc.stderr
+
+
+@from_cpu
+def test_no_opencl_device_is_one_clear_line(tmp_path):
+    """No OpenCL driver (the ICD loader finds no platform: an empty OCL_ICD_VENDORS folder):
+    FLAGOS_DEVICE=opencl stops `import torch` with the fix; auto and diagnose move on."""
+    env = {"OCL_ICD_VENDORS": str(tmp_path)}
+    proc = run_python("import torch", check=False, env={**env, "FLAGOS_DEVICE": "opencl"})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "found no device" in proc.stderr and "pocl-opencl-icd" in proc.stderr, proc.stderr
+    proc = run_python("""
+        import flagos
+        print(flagos.chips.profile('opencl').detect(), flagos.activate('auto')['chip'])
+    """, env=env)
+    assert proc.stdout.split()[-2:] == ["False", "cpu"], proc.stdout
+
+
+@from_cpu
+def test_bad_fp16_value_is_a_clear_error():
+    proc = run_python("import flagos; flagos.activate('opencl')", check=False,
+                      env={"FLAGOS_OPENCL_FP16": "yes"})
+    assert "FLAGOS_OPENCL_FP16='yes' is not valid; use auto" in proc.stderr, proc.stderr[-2000:]
+
+
+@from_cpu
+def test_opencl_devices_all_and_an_index_are_accepted():
+    code = "import torch, flagos; flagos.activate('opencl'); print(torch.flagos.device_count())"
+    every = int(run_python(code, env={"FLAGOS_OPENCL_DEVICES": "all"}).stdout.split()[-1])
+    assert every >= 1
+    assert run_python(code, env={"FLAGOS_OPENCL_DEVICES": "0"}).stdout.split()[-1] == "1"
+
+
+@from_cpu
+def test_auto_does_not_pick_an_opencl_cpu_device():
+    proc = run_python("""
+        import flagos
+        chip = flagos.chips.profile('opencl')
+        cpu_only = all(chip.device_type(i) & 2 for i in range(chip.device_count()))
+        flagos.activate('auto')
+        print(cpu_only, flagos.info()['chip'])
+    """)
+    cpu_only, picked = proc.stdout.split()[-2:]
+    if cpu_only == "True":
+        assert picked == "cpu"
+    else:
+        assert picked in ("cuda", "xpu", "mps", "opencl")
+
+
+PROGRAM_STATS = """
+    import torch, flagos
+    flagos.activate('opencl')
+    x = torch.arange(8.0).to(flagos.device())
+    assert torch.equal((x * 3).cpu(), torch.arange(8.0) * 3)
+    import json
+    print(json.dumps(flagos.chips.profile('opencl').program_stats()))
+"""
+
+
+def _stats(env):
+    return json.loads(run_python(PROGRAM_STATS, env=env).stdout.strip().splitlines()[-1])
+
+
+@from_cpu
+def test_program_cache_is_used_by_the_next_process_and_a_corrupt_file_is_rebuilt(tmp_path):
+    env = {"FLAGOS_CACHE_DIR": str(tmp_path)}
+    first = _stats(env)
+    assert first == {"from_cache": 0, "built": 1, "written": 1}, first
+    files = list((tmp_path / "opencl").glob("*.bin"))
+    assert len(files) == 1
+    assert _stats(env) == {"from_cache": 1, "built": 0, "written": 0}
+    data = bytearray(files[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte: the checksum no longer matches
+    files[0].write_bytes(bytes(data))
+    assert _stats(env) == {"from_cache": 0, "built": 1, "written": 1}
+    files[0].write_bytes(files[0].read_bytes()[:100])  # a truncated file
+    assert _stats(env) == {"from_cache": 0, "built": 1, "written": 1}
+    assert _stats(env) == {"from_cache": 1, "built": 0, "written": 0}
+
+
+@from_cpu
+def test_unwritable_cache_folder_is_no_cache(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    assert _stats({"FLAGOS_CACHE_DIR": str(blocked)}) == {"from_cache": 0, "built": 1, "written": 0}
+
+
+# ---- the table's ops run on the chip ------------------------------------------------------
+
+def _native(report, op):
+    row = report.op(op)
+    return row is not None and row["calls"]["native"] > 0 and row["calls"]["fallback"] == 0
+
+
+@on_opencl
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_float32_and_float64_ops_run_on_the_chip(dev, dtype):
+    if str(dtype).split(".")[1] not in flagos.info()["native_dtypes"]:
+        pytest.skip(f"{dtype} is not native on this OpenCL device")
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 7, generator=g, dtype=dtype)
+    b = torch.randn(7, 3, generator=g, dtype=dtype)
+    c = torch.randn(3, generator=g, dtype=dtype)
+    w, bias = torch.randn(7, generator=g, dtype=dtype), torch.randn(7, generator=g, dtype=dtype)
+
+    def run(a, b, c, w, bias):
+        t = a.t().contiguous().t()[1:]          # a strided view at an offset
+        return (torch.addmm(c, a, b), torch.bmm(a[None], b[None]), torch.softmax(a, 1),
+                torch.nn.functional.layer_norm(a, (7,), w, bias), a.sum(0), a.mean(1),
+                torch.nn.functional.gelu(t, approximate="tanh"), torch.nn.functional.silu(t),
+                torch.sigmoid(t) * torch.tanh(t) - torch.exp(-t.abs()) / (t.abs() + 1))
+
+    ref = run(a, b, c, w, bias)
+    with flagos.track() as report:
+        out = run(*(t.to(dev) for t in (a, b, c, w, bias)))
+    for o, r in zip(out, ref):
+        assert_close(o, r, atol=1e-5, rtol=1e-5)
+    for op in ("aten::addmm", "aten::bmm", "aten::_softmax", "aten::native_layer_norm",
+               "aten::sum.dim_IntList", "aten::mean.dim", "aten::gelu", "aten::silu",
+               "aten::sigmoid", "aten::tanh", "aten::exp", "aten::neg", "aten::div.Tensor"):
+        assert _native(report, op), f"{op}:\n{report}"
+
+
+# ---- real models ----------------------------------------------------------------------------
+
+@on_opencl
+def test_unet2d_matches_cpu(dev):
+    """A small seeded Diffusers UNet2DModel: float32 on the chip within 1e-4 of the CPU."""
+    unet = models.ddpm_pipeline().unet.eval()
+    g = torch.Generator().manual_seed(3)
+    sample = torch.randn(2, 3, 16, 16, generator=g)
+    with torch.no_grad():
+        ref = unet(sample, 10).sample
+        mine = unet.to(dev)
+        with flagos.track() as report:
+            out = mine(sample.to(dev), 10).sample
+    assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert _native(report, "aten::silu") and report.calls("native") > 50, str(report)
+
+
+@on_opencl
+def test_bert_matches_cpu(dev):
+    """A tiny transformers BERT from its config: logits within 1e-4, ops of the table native."""
+    ids, mask, labels = models.bert_batch()
+    ref_model, model = models.bert().eval(), models.bert().eval().to(dev)
+    with torch.no_grad():
+        ref = ref_model(input_ids=ids, attention_mask=mask).logits
+        with flagos.track() as report:
+            out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
+    assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    for op in ("aten::addmm", "aten::native_layer_norm", "aten::gelu"):
+        assert _native(report, op), f"{op}:\n{report}"
