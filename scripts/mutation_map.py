@@ -2,7 +2,7 @@
 Python modules (scripts/mutation_full.sh) and C files (scripts/mutation_c.py) to test
 selections.
 
-Every Python file under flagos/ and every C file under csrc/ and backends/sim/ needs an entry:
+Every Python file under flagos/ and every C file under csrc/ and backends/ needs an entry:
 both scripts stop before running anything when a file has none (`unmapped()`), so a new module
 gets its tests named here. A selection is one or more pytest runs (`cpu(...)` or `sim(...)`,
 with an optional -k); a mutant is killed when any of them fails. Keep the selections to the
@@ -93,6 +93,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/chips/npu.py": [cpu(ERRORS, DIAGNOSE, CHIP_PROFILES)],
     "flagos/chips/xpu.py": [cpu(ERRORS, DIAGNOSE, CHIP_PROFILES)],
     "flagos/chips/sim.py": [sim(SIM_TESTS, MULTI)],
+    "flagos/chips/opencl.py": [cpu(T + "opencl.py", ERRORS)],
     "flagos/report/coverage/__init__.py": [cpu(ANALYZE)],
     "flagos/report/coverage/generate.py": [cpu(ANALYZE, k="coverage")],
     "flagos/tools/__init__.py": [cpu(DEVICES)],
@@ -127,15 +128,20 @@ TESTS: dict[str, list[Run]] = {
     # ---- the emulated accelerator ----
     "backends/sim/kernels.c": [sim(KERNELS), cpu(KERNEL_CHECKS)],
     "backends/sim/sim.c": [sim(SIM_TESTS, SIM_FIDELITY, STREAMS, MULTI), cpu(ENV, k="sim")],
+    # ---- the OpenCL adapter (its kernels.cl, OpenCL C built at run time, is not mutated) ----
+    "backends/opencl/kernels.c": [cpu(T + "opencl.py")],
+    "backends/opencl/memory.c": [cpu(T + "opencl.py")],
+    "backends/opencl/opencl.c": [cpu(T + "opencl.py")],
+    "backends/opencl/program.c": [cpu(T + "opencl.py")],
 }
 
 
 def source_files(kind: str) -> list[str]:
-    """Every file mutation testing covers: 'python' (flagos/) or 'c' (csrc/, backends/sim/)."""
+    """Every file mutation testing covers: 'python' (flagos/) or 'c' (csrc/, backends/sim/, backends/opencl/)."""
     if kind == "python":
         pattern = ["flagos/**/*.py"]
     else:
-        pattern = ["csrc/*.c", "backends/sim/*.c"]
+        pattern = ["csrc/*.c", "backends/sim/*.c", "backends/opencl/*.c"]
     found = set()
     for p in pattern:
         found.update(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, p), recursive=True))
