@@ -133,9 +133,6 @@ class AdapterChip(HostGenerator):
     def total_memory(self, index: int) -> int:
         return self.adapter.props(index)["total_memory"]
 
-    def current_device(self) -> int:
-        return 0
-
     def set_device(self, index: int) -> None:
         pass
 

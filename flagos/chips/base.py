@@ -109,9 +109,6 @@ class TorchChip:
             free_total = self.mem_get_info(index)
             return free_total[1]
 
-    def current_device(self) -> int:
-        return int(self._module().current_device())
-
     def set_device(self, index: int) -> None:
         self._module().set_device(index)
 

@@ -28,9 +28,6 @@ class CpuChip(HostGenerator, TorchChip):
     def total_memory(self, index: int) -> int:
         return host_memory()[1]
 
-    def current_device(self) -> int:
-        return 0
-
     def architecture(self) -> str:
         """The machine and the vector ISA Inductor's C++ code is built for ("x86_64-avx2")."""
         try:
