@@ -601,8 +601,6 @@ int flagos_adapter_fallback(flagos_state *st, op_entry *e, PyObject *args, PyObj
     *out = NULL;
     if (st->fast_adapter == NULL || st->adapter_dispatch == NULL || !st->device_mode)
         return 0;
-    if (e->fast_generation != st->fast_generation)
-        flagos_adapter_fast_resolve(st, e);
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) > 0 &&
         PyDict_GetItemWithError(kwargs, fl_names.device) != NULL)
         return 0; /* where the results go is the runner's */

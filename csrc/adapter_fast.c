@@ -103,16 +103,18 @@ int flagos_adapter_fast_parse(PyObject *runner, adapter_fast_spec *spec)
         Py_XDECREF(c_fast);
         return 0; /* a runner without one: every op goes to it */
     }
-    PyObject *adapter, *native, *dtypes, *runner_ops = NULL;
-    if (!PyArg_ParseTuple(c_fast, "OO!O!|O!", &adapter, &PyTuple_Type, &native, &PyTuple_Type, &dtypes,
-                          &PyFrozenSet_Type, &runner_ops) ||
+    PyObject *adapter, *native, *dtypes, *runner_ops = NULL, *kernel_ops = NULL;
+    if (!PyArg_ParseTuple(c_fast, "OO!O!|O!O!", &adapter, &PyTuple_Type, &native, &PyTuple_Type, &dtypes,
+                          &PyFrozenSet_Type, &runner_ops, &PyFrozenSet_Type, &kernel_ops) ||
+        (runner_ops != NULL && kernel_ops == NULL) ||
         !flagos_is_adapter(adapter) || PyTuple_GET_SIZE(native) > MAX_DEVICES ||
         PyTuple_GET_SIZE(dtypes) != FLAGOS_N_DTYPES) {
         Py_DECREF(c_fast);
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "adapter_dispatch.c_fast: (Adapter, native dtype mask per "
-                     "device (at most %d), the %d torch dtypes of the flagos dtype codes[, frozenset "
-                     "of the op names the runner handles itself])",
+                     "device (at most %d), the %d torch dtypes of the flagos dtype codes[, the "
+                     "frozensets of the op names the runner always handles itself and of those "
+                     "it tries a kernel for])",
                      MAX_DEVICES, FLAGOS_N_DTYPES);
         return -1;
     }
@@ -127,23 +129,27 @@ int flagos_adapter_fast_parse(PyObject *runner, adapter_fast_spec *spec)
     spec->adapter = Py_NewRef(adapter);
     spec->dtypes = Py_NewRef(dtypes);
     spec->runner_ops = Py_XNewRef(runner_ops);
+    spec->kernel_ops = Py_XNewRef(kernel_ops);
     Py_DECREF(c_fast);
     return 0;
 }
 
 void flagos_adapter_fast_install(flagos_state *st, adapter_fast_spec *spec, PyObject **old_adapter,
-                                 PyObject **old_dtypes, PyObject **old_runner_ops)
+                                 PyObject **old_dtypes, PyObject **old_runner_ops,
+                                 PyObject **old_kernel_ops)
 {
     *old_adapter = st->fast_adapter;
     *old_dtypes = st->fast_dtypes;
     *old_runner_ops = st->fast_runner_ops;
+    *old_kernel_ops = st->fast_kernel_ops;
     st->fast_adapter = spec->adapter;
     st->fast_dtypes = spec->dtypes;
     st->fast_runner_ops = spec->runner_ops;
+    st->fast_kernel_ops = spec->kernel_ops;
     memcpy(st->fast_native, spec->native, sizeof(st->fast_native));
     st->fast_n_devices = spec->n_devices;
     st->fast_generation++;
-    spec->adapter = spec->dtypes = spec->runner_ops = NULL;
+    spec->adapter = spec->dtypes = spec->runner_ops = spec->kernel_ops = NULL;
 }
 
 /* ---- the op's kind and kernel, once per op and configuration ------------------ */
@@ -155,10 +161,12 @@ void flagos_adapter_fast_resolve(flagos_state *st, op_entry *e)
     e->fast_fallback = 0;
     if (st->fast_runner_ops != NULL && !(e->flags & OP_VIEW)) {
         /* PySet_Contains on a str runs no Python code */
-        int handled = PySet_Contains(st->fast_runner_ops, e->name);
-        if (handled < 0)
+        int special = PySet_Contains(st->fast_runner_ops, e->name);
+        int kernel = special == 0 ? PySet_Contains(st->fast_kernel_ops, e->name) : -1;
+        if (kernel < 0)
             PyErr_Clear();
-        e->fast_fallback = handled == 0;
+        else
+            e->fast_fallback = kernel ? FAST_FALLBACK_ROUTED : FAST_FALLBACK_ALWAYS;
     }
     const char *name = PyUnicode_AsUTF8(e->name);
     if (name == NULL) {

@@ -12,20 +12,28 @@ typedef struct adapter_fast_spec {
     PyObject *adapter;            /* new reference, or NULL: the runner has no c_fast */
     PyObject *dtypes;             /* new reference (tuple), or NULL */
     PyObject *runner_ops;         /* new reference (frozenset), or NULL: no round trip in C */
+    PyObject *kernel_ops;         /* new reference (frozenset), NULL with runner_ops */
     uint64_t native[MAX_DEVICES];
     int n_devices;
 } adapter_fast_spec;
 
 /* Read runner.c_fast = (Adapter, tuple of native dtype masks per device, tuple of the
- * torch.dtype of each flagos_dtype code[, frozenset of the op names the runner handles itself,
- * whose absence keeps the host round trip in the runner]). runner NULL or without the attribute: an empty spec.
+ * torch.dtype of each flagos_dtype code[, frozenset of the op names the runner always handles
+ * itself, frozenset of those it tries a kernel for when routed native]; without the two, the
+ * host round trip stays in the runner). runner NULL or without the attribute: an empty spec.
  * 0, or -1 with a TypeError naming what is wrong (nothing held then). */
 int flagos_adapter_fast_parse(PyObject *runner, adapter_fast_spec *spec);
 /* Replace the state's fast-path configuration with spec (its references move to the state);
  * the old references go to *old_adapter / *old_dtypes for the caller to drop once the whole
  * configuration is in place. */
 void flagos_adapter_fast_install(flagos_state *st, adapter_fast_spec *spec, PyObject **old_adapter,
-                                 PyObject **old_dtypes, PyObject **old_runner_ops);
+                                 PyObject **old_dtypes, PyObject **old_runner_ops,
+                                 PyObject **old_kernel_ops);
+
+/* op_entry.fast_fallback: when adapter_fallback.c may take the op's host round trip */
+#define FAST_FALLBACK_NEVER 0   /* the runner handles it itself (or no runner sets were given) */
+#define FAST_FALLBACK_ROUTED 1  /* when routed to the fallback (native: the runner's kernel) */
+#define FAST_FALLBACK_ALWAYS 2  /* routed to the fallback or native: the runner has no path */
 
 /* The op's fast-path answer (kind, kernel, whether the C round trip may take it), looked up
  * again after a configure(). */

@@ -332,8 +332,11 @@ static PyObject *route_entry(flagos_state *st, op_entry *e, int route, PyObject 
         }
         /* The host round trip of an op the runner has no path of its own for (or one routed
          * to the fallback) runs in C too (adapter_fallback.c), in its common case. */
+        if (e->fast_generation != st->fast_generation)
+            flagos_adapter_fast_resolve(st, e);
         if (fast == 0 && !from_factory && !(e->flags & OP_VIEW) &&
-            (route == ROUTE_FALLBACK || (route == ROUTE_NATIVE && e->fast_fallback))) {
+            ((route == ROUTE_FALLBACK && e->fast_fallback >= FAST_FALLBACK_ROUTED) ||
+             (route == ROUTE_NATIVE && e->fast_fallback == FAST_FALLBACK_ALWAYS))) {
             fast = flagos_adapter_fallback(st, e, args, kwargs, check_policy, &out);
             if (fast > 0) {
                 e->calls[ROUTE_FALLBACK]++;

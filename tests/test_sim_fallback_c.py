@@ -177,6 +177,30 @@ def test_autograd_through_the_round_trip():
     assert "GRAD True" in proc.stdout, proc.stdout
 
 
+def test_routes_decide_which_ops_take_it():
+    """Routed to the fallback, an op with a kernel takes the C round trip; the runner's own
+    ops (allocation, copies) stay the runner's whatever their route; routed native, an op with
+    a kernel builder tries the kernel in the runner first."""
+    proc = run_sim(SPY + """
+        a = torch.randn(4, 4)
+        fa = a.to("flagos")
+        flagos.set_route("aten::neg", "fallback")
+        flagos.set_route("aten::clone", "fallback")
+        del seen[:]
+        flagos.reset_report()
+        n = torch.neg(fa)
+        c = fa.clone()
+        print("SEEN", seen, flagos.fallback_report().op("aten::neg")["calls"]["fallback"])
+        assert torch.equal(n.cpu(), -a) and torch.equal(c.cpu(), a)
+        flagos.set_route("aten::neg", "native")
+        del seen[:]
+        torch.nn.functional.gelu(fa)                    # a kernel builder, no C hot path case
+        print("GELU", seen)
+    """)
+    assert "SEEN ['aten::clone'] 1" in proc.stdout, proc.stdout
+    assert "GELU ['aten::gelu']" in proc.stdout, proc.stdout
+
+
 def test_other_cases_still_go_to_the_runner():
     proc = run_sim(SPY + """
         a = torch.randn(4, 4)

@@ -221,10 +221,11 @@ class Runner:
         # views in C (csrc/adapter_fast.c) from these: the adapter, the native dtypes of each
         # device, the torch dtype of each flagos dtype code
         codes = {code: dtype for dtype, code in DTYPE_CODES.items()}
-        # and the host round trip of the ops this runner has no path of its own for
-        # (csrc/adapter_fallback.c): those not in SPECIAL or KERNEL_BUILDERS
+        # and the host round trip in C (csrc/adapter_fallback.c) of the ops this runner has no
+        # path of its own for: never the SPECIAL ones, the KERNEL_BUILDERS ones only when
+        # routed to the fallback (routed native, they try the kernel here first)
         self.c_fast = (self.adapter, tuple(self.native), tuple(codes[i] for i in range(len(codes))),
-                       frozenset(SPECIAL) | frozenset(KERNEL_BUILDERS))
+                       frozenset(SPECIAL), frozenset(KERNEL_BUILDERS))
         self.facts = {}
         self.layouts = {}  # (op, operand layouts) -> result strides of elementwise kernels
 
