@@ -11,6 +11,9 @@ Per op, in order:
   (csrc/include/flagos/adapter.h); output shapes come from running the op on meta tensors;
 - everything else takes the host round trip: the touched bytes of each buffer go to the
   host once, the op runs there, written arguments go back, new results are uploaded.
+
+The router runs the common case of kernel-table ops and views (csrc/adapter_fast.c) and of the
+host round trip (csrc/adapter_fallback.c) in C, from `c_fast`; this runner gets the rest.
 """
 from __future__ import annotations
 
