@@ -54,7 +54,7 @@ core = Extension(
              "csrc/fallback.c", "csrc/staging.c", "csrc/callsite.c", "csrc/adapter_load.c",
              "csrc/adapter_checks.c",
              "csrc/adapter_memory.c", "csrc/adapter_streams.c", "csrc/adapter_kernels.c",
-             "csrc/adapter_fast.c", "csrc/guard.c"],
+             "csrc/adapter_fast.c", "csrc/adapter_fallback.c", "csrc/guard.c"],
     include_dirs=["csrc", "csrc/include"] + [d for d in [find_uthash()] if d != "/usr/include"],
     # The units share flagos_* functions with each other; only PyInit__C leaves the library.
     extra_compile_args=["-std=c11", "-fvisibility=hidden", *WARNINGS, *san_compile],

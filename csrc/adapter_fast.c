@@ -103,14 +103,18 @@ int flagos_adapter_fast_parse(PyObject *runner, adapter_fast_spec *spec)
         Py_XDECREF(c_fast);
         return 0; /* a runner without one: every op goes to it */
     }
-    PyObject *adapter, *native, *dtypes;
-    if (!PyArg_ParseTuple(c_fast, "OO!O!", &adapter, &PyTuple_Type, &native, &PyTuple_Type, &dtypes) ||
+    PyObject *adapter, *native, *dtypes, *runner_ops = NULL, *kernel_ops = NULL;
+    if (!PyArg_ParseTuple(c_fast, "OO!O!|O!O!", &adapter, &PyTuple_Type, &native, &PyTuple_Type, &dtypes,
+                          &PyFrozenSet_Type, &runner_ops, &PyFrozenSet_Type, &kernel_ops) ||
+        (runner_ops != NULL && kernel_ops == NULL) ||
         !flagos_is_adapter(adapter) || PyTuple_GET_SIZE(native) > MAX_DEVICES ||
         PyTuple_GET_SIZE(dtypes) != FLAGOS_N_DTYPES) {
         Py_DECREF(c_fast);
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "adapter_dispatch.c_fast: (Adapter, native dtype mask per "
-                     "device (at most %d), the %d torch dtypes of the flagos dtype codes)",
+                     "device (at most %d), the %d torch dtypes of the flagos dtype codes[, the "
+                     "frozensets of the op names the runner always handles itself and of those "
+                     "it tries a kernel for])",
                      MAX_DEVICES, FLAGOS_N_DTYPES);
         return -1;
     }
@@ -124,29 +128,46 @@ int flagos_adapter_fast_parse(PyObject *runner, adapter_fast_spec *spec)
     spec->n_devices = (int)PyTuple_GET_SIZE(native);
     spec->adapter = Py_NewRef(adapter);
     spec->dtypes = Py_NewRef(dtypes);
+    spec->runner_ops = Py_XNewRef(runner_ops);
+    spec->kernel_ops = Py_XNewRef(kernel_ops);
     Py_DECREF(c_fast);
     return 0;
 }
 
 void flagos_adapter_fast_install(flagos_state *st, adapter_fast_spec *spec, PyObject **old_adapter,
-                                 PyObject **old_dtypes)
+                                 PyObject **old_dtypes, PyObject **old_runner_ops,
+                                 PyObject **old_kernel_ops)
 {
     *old_adapter = st->fast_adapter;
     *old_dtypes = st->fast_dtypes;
+    *old_runner_ops = st->fast_runner_ops;
+    *old_kernel_ops = st->fast_kernel_ops;
     st->fast_adapter = spec->adapter;
     st->fast_dtypes = spec->dtypes;
+    st->fast_runner_ops = spec->runner_ops;
+    st->fast_kernel_ops = spec->kernel_ops;
     memcpy(st->fast_native, spec->native, sizeof(st->fast_native));
     st->fast_n_devices = spec->n_devices;
     st->fast_generation++;
-    spec->adapter = spec->dtypes = NULL;
+    spec->adapter = spec->dtypes = spec->runner_ops = spec->kernel_ops = NULL;
 }
 
 /* ---- the op's kind and kernel, once per op and configuration ------------------ */
 
-static void resolve_kind(flagos_state *st, op_entry *e)
+void flagos_adapter_fast_resolve(flagos_state *st, op_entry *e)
 {
     e->fast_generation = st->fast_generation;
     e->fast_kind = FAST_NONE;
+    e->fast_fallback = 0;
+    if (st->fast_runner_ops != NULL && !(e->flags & OP_VIEW)) {
+        /* PySet_Contains on a str runs no Python code */
+        int special = PySet_Contains(st->fast_runner_ops, e->name);
+        int kernel = special == 0 ? PySet_Contains(st->fast_kernel_ops, e->name) : -1;
+        if (kernel < 0)
+            PyErr_Clear();
+        else
+            e->fast_fallback = kernel ? FAST_FALLBACK_ROUTED : FAST_FALLBACK_ALWAYS;
+    }
     const char *name = PyUnicode_AsUTF8(e->name);
     if (name == NULL) {
         PyErr_Clear();
@@ -485,9 +506,9 @@ static void contiguous_strides(const int64_t *shape, int ndim, int64_t *strides)
 
 /* A new wrapper of (shape, contiguous or given strides, offset) over buf; shape_obj: the
  * shape as a tuple when the caller has one (borrowed), else NULL. */
-static PyObject *new_flagos_tensor(flagos_state *st, PyObject *buf, PyObject *shape_obj,
-                                   const int64_t *shape, const int64_t *strides, int ndim,
-                                   int64_t offset, int code, int device)
+PyObject *flagos_adapter_wrap(flagos_state *st, PyObject *buf, PyObject *shape_obj,
+                              const int64_t *shape, const int64_t *strides, int ndim,
+                              int64_t offset, int code, int device)
 {
     PyObject *stride_obj = int_tuple(strides, ndim), *offset_obj = PyLong_FromLongLong(offset);
     PyObject *own_shape = shape_obj == NULL ? int_tuple(shape, ndim) : Py_NewRef(shape_obj);
@@ -727,7 +748,7 @@ static int run(flagos_state *st, op_entry *e, const operand *ops, const call_arg
         for (int i = 0; i < n_ops && shape_obj == NULL; i++)
             if (ops[i].buf != NULL && same_sizes(ops[i].sizes, ops[i].ndim, wshape, wndim))
                 shape_obj = ops[i].shape;
-        wrappers[o] = new_flagos_tensor(st, bufs[o], shape_obj, wshape, wstrides, wndim, 0, code,
+        wrappers[o] = flagos_adapter_wrap(st, bufs[o], shape_obj, wshape, wstrides, wndim, 0, code,
                                         device);
         if (wrappers[o] == NULL)
             goto done;
@@ -902,7 +923,7 @@ static int run_view(flagos_state *st, int kind, const operand *a, const call_arg
             return 0;
     if (count == 0)
         return 0; /* empty views: the runner's */
-    *out = new_flagos_tensor(st, (PyObject *)a->buf,
+    *out = flagos_adapter_wrap(st, (PyObject *)a->buf,
                              kind == FAST_ALIAS || same_sizes(sizes, n, a->sizes, ndim) ? a->shape : NULL,
                              sizes, strides, n, offset, a->code, a->device);
     return *out == NULL ? -1 : 1;
@@ -917,7 +938,7 @@ int flagos_adapter_fast_call(flagos_state *st, op_entry *e, PyObject *args, PyOb
     if (st->fast_adapter == NULL)
         return 0;
     if (e->fast_generation != st->fast_generation)
-        resolve_kind(st, e);
+        flagos_adapter_fast_resolve(st, e);
     int kind = e->fast_kind;
     call_args ca;
     if (kind == FAST_NONE || !parse_args(kind, args, kwargs, &ca))

@@ -36,6 +36,8 @@ static void state_clear_config(flagos_state *st)
     Py_CLEAR(st->adapter_dispatch);
     Py_CLEAR(st->fast_adapter);
     Py_CLEAR(st->fast_dtypes);
+    Py_CLEAR(st->fast_runner_ops);
+    Py_CLEAR(st->fast_kernel_ops);
     Py_CLEAR(st->set_metadata);
     Py_CLEAR(st->math_call);
     Py_CLEAR(st->complex_dtypes);
@@ -224,8 +226,9 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
         old[i] = *slots[i];
         *slots[i] = Py_XNewRef(o[i]);
     }
-    PyObject *old_fast_adapter, *old_fast_dtypes;
-    flagos_adapter_fast_install(st, &fast, &old_fast_adapter, &old_fast_dtypes);
+    PyObject *old_fast_adapter, *old_fast_dtypes, *old_runner_ops, *old_kernel_ops;
+    flagos_adapter_fast_install(st, &fast, &old_fast_adapter, &old_fast_dtypes, &old_runner_ops,
+                                &old_kernel_ops);
     st->device_mode = device_mode;
     st->chip_is_host = chip_is_host;
     st->configured = 1;
@@ -234,6 +237,8 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
         Py_XDECREF(old[i]);
     Py_XDECREF(old_fast_adapter);
     Py_XDECREF(old_fast_dtypes);
+    Py_XDECREF(old_runner_ops);
+    Py_XDECREF(old_kernel_ops);
     Py_RETURN_NONE;
 }
 
@@ -423,6 +428,8 @@ static int fl_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->adapter_dispatch);
     Py_VISIT(st->fast_adapter);
     Py_VISIT(st->fast_dtypes);
+    Py_VISIT(st->fast_runner_ops);
+    Py_VISIT(st->fast_kernel_ops);
     Py_VISIT(st->math_call);
     Py_VISIT(st->complex_dtypes);
     Py_VISIT(st->downcast_from);

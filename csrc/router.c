@@ -8,6 +8,7 @@
  */
 #include "router.h"
 
+#include "adapter_fallback.h"
 #include "adapter_fast.h"
 #include "callsite.h"
 #include "fallback.h"
@@ -328,6 +329,20 @@ static PyObject *route_entry(flagos_state *st, op_entry *e, int route, PyObject 
             fast = flagos_adapter_fast_call(st, e, args, kwargs, &out);
             if (fast > 0)
                 e->calls[ROUTE_NATIVE]++;
+        }
+        /* The host round trip of an op the runner has no path of its own for (or one routed
+         * to the fallback) runs in C too (adapter_fallback.c), in its common case. */
+        if (e->fast_generation != st->fast_generation)
+            flagos_adapter_fast_resolve(st, e);
+        if (fast == 0 && !from_factory && !(e->flags & OP_VIEW) &&
+            ((route == ROUTE_FALLBACK && e->fast_fallback >= FAST_FALLBACK_ROUTED) ||
+             (route == ROUTE_NATIVE && e->fast_fallback == FAST_FALLBACK_ALWAYS))) {
+            fast = flagos_adapter_fallback(st, e, args, kwargs, check_policy, &out);
+            if (fast > 0) {
+                e->calls[ROUTE_FALLBACK]++;
+                if (note_fallback(st, e) < 0)
+                    Py_CLEAR(out);
+            }
         }
         if (fast == 0) {
             /* held: a new configuration during the call must not free the runner */

@@ -184,6 +184,20 @@ PyObject *flagos_staging_take(uint64_t nbytes)
     return new_buffer(((uint64_t)1 << k) <= limit ? (uint64_t)1 << k : nbytes);
 }
 
+PyObject *flagos_host_bytes(uint64_t nbytes)
+{
+    return new_buffer(nbytes);
+}
+
+PyObject *flagos_host_empty(PyObject *shape, PyObject *dtype)
+{
+    static PyObject *kwnames; /* ("dtype",), kept for the process */
+    if (init_torch() < 0 || (kwnames == NULL && (kwnames = Py_BuildValue("(s)", "dtype")) == NULL))
+        return NULL;
+    PyObject *argv[3] = {NULL, shape, dtype};
+    return PyObject_Vectorcall(torch_empty, argv + 1, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, kwnames);
+}
+
 void flagos_staging_give(PyObject *t)
 {
     PyObject *err_type, *err_value, *err_tb;

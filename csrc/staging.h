@@ -15,6 +15,14 @@
  * caller owns it until it hands it back with flagos_staging_give. NULL with an error set. */
 PyObject *flagos_staging_take(uint64_t nbytes);
 
+/* New reference: a 1-dim uint8 host tensor of exactly nbytes bytes, of its own (not from the
+ * pool: for copies under FLAGOS_STAGING_MIN_BYTES). NULL with an error set. */
+PyObject *flagos_host_bytes(uint64_t nbytes);
+
+/* New reference: torch.empty(shape, dtype=dtype), a host tensor of its own. NULL with an
+ * error set. */
+PyObject *flagos_host_empty(PyObject *shape, PyObject *dtype);
+
 /* Hand back a tensor from flagos_staging_take (steals the reference): kept for the next call
  * while the pool is within its bound and the tensor still owns its whole buffer, else freed.
  * Call it only once nothing else can see the tensor's memory. */

