@@ -19,12 +19,13 @@ fi
 
 # The opencl chip: OpenCL headers, the ICD loader and PoCL (OpenCL on the CPU, what the suite's
 # opencl run uses). Without them the build skips the opencl adapter and says so.
-if ! echo '#include <CL/cl.h>' | cc -E -x c - >/dev/null 2>&1; then
+# (An ICD file names each installed OpenCL driver: headers without one give a chip with no device.)
+if ! echo '#include <CL/cl.h>' | cc -E -x c - >/dev/null 2>&1 || ! ls /etc/OpenCL/vendors/*.icd >/dev/null 2>&1; then
     if command -v apt-get >/dev/null; then
         $SUDO apt-get update -qq
         $SUDO apt-get install -y -qq ocl-icd-opencl-dev opencl-headers pocl-opencl-icd clinfo
     else
-        echo "CL/cl.h is missing: the opencl chip will not be built (Debian/Ubuntu: apt-get install ocl-icd-opencl-dev opencl-headers pocl-opencl-icd)" >&2
+        echo "OpenCL headers or driver missing: the opencl chip will have no device or not be built (Debian/Ubuntu: apt-get install ocl-icd-opencl-dev opencl-headers pocl-opencl-icd)" >&2
     fi
 fi
 
