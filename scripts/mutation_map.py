@@ -55,6 +55,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/core/_precision.py": [cpu(T + "precision_policy.py"), sim_default(T + "precision_policy.py")],
     "flagos/report/_exporters.py": [cpu(TOP)],
     "flagos/runtime/_generator.py": [cpu(GENERATORS), sim(GENERATORS)],
+    "flagos/runtime/_storage.py": [cpu(ERRORS, k="storage"), sim(ERRORS, k="storage")],
     "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD), cpu(DISTRIBUTED, k="accelerate or ddp")],
     "flagos/integrations/_caches.py": [cpu(T + "cache_dirs.py")],
     "flagos/parallel.py": [cpu(T + "parallel.py"), sim(T + "parallel.py")],

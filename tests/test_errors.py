@@ -133,3 +133,35 @@ def test_backward_before_activation_is_explained():
         print("BACKWARD", flagos.info()["backward"], x.grad.tolist())
     """)
     assert "BACKWARD True [3.0, 3.0]" in proc.stdout
+
+
+def test_a_storage_on_flagos_is_refused_and_the_process_goes_on():
+    # PyTorch would allocate it through a PrivateUse1 allocator that a device registered from
+    # Python lacks, and crash; a fresh process, so a regression fails this test alone.
+    proc = run_python(f"""
+        import torch, flagos
+        flagos.activate({CHIP!r})
+        x = torch.arange(6.0, device=flagos.device())
+        attempts = {{
+            "UntypedStorage": lambda: torch.UntypedStorage(16, device="flagos"),
+            "UntypedStorage of a list": lambda: torch.UntypedStorage([1, 2], device=torch.device("flagos", 0)),
+            "TypedStorage": lambda: torch.TypedStorage(4, dtype=torch.float32, device="flagos:0"),
+            "storage.to": lambda: torch.UntypedStorage(8).to(device="flagos"),
+        }}
+        for name, attempt in attempts.items():
+            try:
+                attempt()
+            except RuntimeError as e:
+                assert "Make a tensor instead" in str(e) and "tensor.to('flagos')" in str(e), e
+            else:
+                raise AssertionError(name + " made a storage on flagos")
+        # host storages are untouched, and flagos tensors still copy and move
+        assert torch.UntypedStorage(4).device.type == "cpu"
+        assert torch.UntypedStorage([1, 2, 3], device="cpu").tolist() == [1, 2, 3]
+        assert torch.TypedStorage([1.0, 2.0]).tolist() == [1.0, 2.0]
+        import copy
+        y = copy.deepcopy(x) + 1
+        assert y.device == x.device and y.cpu().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+        print("survived")
+    """)
+    assert "survived" in proc.stdout

@@ -11,7 +11,7 @@ from .. import _C
 from ..chips.adapter import DTYPE_NAMES, AdapterChip
 from ..core import _routes, _state
 from ..errors import ConfigError
-from . import _attention, _generator, _guard_errors, _streams
+from . import _attention, _generator, _guard_errors, _storage, _streams
 
 NAME = "flagos"
 _factory_lib = None  # keeps the PrivateUse1 fallback registered
@@ -170,6 +170,7 @@ def _install_runtime(device_module) -> None:
     torch.accelerator API."""
     _generator.install()
     _streams.install()
+    _storage.install()
     _routes.register_kernel("aten::record_stream", _record_stream)
     if _saved_accelerator:
         return
