@@ -142,6 +142,43 @@ def test_save_and_load(dev, tmp_path):
     assert torch.equal(torch.load(buf, map_location=dev).cpu(), a.cpu())
 
 
+
+def test_load_with_map_location_flagos_lands_on_the_device(dev):
+    """A host checkpoint loaded with map_location naming flagos is on flagos, as with "cuda":
+    tensors that shared a storage share one (tied weights, a transpose, a slice), with their
+    strides, requires_grad and Parameter class; nothing else is moved."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(5, 4)
+    head = torch.nn.Linear(4, 5, bias=False)
+    head.weight = emb.weight
+    w = torch.randn(4, 6)
+    state = {"w": w, "wt": w.t(), "slice": w[1:3, 2:], "p": torch.nn.Parameter(torch.randn(3)),
+             "g": torch.randn(2, requires_grad=True), "i": torch.arange(5),
+             "half": torch.randn(3).half(), "nested": [torch.ones(2), (torch.zeros(1),)],
+             "model": torch.nn.Sequential(emb, head)}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    for location in ("flagos", dev, str(dev), {"cpu": "flagos"}, {"cpu": dev}):
+        buf.seek(0)
+        out = torch.load(buf, map_location=location, weights_only=False)
+        for key in ("w", "wt", "slice", "p", "g", "i", "half"):
+            got, want = out[key], state[key]
+            assert got.device == dev and torch.equal(got.cpu(), want.detach()), key
+            assert (got.stride(), got.requires_grad, got.is_leaf) == (want.stride(), want.requires_grad, True), key
+        assert isinstance(out["p"], torch.nn.Parameter) and not isinstance(out["w"], torch.nn.Parameter)
+        assert out["nested"][0].device == dev and out["nested"][1][0].device == dev
+        out["w"].add_(1)  # one storage: the transpose and the slice see the write
+        assert torch.equal(out["wt"].cpu(), (w + 1).t()) and torch.equal(out["slice"].cpu(), (w + 1)[1:3, 2:])
+        model = out["model"]
+        assert model[0].weight.device == dev and model[0].weight is model[1].weight
+        tokens = torch.tensor([1, 2])
+        torch.testing.assert_close(model(tokens.to(dev)).cpu(), state["model"](tokens))
+    for location in ("cpu", None, {"cuda:0": "flagos"}):  # the map keeps them on the host
+        buf.seek(0)
+        assert torch.load(buf, map_location=location, weights_only=False)["w"].device.type == "cpu"
+    with pytest.raises(RuntimeError, match="Make a tensor instead"):
+        torch.UntypedStorage(8).to(device="flagos")
+
 def test_device_module(dev):
     m = torch.flagos
     count = len([d for d in flagos.list_devices() if d.chip == CHIP])

@@ -27,7 +27,6 @@ import types
 
 import torch
 import torch.utils._device
-import torch.utils._pytree as pytree
 
 from ..core import _state
 from ..runtime import _device_module
@@ -122,26 +121,20 @@ _ABSENT = object()   # the attribute was inherited: uninstall deletes it again
 
 
 def _load(load):
-    """torch.load(map_location="cuda"): tensors of a host checkpoint land on the chip, as on
-    CUDA (map_location="flagos" alone keeps host-saved storages on the host, design §8). They
-    are loaded to the host and moved, through the containers pytree knows (dicts, lists,
-    tuples: state dicts and checkpoints)."""
+    """torch.load(map_location="cuda"): the chip's device instead, given by keyword. On flagos,
+    torch.load then moves what it restores onto the device (runtime/_storage.py)."""
     @functools.wraps(load)
-    def redirected(*args, **kwargs):
+    def redirected(f, *args, **kwargs):
+        if len(args) > 2:  # PyTorch's own TypeError
+            return load(f, *args, **kwargs)
+        if args:  # map_location and pickle_module may come positionally
+            kwargs.update(zip(("map_location", "pickle_module"), args))
         location = kwargs.get("map_location")
-        if len(args) > 1:
-            location, args = args[1], args[:1]
         if isinstance(location, dict):
-            target = next((_map(v) for v in location.values() if _is_cuda(v)), None)
-            host = {k: "cpu" if _is_cuda(v) else v for k, v in location.items()}
-        else:
-            target = _map(location) if _is_cuda(location) else None
-            host = "cpu"
-        if target is None:
-            return load(*args, **kwargs)
-        kwargs["map_location"] = host
-        result = load(*args, **kwargs)
-        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(target), result)
+            kwargs["map_location"] = {k: _map(v) for k, v in location.items()}
+        elif location is not None:
+            kwargs["map_location"] = _map(location)
+        return load(f, **kwargs)
     redirected.__flagos_redirect__ = load
     return redirected
 

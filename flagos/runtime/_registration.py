@@ -85,9 +85,6 @@ def _register(owner, device_module) -> None:
     # serve it there, a registered kernel can.
     _copy_lib = torch.library.Library("aten", "IMPL")
     _copy_lib.impl("_copy_from", _copy_from, "PrivateUse1")
-    # flagos tensors own no storage: torch.load(..., map_location="flagos") must keep
-    # storages on the host and let each tensor's rebuild move it (see FlagosTensor.__reduce_ex__).
-    torch.serialization.register_package(5, _tag_storage, _restore_storage)
     # A sparse tensor moved to flagos lands on the sparse flagos keys: say so instead of
     # failing deep inside the sparse kernels.
     for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
@@ -98,14 +95,6 @@ def _register(owner, device_module) -> None:
 def _sparse_unsupported(op, *args, **kwargs):
     raise RuntimeError(f"{op}: sparse tensors are not supported on flagos; keep them on the "
                        f"CPU, or move a dense copy (.to_dense().to(flagos.device())).")
-
-
-def _tag_storage(storage):
-    return None  # no storage lives on flagos
-
-
-def _restore_storage(storage, location: str):
-    return storage if location.startswith(NAME) else None
 
 
 def _copy_from(src, dst, non_blocking=False):

@@ -1,16 +1,28 @@
-"""Storages on the flagos device: the constructor refuses them instead of crashing.
+"""Storages and the flagos device: no storage lives on it, so the storage constructor refuses
+one, and torch.load moves what a checkpoint restores for flagos onto it tensor by tensor.
 
 PyTorch allocates a storage for a device through that device's C++ allocator, and a device
 registered from Python has none: `torch.UntypedStorage(n, device="flagos")` (and through it
-`TypedStorage(..., device=...)` and `storage.to("flagos")`) would dereference a null
-allocator and kill the process (docs/design.md §8 has the upstream repro). flagos tensors own
-no storage (their payload does), so the constructor raises an error that names what works.
+`TypedStorage(..., device=...)` and `storage.to("flagos")`) would dereference a null allocator
+and kill the process (docs/design.md §8 has the upstream repro). flagos tensors own no storage
+(their payload does), so the constructor raises an error that names what works.
+
+For the same reason `torch.load(f, map_location="flagos")` cannot restore a host-saved storage
+on flagos: the storage stays on the host (the deserializer registered here), is noted, and
+when the load returns, every tensor over a noted storage is moved to the device its location
+named, one copy per storage, so tensors that shared a storage in the file share one on flagos
+(tied weights), with their strides, offsets, requires_grad and Parameter class.
 """
 from __future__ import annotations
 
+import functools
+import threading
+
 import torch
+import torch.utils._pytree as pytree
 
 _storage_new = torch._C.StorageBase.__new__
+_loading = threading.local()   # .noted: one {storage data_ptr: device} per torch.load running
 
 
 def _names_flagos(device) -> bool:
@@ -33,7 +45,83 @@ def _new(cls, *args, **kwargs):
     return _storage_new(cls, *args, **kwargs)
 
 
+# ---- torch.load ---------------------------------------------------------------------
+
+def tag_storage(storage):
+    return None  # no storage lives on flagos: a saved storage is tagged by PyTorch's own rules
+
+
+def restore_storage(storage, location):
+    """The registered deserializer for locations naming flagos (a string, or a torch.device
+    from a map_location dict): the storage stays on the host, noted for the load that asked,
+    which moves its tensors when it returns."""
+    location = str(location)
+    if not location.startswith(torch._C._get_privateuse1_backend_name()):
+        return None
+    stack = getattr(_loading, "noted", None)
+    if stack:
+        stack[-1][storage.data_ptr()] = torch.device(location)
+    return storage
+
+
+def _mover(noted: dict):
+    moved: dict[int, torch.Tensor] = {}   # storage data_ptr -> its bytes on the device
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu":
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        device = noted.get(key)
+        if device is None:
+            return t  # a storage the map kept on the host
+        size = t.element_size()
+        if storage.nbytes() % size:  # bytes that do not view as this dtype: the tensor alone
+            out = t.detach().to(device)
+        else:
+            whole = moved.get(key)
+            if whole is None:
+                whole = moved[key] = torch.empty(0, dtype=torch.uint8).set_(storage).to(device)
+            out = whole.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset()).detach()
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(out, requires_grad=t.requires_grad)
+        return out.requires_grad_(t.requires_grad)
+
+    return move
+
+
+def _move_noted(result, noted: dict):
+    move = _mover(noted)
+
+    def visit(leaf):
+        if isinstance(leaf, torch.nn.Module):
+            return leaf._apply(move)  # parameters, buffers and their tying, in place
+        return move(leaf)
+
+    return pytree.tree_map_only((torch.Tensor, torch.nn.Module), visit, result)
+
+
+def _load(load):
+    @functools.wraps(load)
+    def load_onto_flagos(*args, **kwargs):
+        stack = getattr(_loading, "noted", None)
+        if stack is None:
+            stack = _loading.noted = []
+        stack.append({})
+        try:
+            result = load(*args, **kwargs)
+        finally:
+            noted = stack.pop()
+        return _move_noted(result, noted) if noted else result
+    load_onto_flagos.__flagos_load__ = load
+    return load_onto_flagos
+
+
 def install() -> None:
-    """Guard torch.UntypedStorage's constructor (at activation, device mode, which lasts for
-    the life of the process)."""
+    """Guard torch.UntypedStorage's constructor and make torch.load move what it restores for
+    flagos (at activation, device mode, which lasts for the life of the process)."""
+    if hasattr(torch.serialization.load, "__flagos_load__"):
+        return
     torch.UntypedStorage.__new__ = _new
+    torch.serialization.register_package(5, tag_storage, restore_storage)
+    torch.load = torch.serialization.load = _load(torch.serialization.load)
