@@ -11,6 +11,9 @@
 PyObject *flagos_load_adapter(PyObject *module, PyObject *path);
 PyObject *flagos_set_error_types(PyObject *module, PyObject *args);
 void flagos_adapter_types_clear(void);
+/* In a forked child whose chip does not survive fork: buffers inherited from the parent are
+ * dropped without calling the adapter (the driver's threads stayed in the parent). */
+void flagos_adapter_forget_buffers(void);
 int flagos_adapter_types_ready(PyObject *module);
 
 #endif

@@ -61,9 +61,16 @@ static int host_region(PyObject *capsule, void **data, uint64_t *nbytes)
 
 /* ---- Buffer -------------------------------------------------------------- */
 
+static int buffers_forgotten; /* a forked child: the adapter's buffers belong to the parent */
+
+void flagos_adapter_forget_buffers(void)
+{
+    buffers_forgotten = 1;
+}
+
 static void buffer_dealloc(BufferObject *self)
 {
-    if (self->adapter != NULL && self->buffer != 0) {
+    if (self->adapter != NULL && self->buffer != 0 && !buffers_forgotten) {
         flagos_status st = {0};
         /* A failed free (e.g. a lost device) has nowhere to go from a destructor. */
         self->adapter->api->free(self->device, self->buffer, &st);

@@ -231,7 +231,7 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
                                 &old_kernel_ops);
     st->device_mode = device_mode;
     st->chip_is_host = chip_is_host;
-    st->configured = 1;
+    st->configured = st->refusal == NULL; /* a refused forked child stays refused */
     flagos_table_clear(st);
     for (int i = 0; i < 17; i++)
         Py_XDECREF(old[i]);
@@ -332,6 +332,23 @@ static PyObject *fl_deconfigure(PyObject *module, PyObject *Py_UNUSED(arg))
     Py_RETURN_NONE;
 }
 
+/* A forked child of a process whose chip does not survive fork (an OpenCL driver's threads
+ * stay in the parent): every call raises `message` instead of waiting on the driver forever,
+ * and inherited buffers are dropped without calling the adapter. */
+static PyObject *fl_refuse_forked_child(PyObject *module, PyObject *message)
+{
+    if (!PyUnicode_Check(message)) {
+        PyErr_SetString(PyExc_TypeError, "refuse_forked_child(message: str)");
+        return NULL;
+    }
+    flagos_state *st = flagos_get_state(module);
+    Py_INCREF(message);
+    Py_XSETREF(st->refusal, message);
+    st->configured = 0;
+    flagos_adapter_forget_buffers();
+    Py_RETURN_NONE;
+}
+
 static PyObject *fl_invalidate(PyObject *module, PyObject *Py_UNUSED(arg))
 {
     flagos_table_invalidate(flagos_get_state(module));
@@ -375,6 +392,8 @@ static PyMethodDef fl_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))fl_configure, METH_VARARGS | METH_KEYWORDS,
      "Set the active chip's configuration; clears the dispatch table."},
     {"deconfigure", fl_deconfigure, METH_NOARGS, "Refuse new calls and clear the table."},
+    {"refuse_forked_child", fl_refuse_forked_child, METH_O,
+     "In a forked child whose chip does not survive fork: every call raises this message."},
     {"set_current_device", fl_set_current_device, METH_O,
      "The index that a flagos device without one stands for (the current device)."},
     {"set_fallback_policy", fl_set_fallback_policy, METH_O,
@@ -437,6 +456,7 @@ static int fl_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->downcast_device_type);
     Py_VISIT(st->downcast_warning);
     Py_VISIT(st->downcast_message);
+    Py_VISIT(st->refusal);
     op_entry *e, *tmp;
     HASH_ITER(hh, st->table, e, tmp) {
         Py_VISIT(e->func);
@@ -453,6 +473,7 @@ static int fl_clear(PyObject *module)
         return 0;
     flagos_table_clear(st);
     state_clear_config(st);
+    Py_CLEAR(st->refusal);
     for (int i = 0; i < st->n_dtypes; i++)
         Py_CLEAR(st->dtypes[i]);
     st->n_dtypes = 0;

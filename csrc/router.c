@@ -528,9 +528,12 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
                             int from_factory)
 {
     if (!st->configured) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "flagos is not active: call flagos.activate() (or set FLAGOS_DEVICE) "
-                        "before using the flagos device");
+        if (st->refusal != NULL)
+            PyErr_SetObject(PyExc_RuntimeError, st->refusal);
+        else
+            PyErr_SetString(PyExc_RuntimeError,
+                            "flagos is not active: call flagos.activate() (or set FLAGOS_DEVICE) "
+                            "before using the flagos device");
         return NULL;
     }
     if (kwargs == Py_None)

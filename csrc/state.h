@@ -115,6 +115,9 @@ typedef struct flagos_state {
     PyObject *downcast_warning;   /* warning category, given once at the first rewrite */
     PyObject *downcast_message;   /* its text */
     int downcast_warned;
+    /* Why this process may not use the chip (a fork of a process whose chip does not survive
+     * fork: refuse_forked_child()), or NULL. Raised by every call while set. */
+    PyObject *refusal;
     PyObject *dtypes[MAX_DTYPES]; /* registry for dtype_mask (strong refs) */
     int n_dtypes;
 } flagos_state;

@@ -269,6 +269,8 @@ def activate(device: str | None = "auto", mode: str | None = None,
         if redirect_cuda:
             state.redirect_cuda = _redirect.install(state)
         _apply_dtype_policy(state, dtype_policy or "strict")
+        if isinstance(chip, AdapterChip) and not chip.fork_safe:
+            _refuse_in_forked_children()
         _report.on_activate()
         _warn_untested_torch()
         log.info("flagos active on chip %s (%s mode, %d device(s), fallback=%s)",
@@ -349,6 +351,31 @@ def deactivate() -> None:
         _C.deconfigure()
         _registration.release()  # torch.Generator and torch.accelerator back to PyTorch's own
         _state.set_active(None)
+
+
+_fork_hook_registered = False
+
+
+def _refuse_in_forked_children() -> None:
+    """A chip whose driver runs threads (OpenCL) does not survive fork(): in a forked child
+    its first call would wait forever on a thread that stayed in the parent. Refuse it with
+    the fix, as PyTorch refuses CUDA in a forked child."""
+    global _fork_hook_registered
+    if not _fork_hook_registered:  # os.register_at_fork cannot be undone: once per process
+        os.register_at_fork(after_in_child=_in_forked_child)
+        _fork_hook_registered = True
+
+
+def _in_forked_child() -> None:
+    state = _state.active_or_none()
+    if state is None or not isinstance(state.chip, AdapterChip) or state.chip.fork_safe:
+        return
+    message = (f"the {state.chip.name} chip cannot be used in a process forked after it started "
+               f"(its driver's threads stay in the parent). Start worker processes with the "
+               f"'spawn' method: torch.multiprocessing.set_start_method('spawn'), or "
+               f"DataLoader(..., multiprocessing_context='spawn').")
+    _C.refuse_forked_child(message)
+    _state.refuse(message)
 
 
 def _check_native_mode_on_top(state: Active) -> None:

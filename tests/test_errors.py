@@ -165,3 +165,38 @@ def test_a_storage_on_flagos_is_refused_and_the_process_goes_on():
         print("survived")
     """)
     assert "survived" in proc.stdout
+
+
+FORKED_CHILD = """
+    import os, torch, flagos
+    flagos.activate({chip!r})
+    x = torch.arange(4.0, device=flagos.device())
+    pid = os.fork()
+    if pid == 0:  # the child: every use of the chip either works or names the fix at once
+        answers = []
+        for use in (lambda: x + 1, lambda: torch.ones(2, device="flagos"), flagos.device,
+                    lambda: x.cpu()):
+            try:
+                use()
+                answers.append("ran")
+            except RuntimeError as e:
+                answers.append("refused" if "'spawn' method" in str(e) else repr(e))
+        print(torch.flagos._is_in_bad_fork(), *answers, flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    print("parent", (x + 1).cpu().tolist(), torch.flagos._is_in_bad_fork())
+"""
+
+
+@pytest.mark.parametrize("chip", ["opencl", "sim"])
+def test_a_forked_child_uses_the_chip_only_where_its_driver_survives_fork(chip):
+    """OpenCL drivers run threads that a fork leaves in the parent: in a forked child (a
+    DataLoader worker) the chip is refused with the fix, as CUDA is, instead of waiting
+    forever; sim, a plain library, keeps working there. The parent goes on either way."""
+    if chip == "opencl" and not flagos.chips.profile("opencl").detect():
+        pytest.skip("no opencl chip here: " + flagos.chips.profile("opencl").why_unavailable())
+    lines = run_python(FORKED_CHILD.format(chip=chip)).stdout.splitlines()
+    expected = ("True refused refused refused refused" if chip == "opencl"
+                else "False ran ran ran ran")
+    assert lines[-2:] == [expected, "parent [1.0, 2.0, 3.0, 4.0] False"]

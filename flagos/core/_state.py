@@ -38,6 +38,7 @@ class Active:
 
 
 _active: Active | None = None
+_refusal: str | None = None   # this process may not use the chip (a fork the chip does not survive)
 
 
 def set_active(state: Active | None) -> None:
@@ -50,7 +51,19 @@ def active_or_none() -> Active | None:
     return _active
 
 
+def refuse(message: str) -> None:
+    """From now on this process may not use the chip: active() raises `message`."""
+    global _refusal
+    _refusal = message
+
+
+def refusal() -> str | None:
+    return _refusal
+
+
 def active() -> Active:
+    if _refusal is not None:
+        raise RuntimeError(_refusal)
     if _active is None:
         raise RuntimeError("flagos is not active: call flagos.activate() first "
                            "(or set FLAGOS_DEVICE=auto before `import torch`)")

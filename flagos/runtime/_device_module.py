@@ -32,7 +32,9 @@ def is_initialized() -> bool:
 
 
 def _is_in_bad_fork() -> bool:
-    return False
+    """A fork of a process whose chip does not survive fork (PyTorch then leaves the device
+    alone in the child: its seeding, its DataLoader workers)."""
+    return _state.refusal() is not None
 
 
 def device_count() -> int:
