@@ -272,6 +272,42 @@ def _check_cuda_module(name, dev):
         assert c.current_stream().device == dev
     elif name == "default_stream":
         assert c.default_stream().device == dev
+    elif name == "get_device_capability":
+        assert c.get_device_capability() == c.get_device_capability("cuda:0") == (0, 0)
+        props = c.get_device_properties(0)
+        assert (props.major, props.minor) == (0, 0)  # the same answer both ways
+        with pytest.raises(ValueError, match="does not exist"):
+            c.get_device_capability(state.device_count)
+    elif name == "init":
+        c.init()
+        assert c.is_initialized()
+    elif name == "is_current_stream_capturing":
+        assert c.is_current_stream_capturing() is False
+    elif name == "ipc_collect":
+        before = torch.flagos.memory_allocated()
+        c.ipc_collect()
+        assert torch.flagos.memory_allocated() == before
+    elif name == "set_per_process_memory_fraction":
+        with pytest.warns(UserWarning, match=f"not enforced on chip '{chip.name}'"):
+            c.set_per_process_memory_fraction(0.5)
+        with pytest.raises(ValueError, match="between 0 and 1"):
+            c.set_per_process_memory_fraction(1.5)
+    elif name == "memory_summary":
+        keep = torch.ones(1 << 18, device="cuda")  # 1 MiB
+        text = c.memory_summary()
+        allocated = torch.flagos.memory_allocated() / 2**20
+        assert f"allocated: {allocated:,.1f} MiB" in text and chip.name in text, text
+        del keep
+    elif name == "nvtx":
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            assert c.nvtx.range_push("outer") == 0
+            with c.nvtx.range("inner {}", 1):
+                (torch.ones(4, device="cuda") * 2).sum()
+            assert c.nvtx.range_pop() == 0
+        assert c.nvtx.range_pop() == -1
+        names = {e.name for e in prof.events()}
+        assert {"outer", "inner 1"} <= names, names
     else:
         raise AssertionError(f"no check for torch.cuda.{name}")
 

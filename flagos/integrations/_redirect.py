@@ -22,8 +22,10 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import threading
 import time
 import types
+import warnings
 
 import torch
 import torch.utils._device
@@ -49,7 +51,8 @@ CUDA_FUNCTIONS = (
     "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "reset_peak_memory_stats", "memory_stats", "mem_get_info", "empty_cache",
     "get_device_name", "get_device_properties", "is_bf16_supported", "Event", "Stream", "stream", "current_stream",
-    "default_stream",
+    "default_stream", "get_device_capability", "init", "is_current_stream_capturing", "ipc_collect",
+    "set_per_process_memory_fraction", "memory_summary", "nvtx",
 )
 ENTRY_POINTS = (
     tuple(f"torch.{n}" for n in FACTORIES)
@@ -207,6 +210,96 @@ def is_bf16_supported(including_emulation: bool = False) -> bool:
     return "bfloat16" in _state.active().chip.native_dtypes
 
 
+def get_device_capability(device=None) -> tuple[int, int]:
+    """(0, 0): the chip has no CUDA compute capability, so a library that gates a CUDA-only
+    kernel (flash attention, bf16 tensor cores) on `>= (8, 0)` takes its portable path."""
+    state = _state.active()
+    state.chip_index(_device_module._index(device))
+    return (0, 0)
+
+
+def init() -> None:
+    """The chip was initialised when flagos activated it."""
+    _state.active()
+
+
+def is_current_stream_capturing() -> bool:
+    return False  # no CUDA graph is ever being captured on the chip
+
+
+def ipc_collect() -> None:
+    """No memory is shared with other processes through CUDA IPC on the chip."""
+
+
+def set_per_process_memory_fraction(fraction: float, device=None) -> None:
+    """Checked as PyTorch checks it; not enforced: the chip's allocator has no such cap."""
+    if not isinstance(fraction, float) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"invalid fraction {fraction!r}: a float between 0 and 1")
+    state = _state.active()
+    index = state.chip_index(_device_module._index(device))
+    warnings.warn(f"torch.cuda.set_per_process_memory_fraction({fraction}) is not enforced on "
+                  f"chip {state.chip.name!r} (flagos:{index}): its allocator has no per-process cap",
+                  stacklevel=2)
+
+
+def memory_summary(device=None, abbreviated: bool = False) -> str:
+    """What the chip's allocator reports, in words (PyTorch's table needs statistics of
+    the CUDA caching allocator that other chips do not keep)."""
+    state = _state.active()
+    index = state.chip_index(_device_module._index(device))
+    stats = _device_module.memory_stats(index)
+    free, total = _device_module.mem_get_info(index)
+
+    def mib(n: int) -> str:
+        return f"{n / 2**20:,.1f} MiB"
+
+    return "\n".join([
+        f"flagos memory summary, flagos:{index} (chip {state.chip.name}, {state.chip.device_name(index)})",
+        f"  allocated: {mib(stats['allocated_bytes.all.current'])} (peak {mib(stats['allocated_bytes.all.peak'])})",
+        f"  reserved:  {mib(stats['reserved_bytes.all.current'])} (peak {mib(stats['reserved_bytes.all.peak'])})",
+        f"  device:    {mib(free)} free of {mib(total)}",
+    ])
+
+
+class _Nvtx:
+    """`torch.cuda.nvtx`: NVTX ranges become PyTorch profiler ranges (record_function), so a
+    script's annotations still show in torch.profiler traces on the chip."""
+
+    _ranges = threading.local()
+
+    @classmethod
+    def _stack(cls) -> list:
+        stack = getattr(cls._ranges, "stack", None)
+        if stack is None:
+            stack = cls._ranges.stack = []
+        return stack
+
+    @classmethod
+    def range_push(cls, msg: str) -> int:
+        scope = torch.autograd.profiler.record_function(msg)
+        scope.__enter__()
+        stack = cls._stack()
+        stack.append(scope)
+        return len(stack) - 1
+
+    @classmethod
+    def range_pop(cls) -> int:
+        stack = cls._stack()
+        if not stack:
+            return -1  # as NVTX answers a pop without a push
+        stack.pop().__exit__(None, None, None)
+        return len(stack)
+
+    @staticmethod
+    def range(msg: str, *args, **kwargs):
+        return torch.autograd.profiler.record_function(msg.format(*args, **kwargs))
+
+    @staticmethod
+    def mark(msg: str) -> None:
+        with torch.autograd.profiler.record_function(msg):
+            pass
+
+
 def _cuda_namespace(real: types.ModuleType, state) -> types.ModuleType:
     """The module `torch.cuda` becomes: the common functions answer for the active chip, every
     other name is PyTorch's own."""
@@ -214,7 +307,11 @@ def _cuda_namespace(real: types.ModuleType, state) -> types.ModuleType:
     streams = _device_module if state.mode == "device" else sys.modules.get(f"torch.{state.chip.torch_type}")
     own = {"get_device_name": get_device_name, "get_device_properties": get_device_properties,
            "is_bf16_supported": is_bf16_supported,
-           "is_initialized": _device_module.is_available}
+           "is_initialized": _device_module.is_available,
+           "get_device_capability": get_device_capability, "init": init,
+           "is_current_stream_capturing": is_current_stream_capturing, "ipc_collect": ipc_collect,
+           "set_per_process_memory_fraction": set_per_process_memory_fraction,
+           "memory_summary": memory_summary, "nvtx": _Nvtx}
     for name in CUDA_FUNCTIONS:
         if name in own:
             value = own[name]
