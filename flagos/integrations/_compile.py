@@ -16,7 +16,8 @@ counts the calls of compiled graphs instead (`compiled_calls()`) and says so.
 
 Dynamo's per-call guards on flagos inputs are those of the input and its payload: the two
 Python guards it adds for any tensor subclass (whose answers are constant for a flagos tensor)
-are dropped (`_light_guards`).
+are dropped (`_light_guards`), and so are a flagos parameter's no-aliasing guard (as for an
+`nn.Parameter`) and a payload's dimension-mark guard (`_trim_tensor_match`).
 
 Inductor's on-disk cache is the chip's own folder (integrations/_caches.py) unless the user
 chose one; the keys below keep graphs apart inside a folder, and in one a user shares.
