@@ -10,11 +10,13 @@ and writes into --out:
                    each run (the load is read before and after each script)
     results.md     the tables benchmarks/README.md embeds
     overhead.png   per-op overhead over native, flagos beside the floor, per chip
-    models.png     flagos / native time ratios of whole models (eager, and compiled with --compile)
+    models.png     flagos / native time ratios of whole models (eager; compiled: the `compile`
+                   piece, and flagos bench with --compile)
     fallback.png   the fallback's efficiency (ideal host round trip / fallback time) by size
 
 `--quick` runs every piece with few iterations: to check the pipeline, not to quote figures.
-Names for --only: dispatch, models, fallback, autoload, redirect, bench.
+Names for --only: dispatch, models, compile, fallback, autoload, redirect, bench (`compile` is
+benchmarks/compile_overhead.py: the per-call cost of compiled graphs over flagos tensors).
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ def _jobs(quick: bool, compile: bool) -> list[tuple[str, str, list[str]]]:
                      + (["--number", "100", "--repeat", "3"] if few else [])))
     jobs.append(("models", "model_overhead cpu",
                  ["model_overhead.py", "--chip", "cpu"] + (["--repeat", "1", "--number", "1"] if few else [])))
+    jobs.append(("compile", "compile_overhead cpu",
+                 ["compile_overhead.py", "--chip", "cpu"] + (["--repeat", "3", "--number", "2"] if few else [])))
     for chip in CHIPS:
         jobs.append(("fallback", f"fallback_cost {chip}",
                      ["fallback_cost.py", "--chip", chip] + (["--repeat", "2"] if few else [])))
@@ -123,6 +127,22 @@ def markdown(run: dict) -> str:
             lines += _table(["model", "native ms", "flagos ms", "ratio"],
                             [[k, f"{v['native_ms']:.2f}", f"{v['flagos_ms']:.2f}", f"{v['ratio']:.2f}"]
                              for k, v in r["models"].items()]) + [f"(chip {r['chip']})", ""]
+    compiled = [e for e in ok if e["label"].startswith("compile_overhead")]
+    if compiled:
+        lines += ["### Whole models under torch.compile (flagos / native time, median; paired: "
+                  "the median of each run's ratio)", ""]
+        for e in compiled:
+            r = e["data"]["results"]
+            rows = []
+            for k, v in r["models"].items():
+                same = v["dynamo_native"] == v["dynamo_flagos"] and not any(v["compiled_while_timing"].values())
+                rows.append([k, f"{v['native_ms']:.2f}", f"{v['flagos_ms']:.2f}", f"{v['ratio']:.2f}",
+                             f"{v['paired_ratio']:.2f}", "same" if same else
+                             f"native {v['dynamo_native']}, flagos {v['dynamo_flagos']}, "
+                             f"while timing {v['compiled_while_timing']}"])
+            lines += _table(["model", "native ms", "flagos ms", "ratio", "paired", "graphs, recompiles, breaks"],
+                            rows) + [f"(chip {r['chip']}, compile mode {r['compile_mode']}, "
+                                     f"{r['threads']} thread(s))", ""]
     fallback = [e for e in ok if e["label"].startswith("fallback_cost")]
     if fallback:
         lines += ["### Fallback round trip (efficiency = host copy in + op + copy out, by hand / fallback time)", ""]
@@ -186,6 +206,8 @@ def plots(run: dict, out: str) -> list[str]:
     for e in ok:
         if e["label"].startswith("model_overhead"):
             ratios += [(f"{k} (eager)", v["ratio"]) for k, v in e["data"]["results"]["models"].items()]
+        if e["label"].startswith("compile_overhead"):
+            ratios += [(f"{k} (compiled)", v["paired_ratio"]) for k, v in e["data"]["results"]["models"].items()]
         if e["label"].startswith("bench"):
             for r in e["data"]["results"][1:]:
                 if r.get("ratio") is not None:
@@ -229,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="also run flagos bench under torch.compile")
     p.add_argument("--quick", action="store_true", help="few iterations: checks the pipeline only")
     args = p.parse_args(argv)
-    pieces = {"dispatch", "models", "fallback", "autoload", "redirect", "bench"}
+    pieces = {"dispatch", "models", "compile", "fallback", "autoload", "redirect", "bench"}
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     if only - pieces:
         p.error(f"unknown piece(s) {', '.join(sorted(only - pieces))}; choose from {', '.join(sorted(pieces))}")

@@ -37,3 +37,28 @@ def test_run_all_refuses_an_unknown_piece(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--only", "warp",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown piece(s) warp; choose from autoload, bench" in proc.stderr
+
+
+def test_run_all_tables_and_plots_the_compile_piece(tmp_path):
+    """The `compile` piece (compile_overhead.py) reaches the table and the models plot; a side
+    whose Dynamo counts differ is named in the table instead of "same"."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import run_all
+    finally:
+        sys.path.pop(0)
+    counts = {"graphs": 1, "recompiles": 0, "graph_breaks": 0}
+    figures = {"native_ms": 2.5, "flagos_ms": 2.6, "ratio": 1.04, "paired_ratio": 1.03,
+               "dynamo_native": counts, "dynamo_flagos": counts,
+               "compiled_while_timing": {"graphs": 0, "recompiles": 0, "graph_breaks": 0}}
+    broken = dict(figures, dynamo_flagos={"graphs": 2, "recompiles": 1, "graph_breaks": 0})
+    run = {"environment": {"utc": "now", "machine": "here", "load_average": [1.0, 1.0, 1.0]},
+           "runs": [{"label": "compile_overhead cpu", "data": {"results": {
+               "chip": "cpu", "compile_mode": "default", "threads": 1,
+               "models": {"unet step": figures, "bert-tiny fwd": broken}}}}]}
+    table = run_all.markdown(run)
+    assert "| unet step | 2.50 | 2.60 | 1.04 | 1.03 | same |" in table
+    assert "| bert-tiny fwd |" in table and "flagos {'graphs': 2" in table
+    written = run_all.plots(run, str(tmp_path))
+    assert [os.path.basename(p) for p in written] == ["models.png"]
+    assert (tmp_path / "models.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

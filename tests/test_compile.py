@@ -398,6 +398,74 @@ def test_guards_still_tell_flagos_and_plain_tensors_apart(dev):
     assert flagos.fallback_report().compiled_calls == 2  # the flagos graph's calls only
 
 
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_inputs_sharing_a_payload_are_still_seen(dev):
+    """A flagos input that is not a parameter keeps its payload in Dynamo's no-aliasing guard:
+    a call whose two inputs view one payload gives the eager result (`b` sees `a`'s update),
+    after a call with distinct inputs compiled the function."""
+    def f(a, b):
+        a.add_(1)
+        return b * 2
+
+    compiled = torch.compile(f)
+    x, y = torch.randn(6), torch.randn(6)
+    fx, fy = x.to(dev), y.to(dev)
+    assert_close(compiled(fx, fy).cpu(), f(x.clone(), y))
+    shared = torch.randn(6)
+    fs = shared.to(dev)
+    out = compiled(fs, fs[:])
+    ref = shared.clone()
+    expected = f(ref, ref[:])  # b views a: a's update shows in b
+    assert_close(out.cpu(), expected)
+    assert_close(fs.cpu(), ref)
+    assert_no_graph_break()
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_marks_changed_payloads_and_mutated_parameters_are_seen(dev):
+    """The guards left out per call (a parameter's no-aliasing check, a payload's dimension
+    marks) miss nothing: a parameter updated in place gives the new result, a parameter whose
+    payload is replaced by one of another shape recompiles, and `mark_dynamic` on a flagos input
+    compiles a graph with a dynamic dimension that serves the next size."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    mod = copy.deepcopy(ref).to(dev)
+    compiled = torch.compile(mod)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert_close(compiled(x.to(dev)).cpu(), ref(x))
+        ref.weight.add_(0.5)
+        mod.weight.add_(0.5)
+        assert_close(compiled(x.to(dev)).cpu(), ref(x))
+        graphs = graphs_compiled()
+        ref.weight = torch.nn.Parameter(torch.randn(5, 4))
+        ref.bias = torch.nn.Parameter(torch.randn(5))
+        mod.weight.data = ref.weight.data.to(dev)
+        mod.bias.data = ref.bias.data.to(dev)
+        out = compiled(x.to(dev))
+        assert out.shape == (2, 5) and graphs_compiled() > graphs
+        assert_close(out.cpu(), ref(x))
+
+    def g(t):
+        return t.sin() * 2
+
+    compiled_g = torch.compile(g)
+    a = torch.randn(3, 4)
+    assert_close(compiled_g(a.to(dev)).cpu(), g(a))
+    graphs = graphs_compiled()
+    b = torch.randn(5, 4)
+    fb = b.to(dev)
+    torch._dynamo.mark_dynamic(fb, 0)
+    assert_close(compiled_g(fb).cpu(), g(b))
+    assert graphs_compiled() == graphs + 1  # the mark was seen: a graph with a dynamic size
+    c = torch.randn(7, 4)
+    fc = c.to(dev)
+    torch._dynamo.mark_dynamic(fc, 0)
+    assert_close(compiled_g(fc).cpu(), g(c))
+    assert graphs_compiled() == graphs + 1  # served by the dynamic graph
+    assert_no_graph_break()
+
 def test_reduce_overhead_mode(dev):
     """mode="reduce-overhead" asks for CUDA graphs; a CPU payload has none: Inductor skips
     them and the graph runs as in the default mode (on sim the function runs eagerly)."""

@@ -16,7 +16,8 @@ counts the calls of compiled graphs instead (`compiled_calls()`) and says so.
 
 Dynamo's per-call guards on flagos inputs are those of the input and its payload: the two
 Python guards it adds for any tensor subclass (whose answers are constant for a flagos tensor)
-are dropped (`_light_guards`).
+are dropped (`_light_guards`), and so are a flagos parameter's no-aliasing guard (as for an
+`nn.Parameter`) and a payload's dimension-mark guard (`_trim_tensor_match`).
 
 Inductor's on-disk cache is the chip's own folder (integrations/_caches.py) unless the user
 chose one; the keys below keep graphs apart inside a folder, and in one a user shares.
@@ -204,10 +205,12 @@ def _light_guards() -> None:
     payload is a torch tensor the answer is a constant (`["_payload"], None`); the guards
     that stay (the input's type, its own TENSOR_MATCH, and the TENSOR_MATCH of its payload,
     which an adapter buffer fails) cover everything else, as PyTorch does for DTensor.
-    Other subclasses keep every guard."""
+    Other subclasses keep every guard.
+
+    The tensor guards that stay are trimmed to what native inputs get (`_trim_tensor_match`)."""
     # A compilation is under way and has imported Dynamo (this runs at its first trace).
-    from torch._dynamo import guards
-    from torch._dynamo.source import SubclassAttrListSource
+    from torch._dynamo import config, guards
+    from torch._dynamo.source import AttrSource, SubclassAttrListSource
 
     builder = guards.GuardBuilder
     if getattr(builder, "_flagos_light_guards", False):
@@ -232,7 +235,65 @@ def _light_guards() -> None:
 
     builder.TENSOR_SUBCLASS_METADATA_MATCH = tensor_subclass_metadata_match
     builder.EQUALS_MATCH = equals
+    tensor_match = getattr(builder, "TENSOR_MATCH", None)
+    if tensor_match is not None:
+        builder.TENSOR_MATCH = _trim_tensor_match(tensor_match, config, AttrSource)
     builder._flagos_light_guards = True
+
+
+class _NoDimensionMarks:
+    """A guard manager that takes every guard but the dimension-marking one."""
+
+    def __init__(self, manager):
+        self.manager = manager
+
+    def __getattr__(self, name):
+        return getattr(self.manager, name)
+
+    def add_dimension_marking_guard(self, *args, **kwargs):
+        pass
+
+
+def _trim_tensor_match(tensor_match, config, attr_source):
+    """TENSOR_MATCH of a flagos input and of its payload, less two per-call checks that a
+    native input does not pay (`docs/design.md` §15):
+
+    - a flagos parameter (`_is_param`, what `type(param)` is FlagosTensor means) and its payload
+      leave the no-aliasing check, as Dynamo leaves an `nn.Parameter` out of it
+      (`config.skip_no_tensor_aliasing_guards_on_parameters`; with it off, they stay). A flagos
+      input that is not a parameter keeps both: its payload is what says two inputs share memory.
+    - the payload drops its guard on `mark_dynamic`-style marks (five `hasattr` per input and
+      call). The payload is flagos's own: marks go on the flagos tensor, whose guard stays, and
+      nothing marks a payload.
+
+    The payload keeps its TENSOR_MATCH (type, dtype, device, sizes, strides: an adapter buffer or
+    a payload of another shape fails it)."""
+
+    @functools.wraps(tensor_match)
+    def trimmed(self, guard, value=None):
+        source = guard.originating_source
+        of_payload = (type(source) is attr_source and source.member == "_payload"
+                      and type(self.get(source.base)) is FlagosTensor)
+        owner = self.get(source.base) if of_payload else (value if value is not None else self.get(guard))
+        if type(owner) is not FlagosTensor:
+            return tensor_match(self, guard, value)
+        aliasing = len(self.no_tensor_aliasing_names)
+        real_manager = self.get_guard_manager
+        if of_payload:
+            self.get_guard_manager = lambda g: _NoDimensionMarks(real_manager(g))
+        try:
+            tensor_match(self, guard, value)
+        finally:
+            if of_payload:
+                del self.get_guard_manager  # the class's method again
+        managers = self.no_tensor_aliasing_guard_managers
+        if getattr(owner, "_is_param", False) and config.skip_no_tensor_aliasing_guards_on_parameters:
+            del self.no_tensor_aliasing_names[aliasing:]
+            del managers[aliasing:]
+        else:
+            managers[aliasing:] = [getattr(m, "manager", m) for m in managers[aliasing:]]
+
+    return trimmed
 
 
 def _to_payload_device(gm) -> None:
