@@ -1,6 +1,6 @@
 """The conformance sweep: PyTorch's OpInfo database on the flagos device against plain CPU.
 
-    python tests/conformance/run.py                       # everything: cpu and sim, all dtypes
+    python tests/conformance/run.py                       # everything: cpu, sim and opencl, all dtypes
     python tests/conformance/run.py --ops 'add,nn.functional.conv*' --chips sim
     python tests/conformance/run.py --write-doc docs/conformance.md
 
@@ -24,6 +24,8 @@ sys.path.insert(0, HERE)
 
 import harness  # noqa: E402
 import runner  # noqa: E402
+
+from flagos import chips as flagos_chips  # noqa: E402
 
 OUTCOMES = ("pass", "mismatch", "stride", "error", "crash", "skip")
 
@@ -56,9 +58,14 @@ def table(results, chips, dtypes):
     return "\n".join(rows)
 
 
+def default_chips() -> str:
+    """cpu and sim everywhere; opencl too where its adapter was built and finds a device."""
+    return "cpu,sim,opencl" if flagos_chips.profile("opencl").detect() else "cpu,sim"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chips", default="cpu,sim")
+    ap.add_argument("--chips", default=default_chips())
     ap.add_argument("--dtypes", default=",".join(harness.DTYPES))
     ap.add_argument("--directions", default="fwd,bwd")
     ap.add_argument("--ops", default="", help="comma-separated globs over op[.variant] names")
@@ -90,7 +97,7 @@ def main(argv=None):
         results.update(runner.run(chip, cases, args.workers, args.timeout, on_result))
     seconds = time.time() - start
     unexpected, stale = runner.judge(results, expected, globs=not args.ops)
-    if set(chips) != {"cpu", "sim"} or set(dtypes) != set(harness.DTYPES) \
+    if not {"cpu", "sim"} <= set(chips) or set(dtypes) != set(harness.DTYPES) \
             or set(args.directions.split(",")) != {"fwd", "bwd"}:
         stale = []  # a partial sweep cannot tell which listed patterns are stale
 
