@@ -372,7 +372,10 @@ class Runner:
             return NotImplemented
         kname, inputs, scalars, ints, out_shapes, broadcast, finals = plan
         entry = self.kernels.get(kname)
-        tensors = [t for t in inputs if t is not None]
+        exempt = INDEX_INPUTS.get(kname, {})
+        if any(inputs[i].dtype != want for i, want in exempt.items()):
+            return NotImplemented
+        tensors = [t for i, t in enumerate(inputs) if t is not None and i not in exempt]
         if entry is None or not tensors:
             return NotImplemented
         dtype = tensors[0].dtype
@@ -776,6 +779,109 @@ def _layer_norm(runner, name, args, kwargs):
     return name, [inp, weight, bias], [eps], [k], [shape, stats, stats], None, None
 
 
+class _Reshaped:
+    """A flagos tensor's buffer seen with other sizes and strides (same offset and dtype): what
+    a kernel gets when a convention merges dims, without a view op through the router."""
+
+    def __init__(self, t, shape, stride):
+        self._payload, self.dtype, self.shape, self._stride = t._payload, t.dtype, shape, stride
+        self._offset, self._neg = t.storage_offset(), t.is_neg()
+
+    def stride(self):
+        return self._stride
+
+    def storage_offset(self):
+        return self._offset
+
+    def is_neg(self):
+        return self._neg
+
+
+def _channels_last(t) -> bool:
+    """A 4-d tensor PyTorch treats as channels_last (its conv, group_norm and upsample results
+    then are too, where the kernel-table conventions promise contiguous outputs)."""
+    return (t.dim() == 4 and not t.is_contiguous()
+            and t.is_contiguous(memory_format=torch.channels_last))
+
+
+def _pair(value):
+    return tuple(value) if isinstance(value, (list, tuple)) and len(value) == 2 else None
+
+
+def _convolution(runner, name, args, kwargs):
+    inp, weight, bias, stride, padding, dilation, transposed, _, groups = args
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    if (transposed or not isinstance(weight, FlagosTensor) or inp.dim() != 4 or weight.dim() != 4
+            or None in (stride, padding, dilation) or not isinstance(groups, int) or groups < 1
+            or min(stride) < 1 or min(dilation) < 1 or min(padding) < 0
+            or _channels_last(inp) or _channels_last(weight)):
+        return None
+    n, cin, h, w = inp.shape
+    cout, cin_g, kh, kw = weight.shape
+    if cin != cin_g * groups or cout % groups or cout == 0 or n == 0 or cin_g == 0:
+        return None
+    if bias is not None and (not isinstance(bias, FlagosTensor) or tuple(bias.shape) != (cout,)):
+        return None
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    if oh < 1 or ow < 1:
+        return None  # the host raises PyTorch's error
+    ints = [*stride, *padding, *dilation, groups]
+    return name, [inp, weight, bias], [], ints, [(n, cout, oh, ow)], None, None
+
+
+def _group_norm(runner, name, args, kwargs):
+    inp, weight, bias, n, c, hxw, group, eps = args
+    if (inp.dim() < 2 or _channels_last(inp) or not isinstance(group, int) or group < 1
+            or c % group or tuple(inp.shape[:2]) != (n, c) or inp.numel() != n * c * hxw
+            or inp.numel() == 0):
+        return None
+    for t in (weight, bias):
+        if t is not None and (not isinstance(t, FlagosTensor) or tuple(t.shape) != (c,)):
+            return None
+    # the spatial dims as one: they must merge into a single stride
+    inner = expect = None
+    for size, st in zip(reversed(inp.shape[2:]), reversed(inp.stride()[2:])):
+        if size == 1:
+            continue
+        if inner is None:
+            inner = st
+        elif st != expect:
+            return None
+        expect = st * size
+    flat = _Reshaped(inp, (n, c, hxw), (inp.stride(0), inp.stride(1), inner or 1))
+    return (name, [flat, weight, bias], [eps], [n, c, hxw, group],
+            [(n, c, hxw), (n, group), (n, group)], None, [tuple(inp.shape), (n, group), (n, group)])
+
+
+def _upsample_nearest2d(runner, name, args, kwargs):
+    inp, size = args[0], _pair(args[1] if len(args) > 1 else kwargs.get("output_size"))
+    scales = [kwargs.get(k, args[i] if len(args) > i else None)
+              for i, k in ((2, "scales_h"), (3, "scales_w"))]
+    if inp.dim() != 4 or size is None or min(size) < 1 or _channels_last(inp) or inp.numel() == 0:
+        return None
+    if any(s is not None and not isinstance(s, (int, float)) for s in scales):
+        return None
+    n, c = inp.shape[:2]
+    return (name, [inp], [float(s) if s is not None else 0.0 for s in scales], list(size),
+            [(n, c, *size)], None, None)
+
+
+def _embedding(runner, name, args, kwargs):
+    weight, indices = args[0], args[1]
+    if (not isinstance(indices, FlagosTensor) or indices.dtype != torch.int64 or weight.dim() != 2
+            or not indices.is_contiguous() or indices.is_neg() or indices.numel() == 0):
+        return None
+    count = indices.numel()
+    flat = _Reshaped(indices, (count,), (1,))
+    d = weight.shape[1]
+    return name, [weight, flat], [], [], [(count, d)], None, [(*indices.shape, d)]
+
+
+# inputs exempt from the one-dtype rule of a kernel call (adapter.h): kernel name -> input
+# position -> the dtype it must have
+INDEX_INPUTS = {"aten::embedding": {1: torch.int64}}
+
 ELEMENTWISE = frozenset(("aten::add.Tensor", "aten::sub.Tensor", "aten::mul.Tensor", "aten::div.Tensor",
                          "aten::add.Scalar", "aten::sub.Scalar", "aten::mul.Scalar", "aten::div.Scalar",
                          "aten::neg", "aten::relu", "aten::silu", "aten::sigmoid", "aten::tanh",
@@ -801,4 +907,8 @@ KERNEL_BUILDERS = {
     "aten::mean.dim": _reduce,
     "aten::_softmax": _softmax,
     "aten::native_layer_norm": _layer_norm,
+    "aten::convolution": _convolution,
+    "aten::native_group_norm": _group_norm,
+    "aten::upsample_nearest2d": _upsample_nearest2d,
+    "aten::embedding": _embedding,
 }

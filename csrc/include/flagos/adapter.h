@@ -138,8 +138,10 @@ typedef struct flagos_kernel_args {
 typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_status *status);
 
 /* One entry of the kernel table. flagos calls a kernel only when every tensor input and
- * output has the same dtype, that dtype is in `dtypes` and native on the device, and the
- * op's arguments fit the convention below; every other call takes the CPU fallback.
+ * output has the same dtype (one exception: aten::embedding's indices, below), that dtype is
+ * in `dtypes` and native on the device, and the op's arguments fit the convention below;
+ * every other call takes the CPU fallback. Inputs may be strided (and at a storage offset)
+ * unless an op says otherwise; outputs are contiguous, of the shapes given.
  *
  * Calling convention, by op (inputs, outputs, scalars and ints in this order):
  *
@@ -168,6 +170,40 @@ typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_statu
  *                                         ints: number of normalized trailing dims;
  *                                         scalars: eps; out: output, mean, rstd (mean and
  *                                         rstd: input's leading dims, trailing dims size 1)
+ *   aten::convolution                     2-d and not transposed only: in: input [N,Cin,H,W],
+ *                                         weight [Cout,Cin/groups,kH,kW], bias [Cout] (ndim -1
+ *                                         when absent); ints: stride_h, stride_w, pad_h, pad_w,
+ *                                         dilation_h, dilation_w, groups (all >= 1, pads >= 0);
+ *                                         out: [N,Cout,OH,OW], OH = (H + 2*pad_h -
+ *                                         dilation_h*(kH-1) - 1) / stride_h + 1 >= 1 (OW alike);
+ *                                         zero padding. (flagos declines a channels_last input
+ *                                         or weight: PyTorch lays that result out channels_last)
+ *   aten::native_group_norm               in: input [N,C,HxW] (the input's spatial dims as one:
+ *                                         flagos declines a layout where they do not merge, and
+ *                                         channels_last), weight [C], bias [C] (each ndim -1
+ *                                         when absent); ints: N, C, HxW, group (C % group == 0);
+ *                                         scalars: eps; out: output [N,C,HxW] (flagos gives it
+ *                                         the input's shape), mean [N,group], rstd [N,group]
+ *                                         (biased variance, rstd = 1/sqrt(var + eps))
+ *   aten::upsample_nearest2d              in: self [N,C,H,W]; out: [N,C,OH,OW]; ints: OH, OW;
+ *                                         scalars: scales_h, scales_w as the caller gave them
+ *                                         (0 when not given). Source row of output row i, as
+ *                                         PyTorch: i when OH == H, i/2 when OH == 2H, else
+ *                                         min(floor(i * s), H-1) in float, s = (float)(1/scales_h)
+ *                                         when scales_h > 0 else (float)H / (float)OH; columns
+ *                                         alike. (flagos declines channels_last, as above)
+ *   aten::embedding                       in: weight [V,D], indices [n] (dtype int64 whatever
+ *                                         the call's dtype: the one input exempt from the
+ *                                         same-dtype rule; `dtypes` names weight's and the
+ *                                         output's dtype); out: [n,D] (flagos hands contiguous
+ *                                         indices of any shape flattened and gives the result
+ *                                         indices' shape + [D]). An index outside [0, V): the
+ *                                         kernel reads no row for it and returns
+ *                                         FLAGOS_STATUS_UNSUPPORTED (output contents then
+ *                                         unspecified), and flagos runs the call on the CPU
+ *                                         fallback, which raises PyTorch's IndexError.
+ *       (conventions added without an ABI version change: the table is looked up by op
+ *        name, so an adapter without these entries loads and falls back for them as before)
  *
  * Copies between devices and the host are not kernels: they are the copy_* functions.
  */
