@@ -242,7 +242,7 @@ def test_float32_and_float64_ops_run_on_the_chip(dev, dtype):
 
 @on_opencl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_conv_group_norm_upsample_embedding_run_on_the_chip(dev, dtype):
+def test_conv_group_norm_upsample_embedding_cat_run_on_the_chip(dev, dtype):
     """The UNet's and BERT's ops beyond the elementwise ones, float64 included (the float32
     and float16 cases of every layout are in tests/test_sim_kernels.py)."""
     if str(dtype).split(".")[1] not in flagos.info()["native_dtypes"]:
@@ -263,7 +263,8 @@ def test_conv_group_norm_upsample_embedding_run_on_the_chip(dev, dtype):
                 F.group_norm(v, 3, gw, gb, eps=1e-6), F.group_norm(x, 2),
                 F.interpolate(v, scale_factor=2.0, mode="nearest"),
                 F.interpolate(x, size=(4, 17), mode="nearest"),
-                F.embedding(ids, table))
+                F.embedding(ids, table), torch.cat([v, x[:, :, :8, :9]], 1),
+                torch.cat([table.t(), table[:, :2].t()], 0))
 
     ref = run(x, w, bias, gw, gb, table, ids)
     with flagos.track() as report:
@@ -271,7 +272,7 @@ def test_conv_group_norm_upsample_embedding_run_on_the_chip(dev, dtype):
     for o, r in zip(out, ref):
         assert_close(o, r, atol=1e-5, rtol=1e-5)
     for op in ("aten::convolution", "aten::native_group_norm", "aten::upsample_nearest2d",
-               "aten::embedding"):
+               "aten::embedding", "aten::cat"):
         assert _native(report, op), f"{op}:\n{report}"
 
 

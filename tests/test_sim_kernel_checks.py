@@ -122,3 +122,13 @@ def test_embedding_refuses_float_indices_and_another_output_shape(sim_adapter):
     ids.write(to_dlpack(torch.tensor([5])), 8)
     with pytest.raises(NotImplementedError, match="index 5 out of range for 5 rows"):
         sim_adapter.run_kernel(index, 0, [weight, (ids, 0, INT64, (4,), (1,))], [out], (), ())
+
+
+def test_cat_refuses_sizes_that_do_not_add_up(sim_adapter):
+    run(sim_adapter, "aten::cat", [(2, 3), (2, 4)], [(2, 7)], ints=(1,))
+    with pytest.raises(DeviceError, match="do not add up to the output's"):
+        run(sim_adapter, "aten::cat", [(2, 3), (2, 4)], [(2, 8)], ints=(1,))
+    with pytest.raises(DeviceError, match="differs from the output off the cat dim"):
+        run(sim_adapter, "aten::cat", [(2, 3), (3, 4)], [(2, 7)], ints=(1,))
+    with pytest.raises(DeviceError, match="dim 2 out of range"):
+        run(sim_adapter, "aten::cat", [(2, 3), (2, 4)], [(2, 7)], ints=(2,))

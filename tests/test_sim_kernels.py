@@ -123,7 +123,7 @@ COVERED = {
     "aten::neg", "aten::relu", "aten::silu", "aten::sigmoid", "aten::tanh", "aten::exp",
     "aten::gelu", "aten::mm", "aten::bmm", "aten::addmm", "aten::sum.dim_IntList",
     "aten::mean.dim", "aten::_softmax", "aten::native_layer_norm", "aten::convolution",
-    "aten::native_group_norm", "aten::upsample_nearest2d", "aten::embedding",
+    "aten::native_group_norm", "aten::upsample_nearest2d", "aten::embedding", "aten::cat",
 }
 
 
@@ -535,10 +535,6 @@ def test_conv2d_declined_cases_take_the_fallback():
     run_case("aten::convolution", lambda x, w: F.conv1d(x, w, padding=1),
              [arg(randn(2, 3, 9, seed=45)), arg(randn(4, 3, 3, seed=46))], torch.float32,
              route="fallback")
-    # channels_last: PyTorch lays the result out channels_last, the convention does not
-    run_case("aten::convolution", lambda x, w: F.conv2d(x, w, padding=1),
-             [arg(randn(1, 4, 6, 6, seed=47), lambda t: t.contiguous(memory_format=torch.channels_last)),
-              arg(randn(3, 4, 3, 3, seed=48))], torch.float32, route="fallback")
 
 
 @on_sim
@@ -581,7 +577,7 @@ def test_group_norm(view, affine, dtype):
 
 
 @on_sim
-def test_group_norm_module_and_declined_layouts():
+def test_group_norm_functional_and_declined_layouts():
     # F.group_norm as torch.nn.GroupNorm calls it
     run_case("aten::native_group_norm", lambda t, w, b: F.group_norm(t, 4, w, b, eps=1e-6),
              [arg(randn(2, 8, 6, 6, seed=55)), arg(randn(8, seed=54)), arg(randn(8, seed=58))],
@@ -594,10 +590,6 @@ def test_group_norm_module_and_declined_layouts():
     with pytest.raises(RuntimeError) as chip:
         torch.ops.aten.native_group_norm(x.to(flagos.device()), None, None, 2, 4, 30, 2, 1e-5)
     assert str(chip.value) == str(cpu.value)
-    # channels_last: PyTorch keeps the layout for the result, the convention does not
-    run_case("aten::native_group_norm", lambda t: F.group_norm(t, 2),
-             [arg(randn(2, 4, 6, 5, seed=57), lambda t: t.contiguous(memory_format=torch.channels_last))],
-             torch.float32, route="fallback")
 
 
 # ---- nearest upsampling --------------------------------------------------------------------------
@@ -666,3 +658,77 @@ def test_embedding_with_int32_indices_takes_the_fallback():
     indices = torch.tensor([1, 0, 4], dtype=torch.int32)
     run_case("aten::embedding", lambda w: F.embedding(indices.to(w.device), w),
              [arg(randn(5, 3, seed=64))], torch.float32, route="fallback")
+
+
+# ---- concatenation ----------------------------------------------------------------------------------
+
+CAT_CASES = {
+    # id: (list of (base shape, view), dim)
+    "dim 1, UNet skip": ([((1, 4, 5, 6), None), ((1, 3, 5, 6), None)], 1),
+    "last dim, sin/cos": ([((6, 4), None), ((6, 5), None)], -1),
+    "strided and offset": ([((8, 6), lambda t: t.t()), ((9, 9), lambda t: t[2:, 1:])], 0),
+    "an empty one, three": ([((2, 0, 3), None), ((2, 4, 3), None), ((2, 1, 3), None)], 1),
+    "one tensor": ([((3, 5), lambda t: t[:, 1:])], 1),
+    "expanded": ([((1, 5), lambda t: t.expand(4, 5)), ((2, 5), None)], 0),
+}
+
+
+@on_sim
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CAT_CASES)
+def test_cat(case, dtype):
+    parts, dim = CAT_CASES[case]
+    args = [arg(randn(*shape, seed=70 + i), view) for i, (shape, view) in enumerate(parts)]
+    run_case("aten::cat", lambda *ts: torch.cat(ts, dim), args, dtype, exact=True)
+
+
+@on_sim
+def test_cat_declined_cases_give_cpus_result_or_error():
+    dev = flagos.device()
+    # nine tensors (more than the convention takes), mixed dtypes: the fallback, CPU's result
+    run_case("aten::cat", lambda *ts: torch.cat(ts, 0), [arg(randn(2, 3, seed=80 + i)) for i in range(9)],
+             torch.float32, route="fallback")
+    a, b = randn(2, 3, seed=90), randn(2, 3, seed=91).double()
+    assert torch.equal(torch.cat([a.to(dev), b.to(dev)]).cpu(), torch.cat([a, b]))
+    # shapes that do not fit: PyTorch's error
+    with pytest.raises(RuntimeError) as cpu:
+        torch.cat([a, randn(2, 4, seed=92)], 0)
+    with pytest.raises(RuntimeError) as chip:
+        torch.cat([a.to(dev), randn(2, 4, seed=92).to(dev)], 0)
+    assert str(chip.value) == str(cpu.value)
+
+
+def _channels_last(t):
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+@on_sim
+@pytest.mark.parametrize("name", ["conv", "conv weight", "group_norm", "upsample", "cat", "cat mixed"])
+def test_channels_last_results_as_pytorch_lays_them_out(name):
+    # the UNet's attention blocks hand channels_last tensors to the up path's convolutions,
+    # group norms, Upsample2D and skip cats: the results keep PyTorch's layout
+    a, b = randn(1, 4, 5, 6, seed=95), randn(2, 3, 5, 6, seed=94)
+    fn, args = {
+        "conv": (lambda x, w, c: F.conv2d(x, w, c, padding=1),
+                 [arg(randn(2, 4, 6, 5, seed=47), _channels_last), arg(randn(3, 4, 3, 3, seed=48)),
+                  arg(randn(3, seed=49))]),
+        "conv weight": (lambda x, w: F.conv2d(x, w, stride=2),
+                        [arg(randn(2, 4, 6, 5, seed=47)), arg(randn(3, 4, 3, 3, seed=48), _channels_last)]),
+        "group_norm": (lambda x, w, c: F.group_norm(x, 2, w, c),
+                       [arg(randn(2, 4, 6, 5, seed=57), _channels_last), arg(randn(4, seed=58)),
+                        arg(randn(4, seed=59))]),
+        "upsample": (lambda x: F.interpolate(x, scale_factor=2.0, mode="nearest"),
+                     [arg(randn(2, 4, 5, 6, seed=93), _channels_last)]),
+        "cat": (lambda x, y: torch.cat([x, y], 1),
+                [arg(a.expand(2, 4, 5, 6).clone(), _channels_last), arg(b, _channels_last)]),
+        "cat mixed": (lambda x, y: torch.cat([x, y], 1),   # one contiguous: a contiguous result
+                      [arg(a.expand(2, 4, 5, 6).clone(), _channels_last), arg(b)]),
+    }[name]
+    op = {"conv": "aten::convolution", "group_norm": "aten::native_group_norm",
+          "upsample": "aten::upsample_nearest2d", "cat": "aten::cat"}[name.split()[0]]
+    run_case(op, fn, args, torch.float32)
+    dev = flagos.device()
+    ref = fn(*[view(base) for base, view in args])
+    out = fn(*[view(base.to(dev)) for base, view in args])
+    assert out.stride() == ref.stride(), (out.stride(), ref.stride())
+    torch.testing.assert_close(out.cpu(), ref, **TOL[torch.float32])

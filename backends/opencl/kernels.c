@@ -30,7 +30,7 @@ static cl_kernel kernel_cache[OCL_MAX_DEVICES][OCL_MAX_PROGRAMS][N_CL_KERNELS];
 /* Element codes of kernels.cl's apply(). */
 enum {
     OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_ADD_SCALAR, OP_SUB_SCALAR, OP_MUL_SCALAR, OP_DIV_SCALAR,
-    OP_NEG, OP_RELU, OP_SILU, OP_SIGMOID, OP_TANH, OP_EXP, OP_GELU, OP_GELU_TANH
+    OP_NEG, OP_RELU, OP_SILU, OP_SIGMOID, OP_TANH, OP_EXP, OP_GELU, OP_GELU_TANH, OP_COPY
 };
 
 /* kernels.cl's `nd`, byte for byte. */
@@ -869,6 +869,77 @@ static int32_t embedding_kernel(const flagos_kernel_args *args, flagos_status *s
     return launch(args->device, dtype, K_EMBEDDING, &list, 1, &global, status);
 }
 
+/* ---- concatenation -------------------------------------------------------------------- */
+
+enum { MAX_CAT_INPUTS = 8 };
+
+/* Each non-empty input copied into its slice of the output by the elementwise kernel. */
+static int32_t cat_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    const char *op = "aten::cat";
+    if (args == NULL || args->struct_size < sizeof(flagos_kernel_args) || args->n_inputs < 1 ||
+        args->n_inputs > MAX_CAT_INPUTS || args->n_outputs != 1 || args->n_scalars != 0 ||
+        args->n_ints != 1 || args->inputs == NULL || args->outputs == NULL || args->ints == NULL)
+        return ocl_fail(status, OCL_ERROR_INVALID_VALUE, "%s: expected 1 to %d inputs, 1 output "
+                        "and 1 int", op, MAX_CAT_INPUTS);
+    int32_t rc = ocl_check_device(args->device, status);
+    if (rc != OCL_SUCCESS)
+        return rc;
+    int32_t dtype = args->outputs[0].dtype;
+    if (dtype < 0 || dtype >= FLAGOS_N_DTYPES || !(FLOAT_DTYPES & FLAGOS_DTYPE_BIT(dtype)) ||
+        !(ocl.devices[args->device].native_dtypes & FLAGOS_DTYPE_BIT(dtype)))
+        return unsupported(status, op, "dtype not supported on this device");
+    view in[MAX_CAT_INPUTS], out;
+    if ((rc = bind_tensor(args->device, &args->outputs[0], op, &out, status)) != OCL_SUCCESS)
+        return rc;
+    int64_t dim = args->ints[0], total = 0;
+    if (out.ndim < 1 || dim < 0 || dim >= out.ndim)
+        return unsupported(status, op, "dim out of range");
+    for (int32_t i = 0; i < args->n_inputs; i++) {
+        if (args->inputs[i].dtype != dtype)
+            return unsupported(status, op, "mixed dtypes");
+        if ((rc = bind_tensor(args->device, &args->inputs[i], op, &in[i], status)) != OCL_SUCCESS)
+            return rc;
+        if (in[i].ndim != out.ndim)
+            return unsupported(status, op, "inputs and output differ in rank");
+        for (int32_t d = 0; d < out.ndim; d++)
+            if (d != dim && in[i].sizes[d] != out.sizes[d])
+                return unsupported(status, op, "an input differs from the output off the cat dim");
+        total += in[i].sizes[dim];
+    }
+    if (total != out.sizes[dim])
+        return unsupported(status, op, "the inputs' sizes along dim do not add up");
+    int64_t at = 0;
+    for (int32_t i = 0; i < args->n_inputs; at += in[i].sizes[dim], i++) {
+        if (in[i].numel == 0)
+            continue;
+        nd s;
+        memset(&s, 0, sizeof s);
+        s.ndim = out.ndim;
+        s.n = in[i].numel;
+        memcpy(s.size, in[i].sizes, sizeof s.size);
+        memcpy(s.stride[0], out.strides, sizeof s.stride[0]);
+        memcpy(s.stride[1], in[i].strides, sizeof s.stride[1]);
+        s.offset[0] = out.offset + at * out.strides[dim];
+        s.offset[1] = in[i].offset;
+        cl_mem o = out.mem, a = in[i].mem;
+        cl_int code = OP_COPY;
+        acc_value s0, s1;
+        arg_list list = {0};
+        arg(&list, sizeof(cl_mem), &o);
+        arg(&list, sizeof(cl_mem), &a);
+        arg(&list, sizeof(cl_mem), &a);
+        arg(&list, sizeof s, &s);
+        arg(&list, sizeof code, &code);
+        acc_arg(&list, dtype, &s0, 0.0);
+        acc_arg(&list, dtype, &s1, 0.0);
+        size_t global = items_for(s.n);
+        if ((rc = launch(args->device, dtype, K_ELEMENTWISE, &list, 1, &global, status)) != OCL_SUCCESS)
+            return rc;
+    }
+    return ocl_ok(status);
+}
+
 /* ---- the table ----------------------------------------------------------------- */
 
 const flagos_kernel ocl_kernels[] = {
@@ -898,6 +969,7 @@ const flagos_kernel ocl_kernels[] = {
     {"aten::native_group_norm", group_norm_kernel, FLOAT_DTYPES},
     {"aten::upsample_nearest2d", upsample_nearest2d_kernel, FLOAT_DTYPES},
     {"aten::embedding", embedding_kernel, FLOAT_DTYPES},
+    {"aten::cat", cat_kernel, FLOAT_DTYPES},
 };
 
 const int32_t ocl_n_kernels = (int32_t)(sizeof ocl_kernels / sizeof ocl_kernels[0]);

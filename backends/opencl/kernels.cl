@@ -70,7 +70,7 @@ inline void nd_at(const nd *s, long idx, int k, long *off)
 
 enum {
     OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_ADD_SCALAR, OP_SUB_SCALAR, OP_MUL_SCALAR, OP_DIV_SCALAR,
-    OP_NEG, OP_RELU, OP_SILU, OP_SIGMOID, OP_TANH, OP_EXP, OP_GELU, OP_GELU_TANH
+    OP_NEG, OP_RELU, OP_SILU, OP_SIGMOID, OP_TANH, OP_EXP, OP_GELU, OP_GELU_TANH, OP_COPY
 };
 
 inline ACC apply(int op, ACC x, ACC y, ACC s0, ACC s1)
@@ -86,6 +86,7 @@ inline ACC apply(int op, ACC x, ACC y, ACC s0, ACC s1)
     case OP_MUL_SCALAR: return x * s0;
     case OP_DIV_SCALAR: return x / s0;
     case OP_NEG: return -x;
+    case OP_COPY: return x;
     case OP_RELU: return x < (ACC)0 ? (ACC)0 : x; /* NaN and -0.0 pass through */
     case OP_SILU: return (ACC)(m / ((M)1 + exp(-m)));
     case OP_SIGMOID: return (ACC)((M)1 / ((M)1 + exp(-m)));

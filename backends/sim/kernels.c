@@ -1295,6 +1295,62 @@ static int32_t embedding_kernel(const flagos_kernel_args *args, flagos_status *s
     return sim_ok(status);
 }
 
+/* ---- concatenation ------------------------------------------------------------ */
+
+enum { MAX_CAT_INPUTS = 8 };
+
+static int32_t cat_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    const char *op = "aten::cat";
+    if (args == NULL || args->struct_size < sizeof(flagos_kernel_args))
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE, "%s: missing or truncated arguments", op);
+    if (args->n_inputs < 1 || args->n_inputs > MAX_CAT_INPUTS || args->n_outputs != 1 ||
+        args->n_scalars != 0 || args->n_ints != 1)
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE, "%s: expected 1 to %d inputs, 1 output, "
+                        "0 scalars and 1 int; got %d, %d, %d and %d", op, MAX_CAT_INPUTS,
+                        args->n_inputs, args->n_outputs, args->n_scalars, args->n_ints);
+    if (args->inputs == NULL || args->outputs == NULL || args->ints == NULL)
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE, "%s: NULL argument array", op);
+    int32_t dtype = args->outputs[0].dtype;
+    if (!dtype_is_supported(dtype))
+        return sim_fail(status, SIM_ERROR_NOT_SUPPORTED, "%s: dtype %d is not supported", op, dtype);
+    tensor_view in[MAX_CAT_INPUTS], out;
+    int32_t rc = bind_tensor(args, &args->outputs[0], op, "output", 0, &out, status);
+    for (int32_t i = 0; rc == SIM_SUCCESS && i < args->n_inputs; i++) {
+        rc = check_dtype(&args->inputs[i], dtype, op, "input", i, status);
+        if (rc == SIM_SUCCESS)
+            rc = bind_tensor(args, &args->inputs[i], op, "input", i, &in[i], status);
+    }
+    if (rc != SIM_SUCCESS)
+        return rc;
+    int64_t dim = args->ints[0], total = 0;
+    if (out.ndim < 1 || dim < 0 || dim >= out.ndim)
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE, "%s: dim %" PRId64 " out of range for a "
+                        "%d-d output", op, dim, out.ndim);
+    for (int32_t i = 0; i < args->n_inputs; i++) {
+        if (in[i].ndim != out.ndim)
+            return fail_shape(status, op, "inputs and output differ in rank");
+        for (int32_t d = 0; d < out.ndim; d++)
+            if (d != dim && in[i].sizes[d] != out.sizes[d])
+                return fail_shape(status, op, "an input differs from the output off the cat dim");
+        total += in[i].sizes[dim];
+    }
+    if (total != out.sizes[dim])
+        return fail_shape(status, op, "the inputs' sizes along dim do not add up to the output's");
+    int64_t at = 0;
+    for (int32_t i = 0; i < args->n_inputs; at += in[i].sizes[dim], i++) {
+        if (in[i].numel == 0)
+            continue;
+        nd_iter it;
+        iter_start(&it, out.ndim, in[i].sizes);
+        int32_t x = iter_add(&it, in[i].strides, in[i].offset);
+        int32_t y = iter_add(&it, out.strides, out.offset + at * out.strides[dim]);
+        for (; it.remaining > 0; iter_next(&it))
+            copy_element(&out, it.pos[y], &in[i], it.pos[x]);
+    }
+    return sim_ok(status);
+}
+
 /* ---- the table ----------------------------------------------------------- */
 
 const flagos_kernel sim_kernels[] = {
@@ -1324,6 +1380,7 @@ const flagos_kernel sim_kernels[] = {
     {"aten::native_group_norm", group_norm_kernel, FLOAT_DTYPES},
     {"aten::upsample_nearest2d", upsample_nearest2d_kernel, FLOAT_DTYPES},
     {"aten::embedding", embedding_kernel, FLOAT_DTYPES},
+    {"aten::cat", cat_kernel, FLOAT_DTYPES},
 };
 
 const int32_t sim_n_kernels = (int32_t)(sizeof sim_kernels / sizeof sim_kernels[0]);

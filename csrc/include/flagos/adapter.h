@@ -141,7 +141,9 @@ typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_statu
  * output has the same dtype (one exception: aten::embedding's indices, below), that dtype is
  * in `dtypes` and native on the device, and the op's arguments fit the convention below;
  * every other call takes the CPU fallback. Inputs may be strided (and at a storage offset)
- * unless an op says otherwise; outputs are contiguous, of the shapes given.
+ * unless an op says otherwise; outputs are contiguous, of the shapes given, except where an
+ * op says otherwise (convolution, native_group_norm, upsample_nearest2d and cat give a
+ * channels_last output where PyTorch's result is channels_last).
  *
  * Calling convention, by op (inputs, outputs, scalars and ints in this order):
  *
@@ -176,22 +178,27 @@ typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_statu
  *                                         dilation_h, dilation_w, groups (all >= 1, pads >= 0);
  *                                         out: [N,Cout,OH,OW], OH = (H + 2*pad_h -
  *                                         dilation_h*(kH-1) - 1) / stride_h + 1 >= 1 (OW alike);
- *                                         zero padding. (flagos declines a channels_last input
- *                                         or weight: PyTorch lays that result out channels_last)
+ *                                         zero padding; the output is contiguous, or of
+ *                                         channels_last strides when input or weight is
+ *                                         channels_last (PyTorch's layout for that result)
  *   aten::native_group_norm               in: input [N,C,HxW] (the input's spatial dims as one:
- *                                         flagos declines a layout where they do not merge, and
- *                                         channels_last), weight [C], bias [C] (each ndim -1
+ *                                         flagos declines a layout where they do not merge),
+ *                                         weight [C], bias [C] (each ndim -1
  *                                         when absent); ints: N, C, HxW, group (C % group == 0);
  *                                         scalars: eps; out: output [N,C,HxW] (flagos gives it
- *                                         the input's shape), mean [N,group], rstd [N,group]
- *                                         (biased variance, rstd = 1/sqrt(var + eps))
+ *                                         the input's shape; of strides (C*HxW, 1, C), i.e.
+ *                                         channels_last, when the input is), mean [N,group],
+ *                                         rstd [N,group] (biased variance, rstd =
+ *                                         1/sqrt(var + eps))
  *   aten::upsample_nearest2d              in: self [N,C,H,W]; out: [N,C,OH,OW]; ints: OH, OW;
  *                                         scalars: scales_h, scales_w as the caller gave them
  *                                         (0 when not given). Source row of output row i, as
  *                                         PyTorch: i when OH == H, i/2 when OH == 2H, else
  *                                         min(floor(i * s), H-1) in float, s = (float)(1/scales_h)
  *                                         when scales_h > 0 else (float)H / (float)OH; columns
- *                                         alike. (flagos declines channels_last, as above)
+ *                                         alike. Output contiguous, or of channels_last
+ *                                         strides when self is channels_last (PyTorch's
+ *                                         layout for that result)
  *   aten::embedding                       in: weight [V,D], indices [n] (dtype int64 whatever
  *                                         the call's dtype: the one input exempt from the
  *                                         same-dtype rule; `dtypes` names weight's and the
@@ -202,6 +209,13 @@ typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_statu
  *                                         FLAGOS_STATUS_UNSUPPORTED (output contents then
  *                                         unspecified), and flagos runs the call on the CPU
  *                                         fallback, which raises PyTorch's IndexError.
+ *   aten::cat                             in: 1 to 8 tensors of one rank (>= 1), alike but
+ *                                         along dim (some may be empty there); ints: dim
+ *                                         (non-negative); out: their concatenation along dim,
+ *                                         contiguous, or of channels_last strides when every
+ *                                         input is 4-d channels_last (PyTorch's layout).
+ *                                         (flagos declines more tensors, 0-d or mismatched
+ *                                         ones)
  *       (conventions added without an ABI version change: the table is looked up by op
  *        name, so an adapter without these entries loads and falls back for them as before)
  *
