@@ -619,19 +619,25 @@ def test_upsample_nearest2d(case, view, dtype):
 
 @on_sim
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("index_shape", [(5,), (2, 7), ()], ids=str)
+@pytest.mark.parametrize("index_shape", [(5,), (2, 7), (), (0, 3), "expanded", "transposed"], ids=str)
 @pytest.mark.parametrize("view", ["contiguous", "transposed", "offset"])
 def test_embedding(view, index_shape, dtype):
     weight = {"contiguous": arg(randn(11, 6, seed=61)),
               "transposed": arg(randn(6, 11, seed=61), lambda t: t.t()),
               "offset": arg(randn(13, 8, seed=61), lambda t: t[2:, 1:7])}[view]
-    indices = torch.randint(0, 11, index_shape, generator=torch.Generator().manual_seed(62))
+    g = torch.Generator().manual_seed(62)
+    # strided indices: BERT's token_type_ids are a buffer expanded over the batch
+    index_view = {"expanded": ((1, 7), lambda t: t.expand(3, 7)),
+                  "transposed": ((7, 4), lambda t: t[1:].t())}.get(index_shape)
+    base_indices = torch.randint(0, 11, index_view[0] if index_view else index_shape, generator=g)
+    take = index_view[1] if index_view else (lambda t: t)
+    indices = take(base_indices)
     dev = flagos.device()
     _native_dtype(dtype)
     base, fn = weight
     w_cpu, w_dev = fn(base.to(dtype)), fn(base.to(dtype).to(dev))
     with flagos.track() as report:
-        out = F.embedding(indices.to(dev), w_dev)
+        out = F.embedding(take(base_indices.to(dev)), w_dev)
     assert report.op("aten::embedding")["calls"]["native"] == 1 and report.calls("fallback") == 0, \
         str(report)
     assert out.dtype == dtype and torch.equal(out.cpu(), F.embedding(indices, w_cpu))

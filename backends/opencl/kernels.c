@@ -66,8 +66,9 @@ typedef struct upsample_shape {
 } upsample_shape;
 
 typedef struct embedding_shape {
-    int64_t count, dim;
-    int64_t wt[3], idx[2], o[3];
+    int64_t dim;
+    int64_t wt[3];
+    int64_t o_dim;
 } embedding_shape;
 
 /* A checked tensor argument with the cl_mem behind it. */
@@ -816,7 +817,9 @@ static int32_t upsample_nearest2d_kernel(const flagos_kernel_args *args, flagos_
  * table's rows: one out of range and the call is declined before any row is read. */
 static int32_t check_indices(int32_t device, const view *idx, int64_t rows, flagos_status *status)
 {
-    int64_t span = (idx->sizes[0] - 1) * idx->strides[0] + 1;
+    int64_t span = 1;
+    for (int32_t d = 0; d < idx->ndim; d++)
+        span += (idx->sizes[d] - 1) * idx->strides[d];
     int64_t *host = malloc(sizeof(int64_t) * (size_t)span);
     if (host == NULL)
         return ocl_fail(status, OCL_ERROR_HOST_MEMORY, "aten::embedding: no host memory for "
@@ -825,11 +828,15 @@ static int32_t check_indices(int32_t device, const view *idx, int64_t rows, flag
                                      (size_t)idx->offset * sizeof(int64_t),
                                      (size_t)span * sizeof(int64_t), host, 0, NULL, NULL);
     int32_t rc = err == CL_SUCCESS ? OCL_SUCCESS : ocl_cl_fail(status, err, "clEnqueueReadBuffer");
-    for (int64_t i = 0; rc == OCL_SUCCESS && i < idx->sizes[0]; i++) {
-        int64_t v = host[i * idx->strides[0]];
-        if (v < 0 || v >= rows)
+    for (int64_t i = 0; rc == OCL_SUCCESS && i < idx->numel; i++) {
+        int64_t at = 0, rest = i;
+        for (int32_t d = idx->ndim - 1; d >= 0; d--) {
+            at += (rest % idx->sizes[d]) * idx->strides[d];
+            rest /= idx->sizes[d];
+        }
+        if (host[at] < 0 || host[at] >= rows)
             rc = ocl_fail(status, FLAGOS_STATUS_UNSUPPORTED, "aten::embedding: index %" PRId64
-                          " out of range for %" PRId64 " rows", v, rows);
+                          " out of range for %" PRId64 " rows", host[at], rows);
     }
     free(host);
     return rc;
@@ -844,9 +851,12 @@ static int32_t embedding_kernel(const flagos_kernel_args *args, flagos_status *s
     if (rc != OCL_SUCCESS)
         return rc;
     const view *w = &in[0], *idx = &in[1], *o = &out[0];
-    if (w->ndim != 2 || idx->ndim != 1 || o->ndim != 2 || o->sizes[0] != idx->sizes[0] ||
-        o->sizes[1] != w->sizes[1])
-        return unsupported(status, sig.op, "not weight [V, D], indices [n] -> output [n, D]");
+    int32_t nd_idx = idx->ndim;
+    int fits = w->ndim == 2 && o->ndim == nd_idx + 1 && o->sizes[nd_idx] == w->sizes[1];
+    for (int32_t d = 0; fits && d < nd_idx; d++)
+        fits = o->sizes[d] == idx->sizes[d];
+    if (!fits)
+        return unsupported(status, sig.op, "not weight [V, D], indices [...] -> output [..., D]");
     if (idx->numel == 0)
         return ocl_ok(status);
     if ((rc = check_indices(args->device, idx, w->sizes[0], status)) != OCL_SUCCESS)
@@ -855,16 +865,25 @@ static int32_t embedding_kernel(const flagos_kernel_args *args, flagos_status *s
         return ocl_ok(status);
     embedding_shape s;
     memset(&s, 0, sizeof s);
-    s.count = idx->sizes[0], s.dim = w->sizes[1];
+    s.dim = w->sizes[1];
     dims_of(w, s.wt);
-    dims_of(idx, s.idx);
-    dims_of(o, s.o);
+    s.o_dim = o->strides[nd_idx];
+    nd rows;
+    memset(&rows, 0, sizeof rows);
+    rows.ndim = nd_idx;
+    rows.n = idx->numel;
+    memcpy(rows.size, idx->sizes, sizeof rows.size);
+    memcpy(rows.stride[0], idx->strides, sizeof rows.stride[0]);
+    memcpy(rows.stride[1], o->strides, sizeof(int64_t) * (size_t)nd_idx);
+    rows.offset[0] = idx->offset;
+    rows.offset[1] = o->offset;
     cl_mem om = o->mem, wm = w->mem, im = idx->mem;
     arg_list list = {0};
     arg(&list, sizeof(cl_mem), &om);
     arg(&list, sizeof(cl_mem), &wm);
     arg(&list, sizeof(cl_mem), &im);
     arg(&list, sizeof s, &s);
+    arg(&list, sizeof rows, &rows);
     size_t global = items_for(o->numel);
     return launch(args->device, dtype, K_EMBEDDING, &list, 1, &global, status);
 }

@@ -380,19 +380,21 @@ __kernel void upsample_nearest2d(__global T *out, __global const T *x, upsample_
 /* ---- embedding ------------------------------------------------------------------ */
 
 typedef struct embedding_shape {
-    long count, dim;
+    long dim;
     long wt[3];    /* offset, strides of V, D */
-    long idx[2];   /* offset, stride */
-    long o[3];
+    long o_dim;    /* the output's stride along D */
 } embedding_shape;
 
-/* The host has checked every index against the table's rows before the launch. */
+/* rows: the indices' dims (operand 0: indices, 1: output). The host has checked every index
+ * against the table's rows before the launch. */
 __kernel void embedding(__global T *out, __global const T *w, __global const long *idx,
-                        embedding_shape s)
+                        embedding_shape s, nd rows)
 {
-    for (long i = get_global_id(0); i < s.count * s.dim; i += get_global_size(0)) {
-        long row = i / s.dim, k = i % s.dim;
-        long v = idx[s.idx[0] + row * s.idx[1]];
-        ST(out, s.o[0] + row * s.o[1] + k * s.o[2], LD(w, s.wt[0] + v * s.wt[1] + k * s.wt[2]));
+    long off[2];
+    for (long i = get_global_id(0); i < rows.n * s.dim; i += get_global_size(0)) {
+        long k = i % s.dim;
+        nd_at(&rows, i / s.dim, 2, off);
+        long v = idx[off[0]];
+        ST(out, off[1] + k * s.o_dim, LD(w, s.wt[0] + v * s.wt[1] + k * s.wt[2]));
     }
 }

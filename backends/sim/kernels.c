@@ -1264,6 +1264,14 @@ static int32_t upsample_nearest2d_kernel(const flagos_kernel_args *args, flagos_
 
 /* ---- embedding ------------------------------------------------------------------ */
 
+/* The index at element `at` of an int64 view. */
+static int64_t load_index(const tensor_view *idx, int64_t at)
+{
+    int64_t v;
+    memcpy(&v, idx->data + (uint64_t)at * 8u, sizeof v);
+    return v;
+}
+
 static int32_t embedding_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
     static const op_signature sig = {"aten::embedding", 2, 1, 0, 0, 0, 0x2u};
@@ -1272,24 +1280,33 @@ static int32_t embedding_kernel(const flagos_kernel_args *args, flagos_status *s
     if (rc != SIM_SUCCESS)
         return rc;
     const tensor_view *w = &in[0], *idx = &in[1], *y = &out[0];
-    if (w->ndim != 2 || idx->ndim != 1 || y->ndim != 2 || y->sizes[0] != idx->sizes[0] ||
-        y->sizes[1] != w->sizes[1])
-        return fail_shape(status, sig.op, "not weight [V, D], indices [n] -> output [n, D]");
+    int32_t nd = idx->ndim;
+    int fits = w->ndim == 2 && y->ndim == nd + 1 && y->sizes[nd] == w->sizes[1];
+    for (int32_t d = 0; fits && d < nd; d++)
+        fits = y->sizes[d] == idx->sizes[d];
+    if (!fits)
+        return fail_shape(status, sig.op, "not weight [V, D], indices [...] -> output [..., D]");
+    if (idx->numel == 0)
+        return sim_ok(status);
     int64_t rows = w->sizes[0], dim = w->sizes[1];
     /* every index first: one out of range and nothing is read (flagos then falls back) */
-    for (int64_t i = 0; i < idx->sizes[0]; i++) {
-        int64_t v;
-        memcpy(&v, idx->data + (uint64_t)(idx->offset + i * idx->strides[0]) * 8u, sizeof v);
+    nd_iter it;
+    iter_start(&it, nd, idx->sizes);
+    int32_t x = iter_add(&it, idx->strides, idx->offset);
+    for (; it.remaining > 0; iter_next(&it)) {
+        int64_t v = load_index(idx, it.pos[x]);
         if (v < 0 || v >= rows)
             return sim_fail(status, FLAGOS_STATUS_UNSUPPORTED,
                             "%s: index %" PRId64 " out of range for %" PRId64 " rows", sig.op,
                             v, rows);
     }
-    for (int64_t i = 0; i < idx->sizes[0] && dim > 0; i++) {
-        int64_t v;
-        memcpy(&v, idx->data + (uint64_t)(idx->offset + i * idx->strides[0]) * 8u, sizeof v);
+    iter_start(&it, nd, idx->sizes);
+    x = iter_add(&it, idx->strides, idx->offset);
+    int32_t o = iter_add(&it, y->strides, y->offset);
+    for (; dim > 0 && it.remaining > 0; iter_next(&it)) {
+        int64_t v = load_index(idx, it.pos[x]);
         for (int64_t k = 0; k < dim; k++)
-            copy_element(y, y->offset + i * y->strides[0] + k * y->strides[1], w,
+            copy_element(y, it.pos[o] + k * y->strides[nd], w,
                          w->offset + v * w->strides[0] + k * w->strides[1]);
     }
     return sim_ok(status);

@@ -885,13 +885,11 @@ def _upsample_nearest2d(runner, name, args, kwargs):
 
 def _embedding(runner, name, args, kwargs):
     weight, indices = args[0], args[1]
+    # the output has one dim more than the indices: at most 8 (FLAGOS_MAX_DIMS)
     if (not isinstance(indices, FlagosTensor) or indices.dtype != torch.int64 or weight.dim() != 2
-            or not indices.is_contiguous() or indices.is_neg() or indices.numel() == 0):
+            or indices.dim() > 7 or indices.is_neg()):
         return None
-    count = indices.numel()
-    flat = _Reshaped(indices, (count,), (1,))
-    d = weight.shape[1]
-    return name, [weight, flat], [], [], [(count, d)], None, [(*indices.shape, d)]
+    return name, [weight, indices], [], [], [(*indices.shape, weight.shape[1])], None, None
 
 
 def _cat(runner, name, args, kwargs):

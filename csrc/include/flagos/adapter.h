@@ -199,12 +199,12 @@ typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_statu
  *                                         alike. Output contiguous, or of channels_last
  *                                         strides when self is channels_last (PyTorch's
  *                                         layout for that result)
- *   aten::embedding                       in: weight [V,D], indices [n] (dtype int64 whatever
- *                                         the call's dtype: the one input exempt from the
- *                                         same-dtype rule; `dtypes` names weight's and the
- *                                         output's dtype); out: [n,D] (flagos hands contiguous
- *                                         indices of any shape flattened and gives the result
- *                                         indices' shape + [D]). An index outside [0, V): the
+ *   aten::embedding                       in: weight [V,D], indices [...] (0 to 7 dims, any
+ *                                         strides; dtype int64 whatever the call's dtype: the
+ *                                         one input exempt from the same-dtype rule; `dtypes`
+ *                                         names weight's and the output's dtype); out:
+ *                                         [..., D], indices' shape + [D]. An index outside
+ *                                         [0, V): the
  *                                         kernel reads no row for it and returns
  *                                         FLAGOS_STATUS_UNSUPPORTED (output contents then
  *                                         unspecified), and flagos runs the call on the CPU
