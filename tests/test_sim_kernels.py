@@ -493,6 +493,8 @@ CONV_CASES = {
     "dilated, rect": ((1, 3, 10, 9), (4, 3, 3, 2), True, (2, 1), (2, 0), (2, 3), 1),
     "groups 2": ((2, 4, 6, 6), (6, 2, 3, 3), True, 1, 1, 1, 2),
     "depthwise": ((1, 4, 7, 7), (4, 1, 3, 3), False, (1, 2), 1, 1, 4),
+    # more output channels than opencl's tile of 8, and not a multiple of it, per group
+    "20 out, groups 2": ((1, 4, 6, 5), (20, 2, 3, 3), True, 1, 1, 1, 2),
 }
 CONV_VIEWS = {
     "contiguous": None,

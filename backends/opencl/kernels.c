@@ -712,7 +712,9 @@ static int32_t convolution_kernel(const flagos_kernel_args *args, flagos_status 
     arg(&list, sizeof(cl_mem), &bm);
     arg(&list, sizeof s, &s);
     arg(&list, sizeof has_bias, &has_bias);
-    size_t global = items_for(o->numel);
+    enum { CO_TILE = 8 };  /* kernels.cl's: output channels per work item */
+    int64_t tiles = (s.cout / s.groups + CO_TILE - 1) / CO_TILE;
+    size_t global = items_for(s.n * s.groups * tiles * s.oh * s.ow);
     return launch(args->device, dtype, K_CONV2D, &list, 1, &global, status);
 }
 

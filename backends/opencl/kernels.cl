@@ -259,23 +259,33 @@ typedef struct conv_shape {
     long o[5];
 } conv_shape;
 
-/* Direct 2-d convolution, zero padding; one work item per output element (adjacent items:
- * adjacent output columns), taps accumulated with fma in (ci, ky, kx) order. */
+/* Direct 2-d convolution, zero padding. One work item per output pixel and tile of CO_TILE
+ * output channels of one group (adjacent items: adjacent output columns), so each input
+ * element loaded serves the whole tile; taps accumulate with fma in (ci, ky, kx) order. */
+#define CO_TILE 8
+
 __kernel void conv2d(__global T *out, __global const T *x, __global const T *w,
                      __global const T *b, conv_shape s, int has_bias)
 {
-    long total = s.n * s.cout * s.oh * s.ow;
     long cin_g = s.cin / s.groups, cout_g = s.cout / s.groups;
+    long tiles = (cout_g + CO_TILE - 1) / CO_TILE;
+    long total = s.n * s.groups * tiles * s.oh * s.ow;
     for (long i = get_global_id(0); i < total; i += get_global_size(0)) {
         long ow = i % s.ow, t = i / s.ow;
         long oh = t % s.oh;
         t /= s.oh;
-        long co = t % s.cout, n = t / s.cout, g = co / cout_g;
+        long tile = t % tiles;
+        t /= tiles;
+        long g = t % s.groups, n = t / s.groups;
+        long co0 = g * cout_g + tile * CO_TILE;
+        long count = min((long)CO_TILE, cout_g - tile * CO_TILE);
         long ih0 = oh * s.stride[0] - s.pad[0], iw0 = ow * s.stride[1] - s.pad[1];
-        ACC acc = 0;
+        ACC acc[CO_TILE];
+        for (int c = 0; c < CO_TILE; c++)
+            acc[c] = 0;
         for (long ci = 0; ci < cin_g; ci++) {
             long xb = s.x[0] + n * s.x[1] + (g * cin_g + ci) * s.x[2];
-            long wb = s.wt[0] + co * s.wt[1] + ci * s.wt[2];
+            long wb = s.wt[0] + co0 * s.wt[1] + ci * s.wt[2];
             for (long ky = 0; ky < s.kh; ky++) {
                 long ih = ih0 + ky * s.dilation[0];
                 if (ih < 0 || ih >= s.h)
@@ -284,14 +294,19 @@ __kernel void conv2d(__global T *out, __global const T *x, __global const T *w,
                     long iw = iw0 + kx * s.dilation[1];
                     if (iw < 0 || iw >= s.w)
                         continue;
-                    acc = fma((ACC)LD(x, xb + ih * s.x[3] + iw * s.x[4]),
-                              (ACC)LD(w, wb + ky * s.wt[3] + kx * s.wt[4]), acc);
+                    ACC xv = LD(x, xb + ih * s.x[3] + iw * s.x[4]);
+                    long wp = wb + ky * s.wt[3] + kx * s.wt[4];
+                    for (int c = 0; c < CO_TILE; c++)
+                        if (c < count)
+                            acc[c] = fma(xv, (ACC)LD(w, wp + c * s.wt[1]), acc[c]);
                 }
             }
         }
-        if (has_bias)
-            acc += LD(b, s.b[0] + co * s.b[1]);
-        ST(out, s.o[0] + n * s.o[1] + co * s.o[2] + oh * s.o[3] + ow * s.o[4], acc);
+        long o = s.o[0] + n * s.o[1] + oh * s.o[3] + ow * s.o[4];
+        for (int c = 0; c < CO_TILE; c++)
+            if (c < count)
+                ST(out, o + (co0 + c) * s.o[2],
+                   has_bias ? acc[c] + (ACC)LD(b, s.b[0] + (co0 + c) * s.b[1]) : acc[c]);
     }
 }
 
