@@ -296,9 +296,9 @@ __kernel void conv2d(__global T *out, __global const T *x, __global const T *w,
                         continue;
                     ACC xv = LD(x, xb + ih * s.x[3] + iw * s.x[4]);
                     long wp = wb + ky * s.wt[3] + kx * s.wt[4];
+                    /* a partial tile repeats its last channel (never stored): no branch here */
                     for (int c = 0; c < CO_TILE; c++)
-                        if (c < count)
-                            acc[c] = fma(xv, (ACC)LD(w, wp + c * s.wt[1]), acc[c]);
+                        acc[c] = fma(xv, (ACC)LD(w, wp + min((long)c, count - 1) * s.wt[1]), acc[c]);
                 }
             }
         }
