@@ -834,11 +834,12 @@ def _convolution(runner, name, args, kwargs):
     ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
     if oh < 1 or ow < 1:
         return None  # the host raises PyTorch's error
+    if _channels_last(inp) or _channels_last(weight):
+        # PyTorch's result is channels_last; a kernel writing it so gave results that differed
+        # from PyTorch's (at float16 rounding) further down a UNet: the fallback keeps them
+        return None
     ints = [*stride, *padding, *dilation, groups]
-    out = (n, cout, oh, ow)
-    # PyTorch's CPU convolution gives a channels_last result for a channels_last input or weight
-    layout = _channels_last_strides(out) if _channels_last(inp) or _channels_last(weight) else None
-    return name, [inp, weight, bias], [], ints, [out], None, None, [(layout, None)]
+    return name, [inp, weight, bias], [], ints, [(n, cout, oh, ow)], None, None
 
 
 def _group_norm(runner, name, args, kwargs):

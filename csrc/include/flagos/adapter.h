@@ -142,8 +142,8 @@ typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_statu
  * in `dtypes` and native on the device, and the op's arguments fit the convention below;
  * every other call takes the CPU fallback. Inputs may be strided (and at a storage offset)
  * unless an op says otherwise; outputs are contiguous, of the shapes given, except where an
- * op says otherwise (convolution, native_group_norm, upsample_nearest2d and cat give a
- * channels_last output where PyTorch's result is channels_last).
+ * op says otherwise (native_group_norm, upsample_nearest2d and cat give a channels_last
+ * output where PyTorch's result is channels_last).
  *
  * Calling convention, by op (inputs, outputs, scalars and ints in this order):
  *
@@ -178,9 +178,8 @@ typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_statu
  *                                         dilation_h, dilation_w, groups (all >= 1, pads >= 0);
  *                                         out: [N,Cout,OH,OW], OH = (H + 2*pad_h -
  *                                         dilation_h*(kH-1) - 1) / stride_h + 1 >= 1 (OW alike);
- *                                         zero padding; the output is contiguous, or of
- *                                         channels_last strides when input or weight is
- *                                         channels_last (PyTorch's layout for that result)
+ *                                         zero padding. (flagos declines a channels_last
+ *                                         input or weight: it leaves those to the CPU)
  *   aten::native_group_norm               in: input [N,C,HxW] (the input's spatial dims as one:
  *                                         flagos declines a layout where they do not merge),
  *                                         weight [C], bias [C] (each ndim -1
