@@ -439,6 +439,10 @@ def test_sim_coverage_follows_the_dtypes_sim_computes_in():
         route, reason = sim.classify("aten::add.Tensor", ["torch.bfloat16"])
         assert route == "fallback" and "not bfloat16" in reason
     assert sim.classify("aten::add.Tensor", ["torch.int64"])[0] == "fallback"
+    # embedding's int64 indices are the one input outside the kernel's dtype mask
+    assert sim.classify("aten::embedding", ["torch.float32", "torch.int64"])[0] == "native"
+    route, reason = sim.classify("aten::embedding", ["torch.float64", "torch.int64"])
+    assert route == "fallback" and "not float64" in reason
 
 
 def test_a_script_ended_by_a_signal_exits_128_plus_the_signal(tmp_path, capfd):

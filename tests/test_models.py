@@ -28,11 +28,15 @@ def test_ddpm_pipeline_matches_cpu(dev):
     assert report.calls("native") > 100
     if CHIP == "cpu":
         assert report.calls("fallback") == 0
-    else:  # sim: ops with a sim kernel run natively, the rest fall back to the CPU
-        silu = report.op("aten::silu")["calls"]
-        assert silu["native"] > 0 and silu["fallback"] == 0
-        assert report.op("aten::convolution")["calls"]["native"] == 0
-        assert report.op("aten::convolution")["calls"]["fallback"] > 0
+    else:  # C-ABI chips: ops with a kernel run natively (the UNet's group norms, upsampling
+        # and skip cats included), the rest fall back to the CPU
+        for op in ("aten::silu", "aten::native_group_norm", "aten::upsample_nearest2d", "aten::cat"):
+            calls = report.op(op)["calls"]
+            assert calls["native"] > 0 and calls["fallback"] == 0, f"{op}:\n{report}"
+        # convolutions too, but those of the channels_last tensors the attention blocks hand
+        # on, which flagos leaves to the CPU
+        conv = report.op("aten::convolution")["calls"]
+        assert conv["native"] > conv["fallback"], str(report)
 
 
 def test_ddpm_pipeline_with_fallback_ops_matches_cpu(dev):

@@ -240,6 +240,57 @@ def test_float32_and_float64_ops_run_on_the_chip(dev, dtype):
         assert _native(report, op), f"{op}:\n{report}"
 
 
+@on_opencl
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_conv_group_norm_upsample_embedding_cat_run_on_the_chip(dev, dtype):
+    """The UNet's and BERT's ops beyond the elementwise ones, float64 included (the float32
+    and float16 cases of every layout are in tests/test_sim_kernels.py)."""
+    if str(dtype).split(".")[1] not in flagos.info()["native_dtypes"]:
+        pytest.skip(f"{dtype} is not native on this OpenCL device")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 9, 11, generator=g, dtype=dtype)
+    w = torch.randn(4, 3, 3, 3, generator=g, dtype=dtype)
+    bias = torch.randn(4, generator=g, dtype=dtype)
+    gw, gb = torch.randn(6, generator=g, dtype=dtype), torch.randn(6, generator=g, dtype=dtype)
+    table = torch.randn(10, 5, generator=g, dtype=dtype)
+    ids = torch.tensor([[3, 0, 9], [9, 1, 2]])
+    F = torch.nn.functional
+
+    def run(x, w, bias, gw, gb, table, ids):
+        v = x[:, :, 1:, 2:]                     # a strided view at an offset
+        return (F.conv2d(v, w, bias, stride=(2, 1), padding=1, dilation=(1, 2), groups=2),
+                F.conv2d(x, w.repeat(1, 2, 1, 1)),
+                F.group_norm(v, 3, gw, gb, eps=1e-6), F.group_norm(x, 2),
+                F.interpolate(v, scale_factor=2.0, mode="nearest"),
+                F.interpolate(x, size=(4, 17), mode="nearest"),
+                F.embedding(ids, table), torch.cat([v, x[:, :, :8, :9]], 1),
+                torch.cat([table.t(), table[:, :2].t()], 0))
+
+    ref = run(x, w, bias, gw, gb, table, ids)
+    with flagos.track() as report:
+        out = run(*(t.to(dev) for t in (x, w, bias, gw, gb, table, ids)))
+    for o, r in zip(out, ref):
+        assert_close(o, r, atol=1e-5, rtol=1e-5)
+    for op in ("aten::convolution", "aten::native_group_norm", "aten::upsample_nearest2d",
+               "aten::embedding", "aten::cat"):
+        assert _native(report, op), f"{op}:\n{report}"
+
+
+@on_opencl
+def test_declined_convolution_and_bad_embedding_index_give_cpus_answer(dev):
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(1, 4, 5, 5, generator=g), torch.randn(4, 3, 3, 3, generator=g)
+    with flagos.track() as report:
+        out = torch.nn.functional.conv_transpose2d(x.to(dev), w.to(dev), stride=2)
+    assert_close(out, torch.nn.functional.conv_transpose2d(x, w, stride=2), atol=1e-5, rtol=1e-5)
+    assert report.op("aten::convolution")["calls"]["fallback"] == 1, str(report)
+    table = torch.randn(4, 3, generator=g)
+    with pytest.raises(IndexError, match="index out of range in self"):
+        torch.nn.functional.embedding(torch.tensor([1, 4]).to(dev), table.to(dev))
+    good = torch.nn.functional.embedding(torch.tensor([3, 0]).to(dev), table.to(dev))
+    assert torch.equal(good.cpu(), table[[3, 0]])
+
+
 # ---- real models ----------------------------------------------------------------------------
 
 @on_opencl
@@ -255,6 +306,11 @@ def test_unet2d_matches_cpu(dev):
             out = mine(sample.to(dev), 10).sample
     assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert _native(report, "aten::silu") and report.calls("native") > 50, str(report)
+    for op in ("aten::native_group_norm", "aten::upsample_nearest2d"):
+        assert _native(report, op), f"{op}:\n{report}"
+    # convolutions too, but those of channels_last inputs, which flagos leaves to the CPU
+    conv = report.op("aten::convolution")["calls"]
+    assert conv["native"] > conv["fallback"], str(report)
 
 
 @on_opencl
@@ -267,5 +323,5 @@ def test_bert_matches_cpu(dev):
         with flagos.track() as report:
             out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
     assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    for op in ("aten::addmm", "aten::native_layer_norm", "aten::gelu"):
+    for op in ("aten::addmm", "aten::native_layer_norm", "aten::gelu", "aten::embedding"):
         assert _native(report, op), f"{op}:\n{report}"

@@ -2,11 +2,13 @@
 directly: flagos sizes every output before a kernel runs, so only a caller of the ABI that
 skips flagos meets them, and a vendor adapter written after sim should refuse the same."""
 import pytest
+import torch
+from torch.utils.dlpack import to_dlpack
 
 from flagos import chips
 from flagos.errors import DeviceError
 
-FLOAT32 = 0  # the ABI's dtype code
+FLOAT32, INT64 = 0, 4  # the ABI's dtype codes
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +67,68 @@ def test_layer_norm_refuses_statistics_of_another_shape(sim_adapter):
     for mean_shape, rstd_shape in (((1, 2), (2, 1)), ((2, 1), (1, 2))):
         with pytest.raises(DeviceError, match="mean or rstd is not"):
             layer_norm(mean_shape, rstd_shape)
+
+
+def test_convolution_refuses_an_output_of_another_shape(sim_adapter):
+    ints = (1, 1, 1, 1, 1, 1, 1)  # stride, padding, dilation (2 each), groups
+    run(sim_adapter, "aten::convolution", [(1, 2, 5, 5), (3, 2, 3, 3), (3,)], [(1, 3, 5, 5)], ints=ints)
+    with pytest.raises(DeviceError, match=r"aten::convolution: output is not \[N, Cout, OH, OW\]"):
+        run(sim_adapter, "aten::convolution", [(1, 2, 5, 5), (3, 2, 3, 3), (3,)], [(1, 3, 4, 4)],
+            ints=ints)
+    with pytest.raises(DeviceError, match="channels do not divide into groups"):
+        run(sim_adapter, "aten::convolution", [(1, 2, 5, 5), (3, 2, 3, 3), (3,)], [(1, 3, 5, 5)],
+            ints=ints[:6] + (2,))
+    with pytest.raises(DeviceError, match=r"bias is not \[Cout\]"):
+        run(sim_adapter, "aten::convolution", [(1, 2, 5, 5), (3, 2, 3, 3), (4,)], [(1, 3, 5, 5)],
+            ints=ints)
+
+
+def test_group_norm_refuses_statistics_of_another_shape(sim_adapter):
+    def group_norm(out_shape, mean_shape, rstd_shape, ints=(2, 4, 6, 2)):
+        run(sim_adapter, "aten::native_group_norm", [(2, 4, 6), (4,), (4,)],
+            [out_shape, mean_shape, rstd_shape], scalars=(1e-5,), ints=ints)
+
+    group_norm((2, 4, 6), (2, 2), (2, 2))
+    for mean_shape, rstd_shape in (((2, 1), (2, 2)), ((2, 2), (2, 4))):
+        with pytest.raises(DeviceError, match=r"mean or rstd is not \[N, group\]"):
+            group_norm((2, 4, 6), mean_shape, rstd_shape)
+    with pytest.raises(DeviceError, match="output shape differs"):
+        group_norm((2, 4, 5), (2, 2), (2, 2))
+    with pytest.raises(DeviceError, match="C does not divide into the groups"):
+        group_norm((2, 4, 6), (2, 3), (2, 3), ints=(2, 4, 6, 3))
+
+
+def test_upsample_refuses_an_output_other_than_the_ints_say(sim_adapter):
+    run(sim_adapter, "aten::upsample_nearest2d", [(1, 2, 3, 4)], [(1, 2, 6, 8)], scalars=(2.0, 2.0),
+        ints=(6, 8))
+    with pytest.raises(DeviceError, match=r"output is not \[N, C, OH, OW\] as the ints say"):
+        run(sim_adapter, "aten::upsample_nearest2d", [(1, 2, 3, 4)], [(1, 2, 6, 8)],
+            scalars=(2.0, 2.0), ints=(6, 7))
+
+
+def test_embedding_refuses_float_indices_and_another_output_shape(sim_adapter):
+    index = {name: i for i, (name, _) in enumerate(sim_adapter.kernels())}["aten::embedding"]
+    weight = (sim_adapter.alloc_tensor(0, (5, 3), None, 4), 0, FLOAT32, (5, 3), (3, 1))
+    ids = sim_adapter.alloc_tensor(0, (4,), None, 8)
+    ids.write(to_dlpack(torch.tensor([0, 4, 2, 0])), 0)
+    out = (sim_adapter.alloc_tensor(0, (4, 3), None, 4), 0, FLOAT32, (4, 3), (3, 1))
+    sim_adapter.run_kernel(index, 0, [weight, (ids, 0, INT64, (4,), (1,))], [out], (), ())
+    with pytest.raises(DeviceError, match="input 1 has dtype 0 but the call's dtype is 4"):
+        sim_adapter.run_kernel(index, 0, [weight, (ids, 0, FLOAT32, (4,), (1,))], [out], (), ())
+    short = (sim_adapter.alloc_tensor(0, (3, 3), None, 4), 0, FLOAT32, (3, 3), (3, 1))
+    with pytest.raises(DeviceError, match=r"indices \[...\] -> output \[..., D\]"):
+        sim_adapter.run_kernel(index, 0, [weight, (ids, 0, INT64, (4,), (1,))], [short], (), ())
+    # an index past the table: declined (FLAGOS_STATUS_UNSUPPORTED), so flagos falls back
+    ids.write(to_dlpack(torch.tensor([5])), 8)
+    with pytest.raises(NotImplementedError, match="index 5 out of range for 5 rows"):
+        sim_adapter.run_kernel(index, 0, [weight, (ids, 0, INT64, (4,), (1,))], [out], (), ())
+
+
+def test_cat_refuses_sizes_that_do_not_add_up(sim_adapter):
+    run(sim_adapter, "aten::cat", [(2, 3), (2, 4)], [(2, 7)], ints=(1,))
+    with pytest.raises(DeviceError, match="do not add up to the output's"):
+        run(sim_adapter, "aten::cat", [(2, 3), (2, 4)], [(2, 8)], ints=(1,))
+    with pytest.raises(DeviceError, match="differs from the output off the cat dim"):
+        run(sim_adapter, "aten::cat", [(2, 3), (3, 4)], [(2, 7)], ints=(1,))
+    with pytest.raises(DeviceError, match="dim 2 out of range"):
+        run(sim_adapter, "aten::cat", [(2, 3), (2, 4)], [(2, 7)], ints=(2,))

@@ -122,7 +122,8 @@ COVERED = {
     "aten::add.Scalar", "aten::sub.Scalar", "aten::mul.Scalar", "aten::div.Scalar",
     "aten::neg", "aten::relu", "aten::silu", "aten::sigmoid", "aten::tanh", "aten::exp",
     "aten::gelu", "aten::mm", "aten::bmm", "aten::addmm", "aten::sum.dim_IntList",
-    "aten::mean.dim", "aten::_softmax", "aten::native_layer_norm",
+    "aten::mean.dim", "aten::_softmax", "aten::native_layer_norm", "aten::convolution",
+    "aten::native_group_norm", "aten::upsample_nearest2d", "aten::embedding", "aten::cat",
 }
 
 
@@ -479,3 +480,267 @@ def test_layer_norm_over_two_dims_and_large_eps(dtype):
              lambda x, w, b: F.layer_norm(x, (3, 4), w, b, eps=0.5),
              [arg(randn(2, 3, 4, seed=28, scale=0.5)), arg(randn(3, 4, seed=29)),
               arg(randn(3, 4, seed=30))], dtype)
+
+
+# ---- convolution ------------------------------------------------------------------------------
+
+CONV_CASES = {
+    # id: (input shape, weight shape, bias, stride, padding, dilation, groups)
+    "3x3 pad 1": ((2, 4, 9, 7), (6, 4, 3, 3), True, 1, 1, 1, 1),
+    "no bias": ((1, 3, 8, 8), (5, 3, 3, 3), False, 1, 1, 1, 1),
+    "stride 2": ((2, 4, 9, 8), (6, 4, 3, 3), True, 2, 1, 1, 1),
+    "1x1": ((1, 8, 5, 6), (4, 8, 1, 1), True, 1, 0, 1, 1),
+    "dilated, rect": ((1, 3, 10, 9), (4, 3, 3, 2), True, (2, 1), (2, 0), (2, 3), 1),
+    "groups 2": ((2, 4, 6, 6), (6, 2, 3, 3), True, 1, 1, 1, 2),
+    "depthwise": ((1, 4, 7, 7), (4, 1, 3, 3), False, (1, 2), 1, 1, 4),
+    # more output channels than opencl's tile of 8, and not a multiple of it, per group
+    "20 out, groups 2": ((1, 4, 6, 5), (20, 2, 3, 3), True, 1, 1, 1, 2),
+}
+CONV_VIEWS = {
+    "contiguous": None,
+    "offset": "offset",        # input sliced out of a larger tensor: storage offset, row strides
+    "transposed": "transposed",  # input with H and W swapped in memory
+}
+
+
+def conv_input(shape, view, seed):
+    if view == "offset":
+        n, c, h, w = shape
+        return arg(randn(n, c + 1, h + 2, w + 3, seed=seed), lambda t: t[:, 1:, 1:h + 1, 2:w + 2])
+    if view == "transposed":
+        n, c, h, w = shape
+        return arg(randn(n, c, w, h, seed=seed), lambda t: t.transpose(2, 3))
+    return arg(randn(*shape, seed=seed))
+
+
+@on_sim
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("view", CONV_VIEWS)
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv2d(case, view, dtype):
+    shape, wshape, bias, stride, padding, dilation, groups = CONV_CASES[case]
+    args = [conv_input(shape, CONV_VIEWS[view], 40), arg(randn(*wshape, seed=41, scale=0.3))]
+    if bias:
+        args.append(arg(randn(wshape[0], seed=42)))
+
+    def fn(x, w, b=None):
+        return F.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    run_case("aten::convolution", fn, args, dtype)
+
+
+@on_sim
+def test_conv2d_declined_cases_take_the_fallback():
+    # transposed convolution and 1-d convolution are outside the convention: CPU's results
+    run_case("aten::convolution", lambda x, w: F.conv_transpose2d(x, w, stride=2),
+             [arg(randn(1, 4, 5, 5, seed=43)), arg(randn(4, 3, 3, 3, seed=44))], torch.float32,
+             route="fallback")
+    run_case("aten::convolution", lambda x, w: F.conv1d(x, w, padding=1),
+             [arg(randn(2, 3, 9, seed=45)), arg(randn(4, 3, 3, seed=46))], torch.float32,
+             route="fallback")
+
+
+@on_sim
+def test_conv2d_shape_errors_are_pytorchs():
+    dev = flagos.device()
+    x, w = randn(1, 4, 6, 6, seed=49), randn(3, 2, 3, 3, seed=50)  # 4 channels, weight wants 2
+    with pytest.raises(RuntimeError) as cpu:
+        F.conv2d(x, w)
+    with pytest.raises(RuntimeError) as chip:
+        F.conv2d(x.to(dev), w.to(dev))
+    assert str(chip.value) == str(cpu.value)
+
+
+# ---- group norm ---------------------------------------------------------------------------------
+
+GROUP_NORM_VIEWS = {
+    "contiguous": ((2, 6, 5, 4), None),
+    "offset": ((2, 7, 6, 4), lambda t: t[:, 1:, 1:]),        # rows of the spatial dims merge
+    "3-d": ((3, 4, 10), None),
+    "channel stride": ((2, 12, 5, 4), lambda t: t[:, ::2]),
+}
+
+
+@on_sim
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("view", GROUP_NORM_VIEWS)
+def test_group_norm(view, affine, dtype):
+    shape, fn_view = GROUP_NORM_VIEWS[view]
+    c = {"contiguous": 6, "offset": 6, "3-d": 4, "channel stride": 6}[view]
+    args = [arg(randn(*shape, seed=51, scale=2.0) + 0.5, fn_view)]
+    if affine:
+        args += [arg(randn(c, seed=52)), arg(randn(c, seed=53))]
+    groups = 2
+
+    def fn(x, w=None, b=None):
+        n = x.shape[0]
+        return torch.ops.aten.native_group_norm(x, w, b, n, c, x[0, 0].numel(), groups, 1e-5)
+    run_case("aten::native_group_norm", fn, args, dtype)
+
+
+@on_sim
+def test_group_norm_functional_and_declined_layouts():
+    # F.group_norm as torch.nn.GroupNorm calls it
+    run_case("aten::native_group_norm", lambda t, w, b: F.group_norm(t, 4, w, b, eps=1e-6),
+             [arg(randn(2, 8, 6, 6, seed=55)), arg(randn(8, seed=54)), arg(randn(8, seed=58))],
+             torch.float32)
+    # spatial dims that do not merge into one stride (F.group_norm copies them first): the
+    # fallback, where PyTorch's CPU kernel refuses them with its own error
+    x = randn(2, 4, 6, 5, seed=56).transpose(2, 3)
+    with pytest.raises(RuntimeError) as cpu:
+        torch.ops.aten.native_group_norm(x, None, None, 2, 4, 30, 2, 1e-5)
+    with pytest.raises(RuntimeError) as chip:
+        torch.ops.aten.native_group_norm(x.to(flagos.device()), None, None, 2, 4, 30, 2, 1e-5)
+    assert str(chip.value) == str(cpu.value)
+
+
+# ---- nearest upsampling --------------------------------------------------------------------------
+
+UPSAMPLE_CASES = {
+    # id: F.interpolate keyword arguments
+    "scale 2 (Upsample2D)": dict(scale_factor=2.0, mode="nearest"),
+    "scale 3": dict(scale_factor=3.0, mode="nearest"),
+    "scale 1.5": dict(scale_factor=1.5, mode="nearest"),
+    "size": dict(size=(7, 10), mode="nearest"),
+    "shrink": dict(size=(3, 2), mode="nearest"),
+}
+
+
+@on_sim
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("view", ["contiguous", "offset"])
+@pytest.mark.parametrize("case", UPSAMPLE_CASES)
+def test_upsample_nearest2d(case, view, dtype):
+    kwargs = UPSAMPLE_CASES[case]
+    x = (arg(randn(2, 3, 5, 4, seed=60)) if view == "contiguous"
+         else arg(randn(2, 4, 6, 6, seed=60), lambda t: t[:, 1:, 1:, 2:]))
+    run_case("aten::upsample_nearest2d", lambda t: F.interpolate(t, **kwargs), [x], dtype, exact=True)
+
+
+# ---- embedding -------------------------------------------------------------------------------------
+
+@on_sim
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("index_shape", [(5,), (2, 7), (), (0, 3), "expanded", "transposed"], ids=str)
+@pytest.mark.parametrize("view", ["contiguous", "transposed", "offset"])
+def test_embedding(view, index_shape, dtype):
+    weight = {"contiguous": arg(randn(11, 6, seed=61)),
+              "transposed": arg(randn(6, 11, seed=61), lambda t: t.t()),
+              "offset": arg(randn(13, 8, seed=61), lambda t: t[2:, 1:7])}[view]
+    g = torch.Generator().manual_seed(62)
+    # strided indices: BERT's token_type_ids are a buffer expanded over the batch
+    index_view = {"expanded": ((1, 7), lambda t: t.expand(3, 7)),
+                  "transposed": ((7, 4), lambda t: t[1:].t())}.get(index_shape)
+    base_indices = torch.randint(0, 11, index_view[0] if index_view else index_shape, generator=g)
+    take = index_view[1] if index_view else (lambda t: t)
+    indices = take(base_indices)
+    dev = flagos.device()
+    _native_dtype(dtype)
+    base, fn = weight
+    w_cpu, w_dev = fn(base.to(dtype)), fn(base.to(dtype).to(dev))
+    with flagos.track() as report:
+        out = F.embedding(take(base_indices.to(dev)), w_dev)
+    assert report.op("aten::embedding")["calls"]["native"] == 1 and report.calls("fallback") == 0, \
+        str(report)
+    assert out.dtype == dtype and torch.equal(out.cpu(), F.embedding(indices, w_cpu))
+
+
+@on_sim
+@pytest.mark.parametrize("bad", [11, -1, 10**12])
+def test_embedding_index_out_of_range_is_pytorchs_error(bad):
+    dev = flagos.device()
+    weight, indices = randn(11, 4, seed=63), torch.tensor([0, 3, bad, 2])
+    with pytest.raises(IndexError) as cpu:
+        F.embedding(indices, weight)
+    # the kernel declines (it reads no row for a bad index) and the fallback raises
+    with pytest.raises(IndexError) as chip:
+        F.embedding(indices.to(dev), weight.to(dev))
+    assert str(chip.value) == str(cpu.value)
+    # the chip still works after it
+    good = torch.tensor([[1, 2], [10, 0]])
+    assert torch.equal(F.embedding(good.to(dev), weight.to(dev)).cpu(), F.embedding(good, weight))
+
+
+@on_sim
+def test_embedding_with_int32_indices_takes_the_fallback():
+    indices = torch.tensor([1, 0, 4], dtype=torch.int32)
+    run_case("aten::embedding", lambda w: F.embedding(indices.to(w.device), w),
+             [arg(randn(5, 3, seed=64))], torch.float32, route="fallback")
+
+
+# ---- concatenation ----------------------------------------------------------------------------------
+
+CAT_CASES = {
+    # id: (list of (base shape, view), dim)
+    "dim 1, UNet skip": ([((1, 4, 5, 6), None), ((1, 3, 5, 6), None)], 1),
+    "last dim, sin/cos": ([((6, 4), None), ((6, 5), None)], -1),
+    "strided and offset": ([((8, 6), lambda t: t.t()), ((9, 9), lambda t: t[2:, 1:])], 0),
+    "an empty one, three": ([((2, 0, 3), None), ((2, 4, 3), None), ((2, 1, 3), None)], 1),
+    "one tensor": ([((3, 5), lambda t: t[:, 1:])], 1),
+    "expanded": ([((1, 5), lambda t: t.expand(4, 5)), ((2, 5), None)], 0),
+}
+
+
+@on_sim
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CAT_CASES)
+def test_cat(case, dtype):
+    parts, dim = CAT_CASES[case]
+    args = [arg(randn(*shape, seed=70 + i), view) for i, (shape, view) in enumerate(parts)]
+    run_case("aten::cat", lambda *ts: torch.cat(ts, dim), args, dtype, exact=True)
+
+
+@on_sim
+def test_cat_declined_cases_give_cpus_result_or_error():
+    dev = flagos.device()
+    # nine tensors (more than the convention takes), mixed dtypes: the fallback, CPU's result
+    run_case("aten::cat", lambda *ts: torch.cat(ts, 0), [arg(randn(2, 3, seed=80 + i)) for i in range(9)],
+             torch.float32, route="fallback")
+    a, b = randn(2, 3, seed=90), randn(2, 3, seed=91).double()
+    assert torch.equal(torch.cat([a.to(dev), b.to(dev)]).cpu(), torch.cat([a, b]))
+    # shapes that do not fit: PyTorch's error
+    with pytest.raises(RuntimeError) as cpu:
+        torch.cat([a, randn(2, 4, seed=92)], 0)
+    with pytest.raises(RuntimeError) as chip:
+        torch.cat([a.to(dev), randn(2, 4, seed=92).to(dev)], 0)
+    assert str(chip.value) == str(cpu.value)
+
+
+def _channels_last(t):
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+@on_sim
+def test_conv2d_channels_last_takes_the_fallback():
+    # PyTorch lays the result out channels_last; flagos leaves such calls to the CPU
+    for x, w in ((arg(randn(2, 4, 6, 5, seed=47), _channels_last), arg(randn(3, 4, 3, 3, seed=48))),
+                 (arg(randn(2, 4, 6, 5, seed=47)), arg(randn(3, 4, 3, 3, seed=48), _channels_last))):
+        run_case("aten::convolution", lambda a, b: F.conv2d(a, b, padding=1), [x, w], torch.float32,
+                 route="fallback")
+
+
+@on_sim
+@pytest.mark.parametrize("name", ["group_norm", "upsample", "cat", "cat mixed"])
+def test_channels_last_results_as_pytorch_lays_them_out(name):
+    # the UNet's attention blocks hand channels_last tensors to the up path's group norms,
+    # Upsample2D and skip cats: the results keep PyTorch's layout
+    a, b = randn(1, 4, 5, 6, seed=95), randn(2, 3, 5, 6, seed=94)
+    fn, args = {
+        "group_norm": (lambda x, w, c: F.group_norm(x, 2, w, c),
+                       [arg(randn(2, 4, 6, 5, seed=57), _channels_last), arg(randn(4, seed=58)),
+                        arg(randn(4, seed=59))]),
+        "upsample": (lambda x: F.interpolate(x, scale_factor=2.0, mode="nearest"),
+                     [arg(randn(2, 4, 5, 6, seed=93), _channels_last)]),
+        "cat": (lambda x, y: torch.cat([x, y], 1),
+                [arg(a.expand(2, 4, 5, 6).clone(), _channels_last), arg(b, _channels_last)]),
+        "cat mixed": (lambda x, y: torch.cat([x, y], 1),   # one contiguous: a contiguous result
+                      [arg(a.expand(2, 4, 5, 6).clone(), _channels_last), arg(b)]),
+    }[name]
+    op = {"group_norm": "aten::native_group_norm",
+          "upsample": "aten::upsample_nearest2d", "cat": "aten::cat"}[name.split()[0]]
+    run_case(op, fn, args, torch.float32)
+    dev = flagos.device()
+    ref = fn(*[view(base) for base, view in args])
+    out = fn(*[view(base.to(dev)) for base, view in args])
+    assert out.stride() == ref.stride(), (out.stride(), ref.stride())
+    torch.testing.assert_close(out.cpu(), ref, **TOL[torch.float32])

@@ -5,6 +5,7 @@
  */
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "opencl_internal.h"
@@ -16,16 +17,20 @@
 enum { MAX_TENSORS = 3, ANY_COUNT = -1 };
 
 /* The kernels of kernels.cl, by index into the per-device kernel cache. */
-enum { K_ELEMENTWISE, K_MATMUL, K_REDUCE, K_SOFTMAX, K_LAYER_NORM, N_CL_KERNELS };
+enum {
+    K_ELEMENTWISE, K_MATMUL, K_REDUCE, K_SOFTMAX, K_LAYER_NORM, K_CONV2D, K_GROUP_NORM,
+    K_UPSAMPLE_NEAREST2D, K_EMBEDDING, N_CL_KERNELS
+};
 static const char *const cl_kernel_names[N_CL_KERNELS] = {
-    "elementwise", "matmul", "reduce", "softmax", "layer_norm",
+    "elementwise", "matmul", "reduce", "softmax", "layer_norm", "conv2d", "group_norm",
+    "upsample_nearest2d", "embedding",
 };
 static cl_kernel kernel_cache[OCL_MAX_DEVICES][OCL_MAX_PROGRAMS][N_CL_KERNELS];
 
 /* Element codes of kernels.cl's apply(). */
 enum {
     OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_ADD_SCALAR, OP_SUB_SCALAR, OP_MUL_SCALAR, OP_DIV_SCALAR,
-    OP_NEG, OP_RELU, OP_SILU, OP_SIGMOID, OP_TANH, OP_EXP, OP_GELU, OP_GELU_TANH
+    OP_NEG, OP_RELU, OP_SILU, OP_SIGMOID, OP_TANH, OP_EXP, OP_GELU, OP_GELU_TANH, OP_COPY
 };
 
 /* kernels.cl's `nd`, byte for byte. */
@@ -43,6 +48,29 @@ typedef struct mm_shape {
     int64_t a[4], b[4], c[4], o[4];
 } mm_shape;
 
+/* kernels.cl's conv_shape, group_norm_shape, upsample_shape and embedding_shape. */
+typedef struct conv_shape {
+    int64_t n, cin, h, w, cout, kh, kw, oh, ow, groups;
+    int64_t stride[2], pad[2], dilation[2];
+    int64_t x[5], wt[5], b[2], o[5];
+} conv_shape;
+
+typedef struct group_norm_shape {
+    int64_t n, c, hxw, group;
+    int64_t x[4], y[4], wt[2], b[2], mean[3], rstd[3];
+} group_norm_shape;
+
+typedef struct upsample_shape {
+    int64_t n, c, h, w, oh, ow;
+    int64_t x[5], o[5];
+} upsample_shape;
+
+typedef struct embedding_shape {
+    int64_t dim;
+    int64_t wt[3];
+    int64_t o_dim;
+} embedding_shape;
+
 /* A checked tensor argument with the cl_mem behind it. */
 typedef struct view {
     cl_mem mem;                          /* NULL when it touches no memory or is absent */
@@ -57,11 +85,14 @@ typedef struct op_signature {
     const char *op;
     int32_t n_inputs, n_outputs, n_scalars, n_ints;  /* n_ints may be ANY_COUNT */
     uint32_t optional_inputs;                        /* bit i: input i may be absent */
+    uint32_t index_inputs;                           /* bit i: input i is int64 (indices) */
 } op_signature;
 
 static size_t dtype_size(int32_t dtype)
 {
-    return dtype == FLAGOS_FLOAT64 ? 8u : dtype == FLAGOS_FLOAT32 ? 4u : 2u;
+    return dtype == FLAGOS_FLOAT64 || dtype == FLAGOS_INT64 ? 8u
+           : dtype == FLAGOS_FLOAT32                        ? 4u
+                                                            : 2u;
 }
 
 static int32_t unsupported(flagos_status *status, const char *op, const char *why)
@@ -103,7 +134,7 @@ static int32_t bind_tensor(int32_t device, const flagos_tensor *t, const char *o
     return OCL_SUCCESS;
 }
 
-/* Checks counts and dtypes, binds every tensor; *dtype gets the call's dtype. */
+/* Checks counts and dtypes (index inputs: int64), binds every tensor; *dtype gets the call's dtype. */
 static int32_t bind_args(const flagos_kernel_args *args, const op_signature *sig, view *in,
                          view *out, int32_t *dtype, flagos_status *status)
 {
@@ -134,7 +165,7 @@ static int32_t bind_args(const flagos_kernel_args *args, const op_signature *sig
             in[i].ndim = -1;
             continue;
         }
-        if (t->dtype != *dtype)
+        if (t->dtype != ((sig->index_inputs & (1u << i)) ? FLAGOS_INT64 : *dtype))
             return unsupported(status, sig->op, "mixed dtypes");
         if ((rc = bind_tensor(args->device, t, sig->op, &in[i], status)) != OCL_SUCCESS)
             return rc;
@@ -318,7 +349,7 @@ static int32_t run_elementwise(const flagos_kernel_args *args, flagos_status *st
 #define ELEMENTWISE_KERNEL(name, op_name, n_inputs, n_scalars, code)                         \
     static int32_t name(const flagos_kernel_args *args, flagos_status *status)               \
     {                                                                                       \
-        static const op_signature sig = {op_name, n_inputs, 1, n_scalars, 0, 0};            \
+        static const op_signature sig = {op_name, n_inputs, 1, n_scalars, 0, 0, 0};            \
         return run_elementwise(args, status, &sig, code);                                   \
     }
 
@@ -339,7 +370,7 @@ ELEMENTWISE_KERNEL(exp_kernel, "aten::exp", 1, 0, OP_EXP)
 
 static int32_t gelu_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::gelu", 1, 1, 0, 1, 0};
+    static const op_signature sig = {"aten::gelu", 1, 1, 0, 1, 0, 0};
     if (args != NULL && args->n_ints == 1 && args->ints != NULL &&
         (args->ints[0] == 0 || args->ints[0] == 1))
         return run_elementwise(args, status, &sig, args->ints[0] ? OP_GELU_TANH : OP_GELU);
@@ -415,19 +446,19 @@ static int32_t run_matmul(const flagos_kernel_args *args, flagos_status *status,
 
 static int32_t mm_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::mm", 2, 1, 0, 0, 0};
+    static const op_signature sig = {"aten::mm", 2, 1, 0, 0, 0, 0};
     return run_matmul(args, status, &sig, 2, 0);
 }
 
 static int32_t bmm_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::bmm", 2, 1, 0, 0, 0};
+    static const op_signature sig = {"aten::bmm", 2, 1, 0, 0, 0, 0};
     return run_matmul(args, status, &sig, 3, 0);
 }
 
 static int32_t addmm_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::addmm", 3, 1, 2, 0, 0};
+    static const op_signature sig = {"aten::addmm", 3, 1, 2, 0, 0, 0};
     return run_matmul(args, status, &sig, 2, 1);
 }
 
@@ -498,19 +529,19 @@ static int32_t run_reduction(const flagos_kernel_args *args, flagos_status *stat
 
 static int32_t sum_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::sum.dim_IntList", 1, 1, 0, ANY_COUNT, 0};
+    static const op_signature sig = {"aten::sum.dim_IntList", 1, 1, 0, ANY_COUNT, 0, 0};
     return run_reduction(args, status, &sig, 0);
 }
 
 static int32_t mean_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::mean.dim", 1, 1, 0, ANY_COUNT, 0};
+    static const op_signature sig = {"aten::mean.dim", 1, 1, 0, ANY_COUNT, 0, 0};
     return run_reduction(args, status, &sig, 1);
 }
 
 static int32_t softmax_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::_softmax", 1, 1, 0, 1, 0};
+    static const op_signature sig = {"aten::_softmax", 1, 1, 0, 1, 0, 0};
     view in[MAX_TENSORS], out[MAX_TENSORS];
     int32_t dtype = FLAGOS_FLOAT32;
     int32_t rc = bind_args(args, &sig, in, out, &dtype, status);
@@ -563,7 +594,7 @@ static int place_param(const view *p, const view *x, int32_t axis, nd *norm, int
 
 static int32_t layer_norm_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::native_layer_norm", 3, 3, 1, 1, 0x6u};
+    static const op_signature sig = {"aten::native_layer_norm", 3, 3, 1, 1, 0x6u, 0};
     view in[MAX_TENSORS], out[MAX_TENSORS];
     int32_t dtype = FLAGOS_FLOAT32;
     int32_t rc = bind_args(args, &sig, in, out, &dtype, status);
@@ -626,6 +657,310 @@ static int32_t layer_norm_kernel(const flagos_kernel_args *args, flagos_status *
     return launch(args->device, dtype, K_LAYER_NORM, &list, 1, &global, status);
 }
 
+/* ---- convolution ---------------------------------------------------------------- */
+
+static void dims_of(const view *v, int64_t *d)
+{
+    d[0] = v->offset;
+    for (int32_t i = 0; i < v->ndim; i++)
+        d[1 + i] = v->strides[i];
+}
+
+static int32_t convolution_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    static const op_signature sig = {"aten::convolution", 3, 1, 0, 7, 0x4u, 0};
+    view in[MAX_TENSORS], out[MAX_TENSORS];
+    int32_t dtype = FLAGOS_FLOAT32;
+    int32_t rc = bind_args(args, &sig, in, out, &dtype, status);
+    if (rc != OCL_SUCCESS)
+        return rc;
+    const view *x = &in[0], *w = &in[1], *b = &in[2], *o = &out[0];
+    const int64_t *v = args->ints;
+    if (x->ndim != 4 || w->ndim != 4 || o->ndim != 4)
+        return unsupported(status, sig.op, "input, weight and output must be 4-d");
+    for (int i = 0; i < 7; i++)
+        if ((i == 2 || i == 3) ? v[i] < 0 || v[i] > (INT64_MAX >> 4) : v[i] < 1 || v[i] > (INT64_MAX >> 4))
+            return unsupported(status, sig.op, "stride, dilation, groups < 1 or padding < 0");
+    conv_shape s;
+    memset(&s, 0, sizeof s);
+    s.n = x->sizes[0], s.cin = x->sizes[1], s.h = x->sizes[2], s.w = x->sizes[3];
+    s.cout = w->sizes[0], s.kh = w->sizes[2], s.kw = w->sizes[3];
+    s.stride[0] = v[0], s.stride[1] = v[1], s.pad[0] = v[2], s.pad[1] = v[3];
+    s.dilation[0] = v[4], s.dilation[1] = v[5], s.groups = v[6];
+    if (s.cin != w->sizes[1] * s.groups || s.cout % s.groups != 0 ||
+        (b->ndim != -1 && (b->ndim != 1 || b->sizes[0] != s.cout)))
+        return unsupported(status, sig.op, "channels, groups, weight and bias do not agree");
+    int64_t span_h = s.h + 2 * s.pad[0] - s.dilation[0] * (s.kh - 1) - 1;
+    int64_t span_w = s.w + 2 * s.pad[1] - s.dilation[1] * (s.kw - 1) - 1;
+    s.oh = span_h < 0 ? 0 : span_h / s.stride[0] + 1;
+    s.ow = span_w < 0 ? 0 : span_w / s.stride[1] + 1;
+    if (o->sizes[0] != s.n || o->sizes[1] != s.cout || o->sizes[2] != s.oh || o->sizes[3] != s.ow)
+        return unsupported(status, sig.op, "output is not [N, Cout, OH, OW]");
+    dims_of(x, s.x);
+    dims_of(w, s.wt);
+    dims_of(o, s.o);
+    if (b->ndim == 1)
+        dims_of(b, s.b);
+    if (o->numel == 0)
+        return ocl_ok(status);
+    cl_mem om = o->mem, xm = mem_or(x, om), wm = mem_or(w, om), bm = mem_or(b, om);
+    cl_int has_bias = b->ndim == 1 && b->mem != NULL;
+    arg_list list = {0};
+    arg(&list, sizeof(cl_mem), &om);
+    arg(&list, sizeof(cl_mem), &xm);
+    arg(&list, sizeof(cl_mem), &wm);
+    arg(&list, sizeof(cl_mem), &bm);
+    arg(&list, sizeof s, &s);
+    arg(&list, sizeof has_bias, &has_bias);
+    enum { CO_TILE = 8 };  /* kernels.cl's: output channels per work item */
+    int64_t tiles = (s.cout / s.groups + CO_TILE - 1) / CO_TILE;
+    size_t global = items_for(s.n * s.groups * tiles * s.oh * s.ow);
+    return launch(args->device, dtype, K_CONV2D, &list, 1, &global, status);
+}
+
+/* ---- group norm ------------------------------------------------------------------ */
+
+static int32_t group_norm_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    static const op_signature sig = {"aten::native_group_norm", 3, 3, 1, 4, 0x6u, 0};
+    view in[MAX_TENSORS], out[MAX_TENSORS];
+    int32_t dtype = FLAGOS_FLOAT32;
+    int32_t rc = bind_args(args, &sig, in, out, &dtype, status);
+    if (rc != OCL_SUCCESS)
+        return rc;
+    const view *x = &in[0], *w = &in[1], *b = &in[2];
+    group_norm_shape s;
+    memset(&s, 0, sizeof s);
+    s.n = args->ints[0], s.c = args->ints[1], s.hxw = args->ints[2], s.group = args->ints[3];
+    if (x->ndim != 3 || x->sizes[0] != s.n || x->sizes[1] != s.c || x->sizes[2] != s.hxw ||
+        !same_shape(x, &out[0]) || s.group < 1 || s.c % s.group != 0)
+        return unsupported(status, sig.op, "input is not [N, C, HxW] in groups as the ints say");
+    if ((w->ndim != -1 && (w->ndim != 1 || w->sizes[0] != s.c)) ||
+        (b->ndim != -1 && (b->ndim != 1 || b->sizes[0] != s.c)))
+        return unsupported(status, sig.op, "weight or bias is not [C]");
+    for (int i = 1; i < 3; i++)
+        if (out[i].ndim != 2 || out[i].sizes[0] != s.n || out[i].sizes[1] != s.group)
+            return unsupported(status, sig.op, "mean or rstd is not [N, group]");
+    dims_of(x, s.x);
+    dims_of(&out[0], s.y);
+    dims_of(&out[1], s.mean);
+    dims_of(&out[2], s.rstd);
+    if (w->ndim == 1)
+        dims_of(w, s.wt);
+    if (b->ndim == 1)
+        dims_of(b, s.b);
+    if (out[1].numel == 0)
+        return ocl_ok(status);
+    cl_mem mean = out[1].mem, rstd = out[2].mem, y = mem_or(&out[0], mean), xm = mem_or(x, y),
+           wm = mem_or(w, y), bm = mem_or(b, y);
+    cl_int has_w = w->ndim == 1 && w->mem != NULL, has_b = b->ndim == 1 && b->mem != NULL;
+    acc_value eps;
+    arg_list list = {0};
+    arg(&list, sizeof(cl_mem), &y);
+    arg(&list, sizeof(cl_mem), &mean);
+    arg(&list, sizeof(cl_mem), &rstd);
+    arg(&list, sizeof(cl_mem), &xm);
+    arg(&list, sizeof(cl_mem), &wm);
+    arg(&list, sizeof(cl_mem), &bm);
+    arg(&list, sizeof s, &s);
+    arg(&list, sizeof has_w, &has_w);
+    arg(&list, sizeof has_b, &has_b);
+    acc_arg(&list, dtype, &eps, args->scalars[0]);
+    size_t global = items_for(s.n * s.group);
+    return launch(args->device, dtype, K_GROUP_NORM, &list, 1, &global, status);
+}
+
+/* ---- nearest upsampling ------------------------------------------------------------- */
+
+/* PyTorch's source step: (float)(1 / scales) for a given scale, else in / out in float. */
+static float nearest_scale(double scales, int64_t in_size, int64_t out_size)
+{
+    return scales > 0.0 ? (float)(1.0 / scales) : (float)in_size / (float)out_size;
+}
+
+static int32_t upsample_nearest2d_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    static const op_signature sig = {"aten::upsample_nearest2d", 1, 1, 2, 2, 0, 0};
+    view in[MAX_TENSORS], out[MAX_TENSORS];
+    int32_t dtype = FLAGOS_FLOAT32;
+    int32_t rc = bind_args(args, &sig, in, out, &dtype, status);
+    if (rc != OCL_SUCCESS)
+        return rc;
+    const view *x = &in[0], *o = &out[0];
+    if (x->ndim != 4 || o->ndim != 4 || o->sizes[0] != x->sizes[0] || o->sizes[1] != x->sizes[1] ||
+        o->sizes[2] != args->ints[0] || o->sizes[3] != args->ints[1])
+        return unsupported(status, sig.op, "output is not [N, C, OH, OW] as the ints say");
+    if (o->numel == 0)
+        return ocl_ok(status);
+    if (x->numel == 0)
+        return unsupported(status, sig.op, "an empty input has no element to repeat");
+    upsample_shape s;
+    memset(&s, 0, sizeof s);
+    s.n = x->sizes[0], s.c = x->sizes[1], s.h = x->sizes[2], s.w = x->sizes[3];
+    s.oh = o->sizes[2], s.ow = o->sizes[3];
+    dims_of(x, s.x);
+    dims_of(o, s.o);
+    cl_float scale_h = nearest_scale(args->scalars[0], s.h, s.oh);
+    cl_float scale_w = nearest_scale(args->scalars[1], s.w, s.ow);
+    cl_mem om = o->mem, xm = x->mem;
+    arg_list list = {0};
+    arg(&list, sizeof(cl_mem), &om);
+    arg(&list, sizeof(cl_mem), &xm);
+    arg(&list, sizeof s, &s);
+    arg(&list, sizeof scale_h, &scale_h);
+    arg(&list, sizeof scale_w, &scale_w);
+    size_t global = items_for(o->numel);
+    return launch(args->device, dtype, K_UPSAMPLE_NEAREST2D, &list, 1, &global, status);
+}
+
+/* ---- embedding ---------------------------------------------------------------------- */
+
+/* Reads the indices to the host (after the queue's earlier work) and checks each against the
+ * table's rows: one out of range and the call is declined before any row is read. */
+static int32_t check_indices(int32_t device, const view *idx, int64_t rows, flagos_status *status)
+{
+    int64_t span = 1;
+    for (int32_t d = 0; d < idx->ndim; d++)
+        span += (idx->sizes[d] - 1) * idx->strides[d];
+    int64_t *host = malloc(sizeof(int64_t) * (size_t)span);
+    if (host == NULL)
+        return ocl_fail(status, OCL_ERROR_HOST_MEMORY, "aten::embedding: no host memory for "
+                        "%" PRId64 " indices", span);
+    cl_int err = clEnqueueReadBuffer(ocl.devices[device].current, idx->mem, CL_TRUE,
+                                     (size_t)idx->offset * sizeof(int64_t),
+                                     (size_t)span * sizeof(int64_t), host, 0, NULL, NULL);
+    int32_t rc = err == CL_SUCCESS ? OCL_SUCCESS : ocl_cl_fail(status, err, "clEnqueueReadBuffer");
+    for (int64_t i = 0; rc == OCL_SUCCESS && i < idx->numel; i++) {
+        int64_t at = 0, rest = i;
+        for (int32_t d = idx->ndim - 1; d >= 0; d--) {
+            at += (rest % idx->sizes[d]) * idx->strides[d];
+            rest /= idx->sizes[d];
+        }
+        if (host[at] < 0 || host[at] >= rows)
+            rc = ocl_fail(status, FLAGOS_STATUS_UNSUPPORTED, "aten::embedding: index %" PRId64
+                          " out of range for %" PRId64 " rows", host[at], rows);
+    }
+    free(host);
+    return rc;
+}
+
+static int32_t embedding_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    static const op_signature sig = {"aten::embedding", 2, 1, 0, 0, 0, 0x2u};
+    view in[MAX_TENSORS], out[MAX_TENSORS];
+    int32_t dtype = FLAGOS_FLOAT32;
+    int32_t rc = bind_args(args, &sig, in, out, &dtype, status);
+    if (rc != OCL_SUCCESS)
+        return rc;
+    const view *w = &in[0], *idx = &in[1], *o = &out[0];
+    int32_t nd_idx = idx->ndim;
+    int fits = w->ndim == 2 && o->ndim == nd_idx + 1 && o->sizes[nd_idx] == w->sizes[1];
+    for (int32_t d = 0; fits && d < nd_idx; d++)
+        fits = o->sizes[d] == idx->sizes[d];
+    if (!fits)
+        return unsupported(status, sig.op, "not weight [V, D], indices [...] -> output [..., D]");
+    if (idx->numel == 0)
+        return ocl_ok(status);
+    if ((rc = check_indices(args->device, idx, w->sizes[0], status)) != OCL_SUCCESS)
+        return rc;
+    if (o->numel == 0)
+        return ocl_ok(status);
+    embedding_shape s;
+    memset(&s, 0, sizeof s);
+    s.dim = w->sizes[1];
+    dims_of(w, s.wt);
+    s.o_dim = o->strides[nd_idx];
+    nd rows;
+    memset(&rows, 0, sizeof rows);
+    rows.ndim = nd_idx;
+    rows.n = idx->numel;
+    memcpy(rows.size, idx->sizes, sizeof rows.size);
+    memcpy(rows.stride[0], idx->strides, sizeof rows.stride[0]);
+    memcpy(rows.stride[1], o->strides, sizeof(int64_t) * (size_t)nd_idx);
+    rows.offset[0] = idx->offset;
+    rows.offset[1] = o->offset;
+    cl_mem om = o->mem, wm = w->mem, im = idx->mem;
+    arg_list list = {0};
+    arg(&list, sizeof(cl_mem), &om);
+    arg(&list, sizeof(cl_mem), &wm);
+    arg(&list, sizeof(cl_mem), &im);
+    arg(&list, sizeof s, &s);
+    arg(&list, sizeof rows, &rows);
+    size_t global = items_for(o->numel);
+    return launch(args->device, dtype, K_EMBEDDING, &list, 1, &global, status);
+}
+
+/* ---- concatenation -------------------------------------------------------------------- */
+
+enum { MAX_CAT_INPUTS = 8 };
+
+/* Each non-empty input copied into its slice of the output by the elementwise kernel. */
+static int32_t cat_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    const char *op = "aten::cat";
+    if (args == NULL || args->struct_size < sizeof(flagos_kernel_args) || args->n_inputs < 1 ||
+        args->n_inputs > MAX_CAT_INPUTS || args->n_outputs != 1 || args->n_scalars != 0 ||
+        args->n_ints != 1 || args->inputs == NULL || args->outputs == NULL || args->ints == NULL)
+        return ocl_fail(status, OCL_ERROR_INVALID_VALUE, "%s: expected 1 to %d inputs, 1 output "
+                        "and 1 int", op, MAX_CAT_INPUTS);
+    int32_t rc = ocl_check_device(args->device, status);
+    if (rc != OCL_SUCCESS)
+        return rc;
+    int32_t dtype = args->outputs[0].dtype;
+    if (dtype < 0 || dtype >= FLAGOS_N_DTYPES || !(FLOAT_DTYPES & FLAGOS_DTYPE_BIT(dtype)) ||
+        !(ocl.devices[args->device].native_dtypes & FLAGOS_DTYPE_BIT(dtype)))
+        return unsupported(status, op, "dtype not supported on this device");
+    view in[MAX_CAT_INPUTS], out;
+    if ((rc = bind_tensor(args->device, &args->outputs[0], op, &out, status)) != OCL_SUCCESS)
+        return rc;
+    int64_t dim = args->ints[0], total = 0;
+    if (out.ndim < 1 || dim < 0 || dim >= out.ndim)
+        return unsupported(status, op, "dim out of range");
+    for (int32_t i = 0; i < args->n_inputs; i++) {
+        if (args->inputs[i].dtype != dtype)
+            return unsupported(status, op, "mixed dtypes");
+        if ((rc = bind_tensor(args->device, &args->inputs[i], op, &in[i], status)) != OCL_SUCCESS)
+            return rc;
+        if (in[i].ndim != out.ndim)
+            return unsupported(status, op, "inputs and output differ in rank");
+        for (int32_t d = 0; d < out.ndim; d++)
+            if (d != dim && in[i].sizes[d] != out.sizes[d])
+                return unsupported(status, op, "an input differs from the output off the cat dim");
+        total += in[i].sizes[dim];
+    }
+    if (total != out.sizes[dim])
+        return unsupported(status, op, "the inputs' sizes along dim do not add up");
+    int64_t at = 0;
+    for (int32_t i = 0; i < args->n_inputs; at += in[i].sizes[dim], i++) {
+        if (in[i].numel == 0)
+            continue;
+        nd s;
+        memset(&s, 0, sizeof s);
+        s.ndim = out.ndim;
+        s.n = in[i].numel;
+        memcpy(s.size, in[i].sizes, sizeof s.size);
+        memcpy(s.stride[0], out.strides, sizeof s.stride[0]);
+        memcpy(s.stride[1], in[i].strides, sizeof s.stride[1]);
+        s.offset[0] = out.offset + at * out.strides[dim];
+        s.offset[1] = in[i].offset;
+        cl_mem o = out.mem, a = in[i].mem;
+        cl_int code = OP_COPY;
+        acc_value s0, s1;
+        arg_list list = {0};
+        arg(&list, sizeof(cl_mem), &o);
+        arg(&list, sizeof(cl_mem), &a);
+        arg(&list, sizeof(cl_mem), &a);
+        arg(&list, sizeof s, &s);
+        arg(&list, sizeof code, &code);
+        acc_arg(&list, dtype, &s0, 0.0);
+        acc_arg(&list, dtype, &s1, 0.0);
+        size_t global = items_for(s.n);
+        if ((rc = launch(args->device, dtype, K_ELEMENTWISE, &list, 1, &global, status)) != OCL_SUCCESS)
+            return rc;
+    }
+    return ocl_ok(status);
+}
+
 /* ---- the table ----------------------------------------------------------------- */
 
 const flagos_kernel ocl_kernels[] = {
@@ -651,6 +986,11 @@ const flagos_kernel ocl_kernels[] = {
     {"aten::mean.dim", mean_kernel, FLOAT_DTYPES},
     {"aten::_softmax", softmax_kernel, FLOAT_DTYPES},
     {"aten::native_layer_norm", layer_norm_kernel, FLOAT_DTYPES},
+    {"aten::convolution", convolution_kernel, FLOAT_DTYPES},
+    {"aten::native_group_norm", group_norm_kernel, FLOAT_DTYPES},
+    {"aten::upsample_nearest2d", upsample_nearest2d_kernel, FLOAT_DTYPES},
+    {"aten::embedding", embedding_kernel, FLOAT_DTYPES},
+    {"aten::cat", cat_kernel, FLOAT_DTYPES},
 };
 
 const int32_t ocl_n_kernels = (int32_t)(sizeof ocl_kernels / sizeof ocl_kernels[0]);

@@ -70,7 +70,7 @@ inline void nd_at(const nd *s, long idx, int k, long *off)
 
 enum {
     OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_ADD_SCALAR, OP_SUB_SCALAR, OP_MUL_SCALAR, OP_DIV_SCALAR,
-    OP_NEG, OP_RELU, OP_SILU, OP_SIGMOID, OP_TANH, OP_EXP, OP_GELU, OP_GELU_TANH
+    OP_NEG, OP_RELU, OP_SILU, OP_SIGMOID, OP_TANH, OP_EXP, OP_GELU, OP_GELU_TANH, OP_COPY
 };
 
 inline ACC apply(int op, ACC x, ACC y, ACC s0, ACC s1)
@@ -86,6 +86,7 @@ inline ACC apply(int op, ACC x, ACC y, ACC s0, ACC s1)
     case OP_MUL_SCALAR: return x * s0;
     case OP_DIV_SCALAR: return x / s0;
     case OP_NEG: return -x;
+    case OP_COPY: return x;
     case OP_RELU: return x < (ACC)0 ? (ACC)0 : x; /* NaN and -0.0 pass through */
     case OP_SILU: return (ACC)(m / ((M)1 + exp(-m)));
     case OP_SIGMOID: return (ACC)((M)1 / ((M)1 + exp(-m)));
@@ -244,5 +245,171 @@ __kernel void layer_norm(__global T *y, __global T *mean_out, __global T *rstd_o
         }
         ST(mean_out, r_off[2], mean);
         ST(rstd_out, r_off[3], rstd);
+    }
+}
+
+/* ---- convolution ------------------------------------------------------------ */
+
+typedef struct conv_shape {
+    long n, cin, h, w, cout, kh, kw, oh, ow, groups;
+    long stride[2], pad[2], dilation[2];
+    long x[5];   /* offset, then strides of N, C, H, W */
+    long wt[5];  /* offset, then strides of Cout, Cin/groups, kH, kW */
+    long b[2];   /* offset, stride */
+    long o[5];
+} conv_shape;
+
+/* Direct 2-d convolution, zero padding. One work item per output pixel and tile of CO_TILE
+ * output channels of one group (adjacent items: adjacent output columns), so each input
+ * element loaded serves the whole tile; taps accumulate with fma in (ci, ky, kx) order. */
+#define CO_TILE 8
+
+__kernel void conv2d(__global T *out, __global const T *x, __global const T *w,
+                     __global const T *b, conv_shape s, int has_bias)
+{
+    long cin_g = s.cin / s.groups, cout_g = s.cout / s.groups;
+    long tiles = (cout_g + CO_TILE - 1) / CO_TILE;
+    long total = s.n * s.groups * tiles * s.oh * s.ow;
+    for (long i = get_global_id(0); i < total; i += get_global_size(0)) {
+        long ow = i % s.ow, t = i / s.ow;
+        long oh = t % s.oh;
+        t /= s.oh;
+        long tile = t % tiles;
+        t /= tiles;
+        long g = t % s.groups, n = t / s.groups;
+        long co0 = g * cout_g + tile * CO_TILE;
+        long count = min((long)CO_TILE, cout_g - tile * CO_TILE);
+        long ih0 = oh * s.stride[0] - s.pad[0], iw0 = ow * s.stride[1] - s.pad[1];
+        ACC acc[CO_TILE];
+        for (int c = 0; c < CO_TILE; c++)
+            acc[c] = 0;
+        for (long ci = 0; ci < cin_g; ci++) {
+            long xb = s.x[0] + n * s.x[1] + (g * cin_g + ci) * s.x[2];
+            long wb = s.wt[0] + co0 * s.wt[1] + ci * s.wt[2];
+            for (long ky = 0; ky < s.kh; ky++) {
+                long ih = ih0 + ky * s.dilation[0];
+                if (ih < 0 || ih >= s.h)
+                    continue;
+                for (long kx = 0; kx < s.kw; kx++) {
+                    long iw = iw0 + kx * s.dilation[1];
+                    if (iw < 0 || iw >= s.w)
+                        continue;
+                    ACC xv = LD(x, xb + ih * s.x[3] + iw * s.x[4]);
+                    long wp = wb + ky * s.wt[3] + kx * s.wt[4];
+                    /* a partial tile repeats its last channel (never stored): no branch here */
+                    for (int c = 0; c < CO_TILE; c++)
+                        acc[c] = fma(xv, (ACC)LD(w, wp + min((long)c, count - 1) * s.wt[1]), acc[c]);
+                }
+            }
+        }
+        long o = s.o[0] + n * s.o[1] + oh * s.o[3] + ow * s.o[4];
+        for (int c = 0; c < CO_TILE; c++)
+            if (c < count)
+                ST(out, o + (co0 + c) * s.o[2],
+                   has_bias ? acc[c] + (ACC)LD(b, s.b[0] + (co0 + c) * s.b[1]) : acc[c]);
+    }
+}
+
+/* ---- group norm -------------------------------------------------------------- */
+
+typedef struct group_norm_shape {
+    long n, c, hxw, group;
+    long x[4];      /* offset, strides of N, C, HxW */
+    long y[4];
+    long wt[2];     /* offset, stride */
+    long b[2];
+    long mean[3];   /* offset, strides of N, group */
+    long rstd[3];
+} group_norm_shape;
+
+/* One work item per (sample, group): Kahan-compensated mean, then the biased variance about
+ * it, then y = (x - mean) * rstd * weight + bias. */
+__kernel void group_norm(__global T *y, __global T *mean_out, __global T *rstd_out,
+                         __global const T *x, __global const T *w, __global const T *b,
+                         group_norm_shape s, int has_w, int has_b, ACC eps)
+{
+    long per = s.c / s.group;
+    for (long i = get_global_id(0); i < s.n * s.group; i += get_global_size(0)) {
+        long n = i / s.group, g = i % s.group;
+        long count = per * s.hxw;
+        kahan sum = {0, 0};
+        for (long ch = g * per; ch < (g + 1) * per; ch++)
+            for (long k = 0; k < s.hxw; k++)
+                kahan_add(&sum, LD(x, s.x[0] + n * s.x[1] + ch * s.x[2] + k * s.x[3]));
+        ACC mean = count > 0 ? sum.sum / (ACC)count : (ACC)0;
+        kahan sq = {0, 0};
+        for (long ch = g * per; ch < (g + 1) * per; ch++)
+            for (long k = 0; k < s.hxw; k++) {
+                ACC d = LD(x, s.x[0] + n * s.x[1] + ch * s.x[2] + k * s.x[3]) - mean;
+                kahan_add(&sq, d * d);
+            }
+        ACC rstd = (ACC)1 / sqrt((count > 0 ? sq.sum / (ACC)count : (ACC)NAN) + eps);
+        for (long ch = g * per; ch < (g + 1) * per; ch++) {
+            ACC scale = has_w ? rstd * (ACC)LD(w, s.wt[0] + ch * s.wt[1]) : rstd;
+            ACC shift = has_b ? (ACC)LD(b, s.b[0] + ch * s.b[1]) : (ACC)0;
+            for (long k = 0; k < s.hxw; k++) {
+                ACC v = LD(x, s.x[0] + n * s.x[1] + ch * s.x[2] + k * s.x[3]) - mean;
+                ST(y, s.y[0] + n * s.y[1] + ch * s.y[2] + k * s.y[3], v * scale + shift);
+            }
+        }
+        ST(mean_out, s.mean[0] + n * s.mean[1] + g * s.mean[2], mean);
+        ST(rstd_out, s.rstd[0] + n * s.rstd[1] + g * s.rstd[2], rstd);
+    }
+}
+
+/* ---- nearest upsampling ------------------------------------------------------- */
+
+typedef struct upsample_shape {
+    long n, c, h, w, oh, ow;
+    long x[5];   /* offset, strides of N, C, H, W */
+    long o[5];
+} upsample_shape;
+
+/* PyTorch's nearest_idx(); scale is the float source step the host computed as PyTorch does. */
+inline long nearest_source(long i, long in_size, long out_size, float scale)
+{
+    if (out_size == in_size)
+        return i;
+    if (out_size == 2 * in_size)
+        return i >> 1;
+    long src = (long)floor((float)i * scale);
+    return src < in_size - 1 ? src : in_size - 1;
+}
+
+__kernel void upsample_nearest2d(__global T *out, __global const T *x, upsample_shape s,
+                                 float scale_h, float scale_w)
+{
+    long total = s.n * s.c * s.oh * s.ow;
+    for (long i = get_global_id(0); i < total; i += get_global_size(0)) {
+        long ow = i % s.ow, t = i / s.ow;
+        long oh = t % s.oh;
+        t /= s.oh;
+        long ch = t % s.c, n = t / s.c;
+        long ih = nearest_source(oh, s.h, s.oh, scale_h);
+        long iw = nearest_source(ow, s.w, s.ow, scale_w);
+        ST(out, s.o[0] + n * s.o[1] + ch * s.o[2] + oh * s.o[3] + ow * s.o[4],
+           LD(x, s.x[0] + n * s.x[1] + ch * s.x[2] + ih * s.x[3] + iw * s.x[4]));
+    }
+}
+
+/* ---- embedding ------------------------------------------------------------------ */
+
+typedef struct embedding_shape {
+    long dim;
+    long wt[3];    /* offset, strides of V, D */
+    long o_dim;    /* the output's stride along D */
+} embedding_shape;
+
+/* rows: the indices' dims (operand 0: indices, 1: output). The host has checked every index
+ * against the table's rows before the launch. */
+__kernel void embedding(__global T *out, __global const T *w, __global const long *idx,
+                        embedding_shape s, nd rows)
+{
+    long off[2];
+    for (long i = get_global_id(0); i < rows.n * s.dim; i += get_global_size(0)) {
+        long k = i % s.dim;
+        nd_at(&rows, i / s.dim, 2, off);
+        long v = idx[off[0]];
+        ST(out, off[1] + k * s.o_dim, LD(w, s.wt[0] + v * s.wt[1] + k * s.wt[2]));
     }
 }

@@ -9,6 +9,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "sim_internal.h"
@@ -18,7 +19,7 @@
      FLAGOS_DTYPE_BIT(FLAGOS_BFLOAT16))
 
 enum {
-    MAX_TENSORS = 3,      /* most inputs or outputs of one op (addmm, native_layer_norm) */
+    MAX_TENSORS = 3,      /* most inputs or outputs of one op (addmm, convolution, the norms) */
     MAX_OPERANDS = 4,     /* most tensors walked together by one iterator */
     MAX_SCALARS = 2,
     ANY_COUNT = -1        /* an op_signature count that accepts any number */
@@ -106,7 +107,7 @@ static int dtype_is_supported(int32_t dtype)
 
 static uint64_t dtype_size(int32_t dtype)
 {
-    return dtype == FLAGOS_FLOAT32 ? 4u : 2u;
+    return dtype == FLAGOS_INT64 ? 8u : dtype == FLAGOS_FLOAT32 ? 4u : 2u;
 }
 
 /* ---- tensor views -------------------------------------------------------- */
@@ -184,6 +185,7 @@ typedef struct op_signature {
     const char *op;
     int32_t n_inputs, n_outputs, n_scalars, n_ints;  /* n_ints may be ANY_COUNT */
     uint32_t optional_inputs;                        /* bit i: input i may be absent */
+    uint32_t index_inputs;                           /* bit i: input i is int64 (indices) */
 } op_signature;
 
 static int32_t count_elements(const flagos_tensor *t, const char *op, const char *role,
@@ -305,8 +307,8 @@ static int32_t check_dtype(const flagos_tensor *t, int32_t dtype, const char *op
     return SIM_SUCCESS;
 }
 
-/* Checks the argument counts, that all tensors share one supported dtype and lie inside
- * their buffers, and fills the views (absent optional inputs get ndim -1). */
+/* Checks the argument counts, that all tensors share one supported dtype (index inputs:
+ * int64) and lie inside their buffers, and fills the views (absent optional inputs get ndim -1). */
 static int32_t bind_args(const flagos_kernel_args *args, const op_signature *sig,
                          tensor_view *inputs, tensor_view *outputs, flagos_status *status)
 {
@@ -325,7 +327,8 @@ static int32_t bind_args(const flagos_kernel_args *args, const op_signature *sig
             inputs[i].ndim = -1;
             continue;
         }
-        rc = check_dtype(t, dtype, sig->op, "input", i, status);
+        int32_t want = (sig->index_inputs & (1u << i)) ? FLAGOS_INT64 : dtype;
+        rc = check_dtype(t, want, sig->op, "input", i, status);
         if (rc == SIM_SUCCESS)
             rc = bind_tensor(args, t, sig->op, "input", i, &inputs[i], status);
         if (rc != SIM_SUCCESS)
@@ -514,7 +517,7 @@ static int32_t run_elementwise(const flagos_kernel_args *args, flagos_status *st
 #define ELEMENTWISE_KERNEL(name, op_name, n_inputs, n_scalars, fn)                           \
     static int32_t name(const flagos_kernel_args *args, flagos_status *status)               \
     {                                                                                       \
-        static const op_signature sig = {op_name, n_inputs, 1, n_scalars, 0, 0};            \
+        static const op_signature sig = {op_name, n_inputs, 1, n_scalars, 0, 0, 0};            \
         return run_elementwise(args, status, &sig, fn);                                     \
     }
 
@@ -535,7 +538,7 @@ ELEMENTWISE_KERNEL(exp_kernel, "aten::exp", 1, 0, exp_fn)
 
 static int32_t gelu_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::gelu", 1, 1, 0, 1, 0};
+    static const op_signature sig = {"aten::gelu", 1, 1, 0, 1, 0, 0};
     tensor_view in[MAX_TENSORS], out[MAX_TENSORS];
     int32_t rc = bind_args(args, &sig, in, out, status);
     if (rc != SIM_SUCCESS)
@@ -692,19 +695,19 @@ static int32_t run_matmul(const flagos_kernel_args *args, flagos_status *status,
 
 static int32_t mm_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::mm", 2, 1, 0, 0, 0};
+    static const op_signature sig = {"aten::mm", 2, 1, 0, 0, 0, 0};
     return run_matmul(args, status, &sig, 2);
 }
 
 static int32_t bmm_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::bmm", 2, 1, 0, 0, 0};
+    static const op_signature sig = {"aten::bmm", 2, 1, 0, 0, 0, 0};
     return run_matmul(args, status, &sig, 3);
 }
 
 static int32_t addmm_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::addmm", 3, 1, 2, 0, 0};
+    static const op_signature sig = {"aten::addmm", 3, 1, 2, 0, 0, 0};
     tensor_view in[MAX_TENSORS], out[MAX_TENSORS];
     int32_t rc = bind_args(args, &sig, in, out, status);
     if (rc == SIM_SUCCESS)
@@ -794,13 +797,13 @@ static int32_t run_reduction(const flagos_kernel_args *args, flagos_status *stat
 
 static int32_t sum_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::sum.dim_IntList", 1, 1, 0, ANY_COUNT, 0};
+    static const op_signature sig = {"aten::sum.dim_IntList", 1, 1, 0, ANY_COUNT, 0, 0};
     return run_reduction(args, status, &sig, 0);
 }
 
 static int32_t mean_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::mean.dim", 1, 1, 0, ANY_COUNT, 0};
+    static const op_signature sig = {"aten::mean.dim", 1, 1, 0, ANY_COUNT, 0, 0};
     return run_reduction(args, status, &sig, 1);
 }
 
@@ -830,7 +833,7 @@ static void softmax_row(const tensor_view *in, int64_t in_start, const tensor_vi
 
 static int32_t softmax_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::_softmax", 1, 1, 0, 1, 0};
+    static const op_signature sig = {"aten::_softmax", 1, 1, 0, 1, 0, 0};
     tensor_view in[MAX_TENSORS], out[MAX_TENSORS];
     int32_t rc = bind_args(args, &sig, in, out, status);
     if (rc != SIM_SUCCESS)
@@ -974,7 +977,7 @@ static void normalize_row(const tensor_view *in, const tensor_view *out,
 
 static int32_t layer_norm_kernel(const flagos_kernel_args *args, flagos_status *status)
 {
-    static const op_signature sig = {"aten::native_layer_norm", 3, 3, 1, 1, 0x6u};
+    static const op_signature sig = {"aten::native_layer_norm", 3, 3, 1, 1, 0x6u, 0};
     tensor_view in[MAX_TENSORS], out[MAX_TENSORS];
     layer_norm_shape shape;
     int32_t rc = bind_args(args, &sig, in, out, status);
@@ -997,6 +1000,370 @@ static int32_t layer_norm_kernel(const flagos_kernel_args *args, flagos_status *
         normalize_row(&in[0], &out[0], &shape, it.pos[x], it.pos[y], mean, rstd);
         store_element(&out[1], it.pos[m], (float)mean);
         store_element(&out[2], it.pos[r], (float)rstd);
+    }
+    return sim_ok(status);
+}
+
+/* ---- convolution --------------------------------------------------------- */
+
+/* A float32 scratch matrix of the host's memory, for gemm(). */
+static tensor_view scratch_view(float *data)
+{
+    tensor_view v;
+    memset(&v, 0, sizeof v);
+    v.data = (unsigned char *)data;
+    v.dtype = FLAGOS_FLOAT32;
+    v.ndim = 2;
+    return v;
+}
+
+typedef struct conv_shape {
+    int64_t n, cin, h, w, cout, kh, kw, oh, ow, groups;
+    int64_t stride[2], pad[2], dilation[2];
+} conv_shape;
+
+static int32_t check_convolution(const flagos_kernel_args *args, const tensor_view *in,
+                                 const tensor_view *out, conv_shape *c, flagos_status *status)
+{
+    const char *op = "aten::convolution";
+    if (in[0].ndim != 4 || in[1].ndim != 4 || out[0].ndim != 4)
+        return fail_shape(status, op, "input, weight and output must be 4-d");
+    const int64_t *v = args->ints;
+    for (int i = 0; i < 7; i++)
+        if ((i == 2 || i == 3) ? v[i] < 0 : v[i] < 1)
+            return fail_shape(status, op, "stride, dilation and groups must be >= 1, padding >= 0");
+    c->n = in[0].sizes[0], c->cin = in[0].sizes[1], c->h = in[0].sizes[2], c->w = in[0].sizes[3];
+    c->cout = in[1].sizes[0], c->kh = in[1].sizes[2], c->kw = in[1].sizes[3];
+    c->stride[0] = v[0], c->stride[1] = v[1], c->pad[0] = v[2], c->pad[1] = v[3];
+    c->dilation[0] = v[4], c->dilation[1] = v[5], c->groups = v[6];
+    if (c->cin != in[1].sizes[1] * c->groups || c->cout % c->groups != 0)
+        return fail_shape(status, op, "channels do not divide into groups as the weight says");
+    if (in[2].ndim != -1 && (in[2].ndim != 1 || in[2].sizes[0] != c->cout))
+        return fail_shape(status, op, "bias is not [Cout]");
+    if (c->kh > (INT64_MAX / 4) / c->dilation[0] || c->kw > (INT64_MAX / 4) / c->dilation[1] ||
+        c->pad[0] > INT64_MAX / 4 || c->pad[1] > INT64_MAX / 4)
+        return fail_shape(status, op, "kernel, dilation or padding too large");
+    int64_t span_h = c->h + 2 * c->pad[0] - c->dilation[0] * (c->kh - 1) - 1;
+    int64_t span_w = c->w + 2 * c->pad[1] - c->dilation[1] * (c->kw - 1) - 1;
+    c->oh = span_h < 0 ? 0 : span_h / c->stride[0] + 1;
+    c->ow = span_w < 0 ? 0 : span_w / c->stride[1] + 1;
+    if (out[0].sizes[0] != c->n || out[0].sizes[1] != c->cout || out[0].sizes[2] != c->oh ||
+        out[0].sizes[3] != c->ow)
+        return fail_shape(status, op, "output is not [N, Cout, OH, OW]");
+    if (c->oh > 1 && c->ow > 0 && out[0].strides[2] != out[0].strides[3] * c->ow)
+        return fail_shape(status, op, "output rows are not contiguous");
+    return SIM_SUCCESS;
+}
+
+/* Columns [col0, col0 + cols) of the im2col matrix of batch n, group g: row (ci, ky, kx),
+ * column oh * OW + ow holds the input element under that tap, 0 in the padding. */
+static void im2col(const tensor_view *x, const conv_shape *c, int64_t n, int64_t g,
+                   int64_t col0, int64_t cols, float *dst)
+{
+    int64_t cin_g = c->cin / c->groups;
+    float *row = dst;
+    for (int64_t ci = 0; ci < cin_g; ci++) {
+        int64_t base = x->offset + n * x->strides[0] + (g * cin_g + ci) * x->strides[1];
+        for (int64_t ky = 0; ky < c->kh; ky++) {
+            for (int64_t kx = 0; kx < c->kw; kx++, row += cols) {
+                int64_t oh = col0 / c->ow, ow = col0 % c->ow;
+                for (int64_t j = 0; j < cols; j++) {
+                    int64_t ih = oh * c->stride[0] - c->pad[0] + ky * c->dilation[0];
+                    int64_t iw = ow * c->stride[1] - c->pad[1] + kx * c->dilation[1];
+                    row[j] = ih >= 0 && ih < c->h && iw >= 0 && iw < c->w
+                                 ? load_element(x, base + ih * x->strides[2] + iw * x->strides[3])
+                                 : 0.0f;
+                    if (++ow == c->ow) {
+                        ow = 0;
+                        oh++;
+                    }
+                }
+            }
+        }
+    }
+}
+
+enum { IM2COL_FLOATS = 1 << 21 };   /* at most 8 MiB of columns at a time */
+
+/* Per batch and group: out[Cout/groups, OH*OW] = weight[Cout/groups, K] @ im2col[K, OH*OW]
+ * (+ bias along the rows), with gemm()'s blocks and double accumulation. */
+static int32_t convolution_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    static const op_signature sig = {"aten::convolution", 3, 1, 0, 7, 0x4u, 0};
+    tensor_view in[MAX_TENSORS], out[MAX_TENSORS];
+    conv_shape c = {0};
+    int32_t rc = bind_args(args, &sig, in, out, status);
+    if (rc == SIM_SUCCESS)
+        rc = check_convolution(args, in, out, &c, status);
+    if (rc != SIM_SUCCESS)
+        return rc;
+    int64_t cout_g = c.cout / c.groups, cin_g = c.cin / c.groups;
+    int64_t depth = cin_g * c.kh * c.kw, spatial = c.oh * c.ow;
+    if (out[0].numel == 0)
+        return sim_ok(status);
+    if (depth == 0 || depth > IM2COL_FLOATS)
+        return sim_fail(status, FLAGOS_STATUS_UNSUPPORTED,
+                        "aten::convolution: %" PRId64 " taps per output", depth);
+    int64_t chunk = min_i64(spatial, IM2COL_FLOATS / depth);
+    float *cols = malloc(sizeof(float) * (size_t)(depth * chunk));
+    float *weights = malloc(sizeof(float) * (size_t)(cout_g * depth));
+    if (cols == NULL || weights == NULL) {
+        free(cols);
+        free(weights);
+        return sim_fail(status, SIM_ERROR_OUT_OF_MEMORY, "aten::convolution: no host memory "
+                        "for %" PRId64 " columns", chunk);
+    }
+    tensor_view col_view = scratch_view(cols), weight_view = scratch_view(weights);
+    for (int64_t g = 0; g < c.groups; g++) {
+        float *w = weights;
+        for (int64_t co = 0; co < cout_g; co++)
+            for (int64_t ci = 0; ci < cin_g; ci++)
+                for (int64_t ky = 0; ky < c.kh; ky++)
+                    for (int64_t kx = 0; kx < c.kw; kx++)
+                        *w++ = load_element(&in[1], in[1].offset +
+                                            (g * cout_g + co) * in[1].strides[0] +
+                                            ci * in[1].strides[1] + ky * in[1].strides[2] +
+                                            kx * in[1].strides[3]);
+        matrix a = {&weight_view, 0, depth, 1};
+        matrix bias = {&in[2], in[2].offset + g * cout_g * (in[2].ndim == 1 ? in[2].strides[0] : 0),
+                       in[2].ndim == 1 ? in[2].strides[0] : 0, 0};
+        for (int64_t n = 0; n < c.n; n++) {
+            for (int64_t col0 = 0; col0 < spatial; col0 += chunk) {
+                int64_t count = min_i64(chunk, spatial - col0);
+                im2col(&in[0], &c, n, g, col0, count, cols);
+                matrix b = {&col_view, 0, count, 1};
+                matrix o = {&out[0], out[0].offset + n * out[0].strides[0] +
+                            g * cout_g * out[0].strides[1] + col0 * out[0].strides[3],
+                            out[0].strides[1], out[0].strides[3]};
+                gemm(&a, &b, in[2].ndim == 1 ? &bias : NULL, 1.0, 1.0, &o, cout_g, count, depth);
+            }
+        }
+    }
+    free(cols);
+    free(weights);
+    return sim_ok(status);
+}
+
+/* ---- group norm ------------------------------------------------------------ */
+
+static int32_t group_norm_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    static const op_signature sig = {"aten::native_group_norm", 3, 3, 1, 4, 0x6u, 0};
+    const char *op = sig.op;
+    tensor_view in[MAX_TENSORS], out[MAX_TENSORS];
+    int32_t rc = bind_args(args, &sig, in, out, status);
+    if (rc != SIM_SUCCESS)
+        return rc;
+    int64_t n = args->ints[0], c = args->ints[1], hxw = args->ints[2], group = args->ints[3];
+    const tensor_view *x = &in[0], *w = &in[1], *b = &in[2];
+    if (x->ndim != 3 || x->sizes[0] != n || x->sizes[1] != c || x->sizes[2] != hxw)
+        return fail_shape(status, op, "input is not [N, C, HxW] as the ints say");
+    if (group < 1 || c % group != 0)
+        return fail_shape(status, op, "C does not divide into the groups");
+    if ((w->ndim != -1 && (w->ndim != 1 || w->sizes[0] != c)) ||
+        (b->ndim != -1 && (b->ndim != 1 || b->sizes[0] != c)))
+        return fail_shape(status, op, "weight or bias is not [C]");
+    if (!same_shape(x, &out[0]))
+        return fail_shape(status, op, "output shape differs from the input's");
+    for (int i = 1; i < 3; i++)
+        if (out[i].ndim != 2 || out[i].sizes[0] != n || out[i].sizes[1] != group)
+            return fail_shape(status, op, "mean or rstd is not [N, group]");
+    double eps = args->scalars[0];
+    int64_t per_group = c / group;
+    double count = (double)(per_group * hxw);
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t g = 0; g < group; g++) {
+            double sum = 0.0, squares = 0.0;
+            for (int64_t ch = g * per_group; ch < (g + 1) * per_group; ch++) {
+                int64_t at = x->offset + i * x->strides[0] + ch * x->strides[1];
+                for (int64_t k = 0; k < hxw; k++)
+                    sum += (double)load_element(x, at + k * x->strides[2]);
+            }
+            double mean = count > 0 ? sum / count : 0.0;
+            for (int64_t ch = g * per_group; ch < (g + 1) * per_group; ch++) {
+                int64_t at = x->offset + i * x->strides[0] + ch * x->strides[1];
+                for (int64_t k = 0; k < hxw; k++) {
+                    double d = (double)load_element(x, at + k * x->strides[2]) - mean;
+                    squares += d * d;
+                }
+            }
+            double rstd = 1.0 / sqrt((count > 0 ? squares / count : NAN) + eps);
+            for (int64_t ch = g * per_group; ch < (g + 1) * per_group; ch++) {
+                double scale = w->ndim == 1 ? rstd * load_element(w, w->offset + ch * w->strides[0]) : rstd;
+                double shift = b->ndim == 1 ? load_element(b, b->offset + ch * b->strides[0]) : 0.0;
+                int64_t at = x->offset + i * x->strides[0] + ch * x->strides[1];
+                int64_t to = out[0].offset + i * out[0].strides[0] + ch * out[0].strides[1];
+                for (int64_t k = 0; k < hxw; k++) {
+                    double v = (double)load_element(x, at + k * x->strides[2]) - mean;
+                    store_element(&out[0], to + k * out[0].strides[2], (float)(v * scale + shift));
+                }
+            }
+            store_element(&out[1], out[1].offset + i * out[1].strides[0] + g * out[1].strides[1],
+                          (float)mean);
+            store_element(&out[2], out[2].offset + i * out[2].strides[0] + g * out[2].strides[1],
+                          (float)rstd);
+        }
+    }
+    return sim_ok(status);
+}
+
+/* ---- nearest upsampling ------------------------------------------------------ */
+
+/* PyTorch's nearest_idx(): the source index of output index `i`. */
+static int64_t nearest_source(int64_t i, int64_t in_size, int64_t out_size, double scales)
+{
+    if (out_size == in_size)
+        return i;
+    if (out_size == 2 * in_size)
+        return i >> 1;
+    float scale = scales > 0.0 ? (float)(1.0 / scales) : (float)in_size / (float)out_size;
+    int64_t src = (int64_t)floorf((float)i * scale);
+    return src < in_size - 1 ? src : in_size - 1;
+}
+
+/* Copies one element's bytes (same dtype on both sides: no conversion). */
+static void copy_element(const tensor_view *dst, int64_t to, const tensor_view *src, int64_t from)
+{
+    uint64_t size = dtype_size(dst->dtype);
+    memcpy(dst->data + (uint64_t)to * size, src->data + (uint64_t)from * size, size);
+}
+
+static int32_t upsample_nearest2d_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    static const op_signature sig = {"aten::upsample_nearest2d", 1, 1, 2, 2, 0, 0};
+    tensor_view in[MAX_TENSORS], out[MAX_TENSORS];
+    int32_t rc = bind_args(args, &sig, in, out, status);
+    if (rc != SIM_SUCCESS)
+        return rc;
+    const tensor_view *x = &in[0], *y = &out[0];
+    if (x->ndim != 4 || y->ndim != 4 || y->sizes[0] != x->sizes[0] || y->sizes[1] != x->sizes[1] ||
+        y->sizes[2] != args->ints[0] || y->sizes[3] != args->ints[1])
+        return fail_shape(status, sig.op, "output is not [N, C, OH, OW] as the ints say");
+    if (y->numel == 0)
+        return sim_ok(status);
+    if (x->numel == 0)
+        return fail_shape(status, sig.op, "an empty input has no element to repeat");
+    int64_t oh = y->sizes[2], ow = y->sizes[3];
+    int64_t *cols = malloc(sizeof(int64_t) * (size_t)ow);
+    if (cols == NULL)
+        return sim_fail(status, SIM_ERROR_OUT_OF_MEMORY, "%s: no host memory", sig.op);
+    for (int64_t j = 0; j < ow; j++)
+        cols[j] = nearest_source(j, x->sizes[3], ow, args->scalars[1]) * x->strides[3];
+    for (int64_t n = 0; n < y->sizes[0]; n++)
+        for (int64_t ch = 0; ch < y->sizes[1]; ch++)
+            for (int64_t i = 0; i < oh; i++) {
+                int64_t src = x->offset + n * x->strides[0] + ch * x->strides[1] +
+                              nearest_source(i, x->sizes[2], oh, args->scalars[0]) * x->strides[2];
+                int64_t dst = y->offset + n * y->strides[0] + ch * y->strides[1] + i * y->strides[2];
+                for (int64_t j = 0; j < ow; j++)
+                    copy_element(y, dst + j * y->strides[3], x, src + cols[j]);
+            }
+    free(cols);
+    return sim_ok(status);
+}
+
+/* ---- embedding ------------------------------------------------------------------ */
+
+/* The index at element `at` of an int64 view. */
+static int64_t load_index(const tensor_view *idx, int64_t at)
+{
+    int64_t v;
+    memcpy(&v, idx->data + (uint64_t)at * 8u, sizeof v);
+    return v;
+}
+
+static int32_t embedding_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    static const op_signature sig = {"aten::embedding", 2, 1, 0, 0, 0, 0x2u};
+    tensor_view in[MAX_TENSORS], out[MAX_TENSORS];
+    int32_t rc = bind_args(args, &sig, in, out, status);
+    if (rc != SIM_SUCCESS)
+        return rc;
+    const tensor_view *w = &in[0], *idx = &in[1], *y = &out[0];
+    int32_t nd = idx->ndim;
+    int fits = w->ndim == 2 && y->ndim == nd + 1 && y->sizes[nd] == w->sizes[1];
+    for (int32_t d = 0; fits && d < nd; d++)
+        fits = y->sizes[d] == idx->sizes[d];
+    if (!fits)
+        return fail_shape(status, sig.op, "not weight [V, D], indices [...] -> output [..., D]");
+    if (idx->numel == 0)
+        return sim_ok(status);
+    int64_t rows = w->sizes[0], dim = w->sizes[1];
+    /* every index first: one out of range and nothing is read (flagos then falls back) */
+    nd_iter it;
+    iter_start(&it, nd, idx->sizes);
+    int32_t x = iter_add(&it, idx->strides, idx->offset);
+    for (; it.remaining > 0; iter_next(&it)) {
+        int64_t v = load_index(idx, it.pos[x]);
+        if (v < 0 || v >= rows)
+            return sim_fail(status, FLAGOS_STATUS_UNSUPPORTED,
+                            "%s: index %" PRId64 " out of range for %" PRId64 " rows", sig.op,
+                            v, rows);
+    }
+    iter_start(&it, nd, idx->sizes);
+    x = iter_add(&it, idx->strides, idx->offset);
+    int32_t o = iter_add(&it, y->strides, y->offset);
+    for (; dim > 0 && it.remaining > 0; iter_next(&it)) {
+        int64_t v = load_index(idx, it.pos[x]);
+        for (int64_t k = 0; k < dim; k++)
+            copy_element(y, it.pos[o] + k * y->strides[nd], w,
+                         w->offset + v * w->strides[0] + k * w->strides[1]);
+    }
+    return sim_ok(status);
+}
+
+/* ---- concatenation ------------------------------------------------------------ */
+
+enum { MAX_CAT_INPUTS = 8 };
+
+static int32_t cat_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    const char *op = "aten::cat";
+    if (args == NULL || args->struct_size < sizeof(flagos_kernel_args))
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE, "%s: missing or truncated arguments", op);
+    if (args->n_inputs < 1 || args->n_inputs > MAX_CAT_INPUTS || args->n_outputs != 1 ||
+        args->n_scalars != 0 || args->n_ints != 1)
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE, "%s: expected 1 to %d inputs, 1 output, "
+                        "0 scalars and 1 int; got %d, %d, %d and %d", op, MAX_CAT_INPUTS,
+                        args->n_inputs, args->n_outputs, args->n_scalars, args->n_ints);
+    if (args->inputs == NULL || args->outputs == NULL || args->ints == NULL)
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE, "%s: NULL argument array", op);
+    int32_t dtype = args->outputs[0].dtype;
+    if (!dtype_is_supported(dtype))
+        return sim_fail(status, SIM_ERROR_NOT_SUPPORTED, "%s: dtype %d is not supported", op, dtype);
+    tensor_view in[MAX_CAT_INPUTS], out;
+    int32_t rc = bind_tensor(args, &args->outputs[0], op, "output", 0, &out, status);
+    for (int32_t i = 0; rc == SIM_SUCCESS && i < args->n_inputs; i++) {
+        rc = check_dtype(&args->inputs[i], dtype, op, "input", i, status);
+        if (rc == SIM_SUCCESS)
+            rc = bind_tensor(args, &args->inputs[i], op, "input", i, &in[i], status);
+    }
+    if (rc != SIM_SUCCESS)
+        return rc;
+    int64_t dim = args->ints[0], total = 0;
+    if (out.ndim < 1 || dim < 0 || dim >= out.ndim)
+        return sim_fail(status, SIM_ERROR_INVALID_VALUE, "%s: dim %" PRId64 " out of range for a "
+                        "%d-d output", op, dim, out.ndim);
+    for (int32_t i = 0; i < args->n_inputs; i++) {
+        if (in[i].ndim != out.ndim)
+            return fail_shape(status, op, "inputs and output differ in rank");
+        for (int32_t d = 0; d < out.ndim; d++)
+            if (d != dim && in[i].sizes[d] != out.sizes[d])
+                return fail_shape(status, op, "an input differs from the output off the cat dim");
+        total += in[i].sizes[dim];
+    }
+    if (total != out.sizes[dim])
+        return fail_shape(status, op, "the inputs' sizes along dim do not add up to the output's");
+    int64_t at = 0;
+    for (int32_t i = 0; i < args->n_inputs; at += in[i].sizes[dim], i++) {
+        if (in[i].numel == 0)
+            continue;
+        nd_iter it;
+        iter_start(&it, out.ndim, in[i].sizes);
+        int32_t x = iter_add(&it, in[i].strides, in[i].offset);
+        int32_t y = iter_add(&it, out.strides, out.offset + at * out.strides[dim]);
+        for (; it.remaining > 0; iter_next(&it))
+            copy_element(&out, it.pos[y], &in[i], it.pos[x]);
     }
     return sim_ok(status);
 }
@@ -1026,6 +1393,11 @@ const flagos_kernel sim_kernels[] = {
     {"aten::mean.dim", mean_kernel, FLOAT_DTYPES},
     {"aten::_softmax", softmax_kernel, FLOAT_DTYPES},
     {"aten::native_layer_norm", layer_norm_kernel, FLOAT_DTYPES},
+    {"aten::convolution", convolution_kernel, FLOAT_DTYPES},
+    {"aten::native_group_norm", group_norm_kernel, FLOAT_DTYPES},
+    {"aten::upsample_nearest2d", upsample_nearest2d_kernel, FLOAT_DTYPES},
+    {"aten::embedding", embedding_kernel, FLOAT_DTYPES},
+    {"aten::cat", cat_kernel, FLOAT_DTYPES},
 };
 
 const int32_t sim_n_kernels = (int32_t)(sizeof sim_kernels / sizeof sim_kernels[0]);

@@ -370,9 +370,12 @@ class Runner:
         plan = builder(self, name, args, kwargs)
         if plan is None:
             return NotImplemented
-        kname, inputs, scalars, ints, out_shapes, broadcast, finals = plan
+        kname, inputs, scalars, ints, out_shapes, broadcast, finals, *layouts = plan
         entry = self.kernels.get(kname)
-        tensors = [t for t in inputs if t is not None]
+        exempt = INDEX_INPUTS.get(kname, {})
+        if any(inputs[i].dtype != want for i, want in exempt.items()):
+            return NotImplemented
+        tensors = [t for i, t in enumerate(inputs) if t is not None and i not in exempt]
         if entry is None or not tensors:
             return NotImplemented
         dtype = tensors[0].dtype
@@ -387,7 +390,10 @@ class Runner:
             # out); the kernel sees every operand with dims permuted so the output is contiguous
             stride = self._elementwise_strides(func, args, kwargs, out_shapes[0], tensors)
             order = _dense_order(out_shapes[0], stride)
-        outs = [self._alloc(shape, dtype, index, stride if order else None) for shape in out_shapes]
+        # (allocated strides, final strides) per output: a builder's own layouts (channels_last
+        # results), else contiguous
+        layouts = layouts[0] if layouts else [(stride if order else None, None)] * len(out_shapes)
+        outs = [self._alloc(shape, dtype, index, lay[0]) for shape, lay in zip(out_shapes, layouts)]
         descs = [self._desc(t, broadcast[i] if broadcast else None) for i, t in enumerate(inputs)]
         out_descs = [self._desc(o) for o in outs]
         if order:
@@ -398,9 +404,9 @@ class Runner:
                                     tuple(float(s) for s in scalars), tuple(int(i) for i in ints))
         except NotImplementedError:  # FLAGOS_STATUS_UNSUPPORTED: the kernel declined these arguments
             return NotImplemented
-        if finals is not None:  # keepdim=False reductions: same bytes, the final shape
-            outs = [self._wrap(o._payload, f, _contiguous_strides(f), 0, dtype, index)
-                    for o, f in zip(outs, finals)]
+        if finals is not None:  # keepdim=False reductions, merged dims: same bytes, final shape
+            outs = [self._wrap(o._payload, f, lay[1] or _contiguous_strides(f), 0, dtype, index)
+                    for o, f, lay in zip(outs, finals, layouts)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _elementwise_strides(self, func, args, kwargs, shape, tensors):
@@ -659,7 +665,8 @@ SPECIAL = {
 
 # ---- kernel argument builders: aten arguments -> adapter calling convention -------------
 # Each returns (kernel name, inputs, scalars, ints, output shapes, broadcast shape per input or
-# None, final output shapes or None), or None when the call does not fit the convention or its
+# None, final output shapes or None[, (allocated strides, final strides) per output, None for
+# contiguous]), or None when the call does not fit the convention or its
 # shapes are invalid (the host then runs it and raises PyTorch's own error).
 
 def _broadcast(a, b):
@@ -776,6 +783,142 @@ def _layer_norm(runner, name, args, kwargs):
     return name, [inp, weight, bias], [eps], [k], [shape, stats, stats], None, None
 
 
+class _Reshaped:
+    """A flagos tensor's buffer seen with other sizes and strides (same offset and dtype): what
+    a kernel gets when a convention merges dims, without a view op through the router."""
+
+    def __init__(self, t, shape, stride):
+        self._payload, self.dtype, self.shape, self._stride = t._payload, t.dtype, shape, stride
+        self._offset, self._neg = t.storage_offset(), t.is_neg()
+
+    def stride(self):
+        return self._stride
+
+    def storage_offset(self):
+        return self._offset
+
+    def is_neg(self):
+        return self._neg
+
+
+def _channels_last(t) -> bool:
+    """A 4-d tensor PyTorch treats as channels_last (its conv, group_norm and upsample results
+    then are too, where the kernel-table conventions promise contiguous outputs)."""
+    return (t.dim() == 4 and not t.is_contiguous()
+            and t.is_contiguous(memory_format=torch.channels_last))
+
+
+def _channels_last_strides(shape):
+    n, c, h, w = shape
+    return (h * w * c, 1, w * c, c)
+
+
+def _pair(value):
+    return tuple(value) if isinstance(value, (list, tuple)) and len(value) == 2 else None
+
+
+def _convolution(runner, name, args, kwargs):
+    inp, weight, bias, stride, padding, dilation, transposed, _, groups = args
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    if (transposed or not isinstance(weight, FlagosTensor) or inp.dim() != 4 or weight.dim() != 4
+            or None in (stride, padding, dilation) or not isinstance(groups, int) or groups < 1
+            or min(stride) < 1 or min(dilation) < 1 or min(padding) < 0):
+        return None
+    n, cin, h, w = inp.shape
+    cout, cin_g, kh, kw = weight.shape
+    if cin != cin_g * groups or cout % groups or cout == 0 or n == 0 or cin_g == 0:
+        return None
+    if bias is not None and (not isinstance(bias, FlagosTensor) or tuple(bias.shape) != (cout,)):
+        return None
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    if oh < 1 or ow < 1:
+        return None  # the host raises PyTorch's error
+    if _channels_last(inp) or _channels_last(weight):
+        # PyTorch's result is channels_last; a kernel writing it so gave results that differed
+        # from PyTorch's (at float16 rounding) further down a UNet: the fallback keeps them
+        return None
+    ints = [*stride, *padding, *dilation, groups]
+    return name, [inp, weight, bias], [], ints, [(n, cout, oh, ow)], None, None
+
+
+def _group_norm(runner, name, args, kwargs):
+    inp, weight, bias, n, c, hxw, group, eps = args
+    if (inp.dim() < 2 or not isinstance(group, int) or group < 1
+            or c % group or tuple(inp.shape[:2]) != (n, c) or inp.numel() != n * c * hxw
+            or inp.numel() == 0):
+        return None
+    for t in (weight, bias):
+        if t is not None and (not isinstance(t, FlagosTensor) or tuple(t.shape) != (c,)):
+            return None
+    # the spatial dims as one: they must merge into a single stride
+    inner = expect = None
+    for size, st in zip(reversed(inp.shape[2:]), reversed(inp.stride()[2:])):
+        if size == 1:
+            continue
+        if inner is None:
+            inner = st
+        elif st != expect:
+            return None
+        expect = st * size
+    flat = _Reshaped(inp, (n, c, hxw), (inp.stride(0), inp.stride(1), inner or 1))
+    shape = tuple(inp.shape)
+    # a channels_last input keeps its layout in the result, as on the CPU
+    layout = ((c * hxw, 1, c), _channels_last_strides(shape)) if _channels_last(inp) else (None, None)
+    return (name, [flat, weight, bias], [eps], [n, c, hxw, group],
+            [(n, c, hxw), (n, group), (n, group)], None, [shape, (n, group), (n, group)],
+            [layout, (None, None), (None, None)])
+
+
+def _upsample_nearest2d(runner, name, args, kwargs):
+    inp, size = args[0], _pair(args[1] if len(args) > 1 else kwargs.get("output_size"))
+    scales = [kwargs.get(k, args[i] if len(args) > i else None)
+              for i, k in ((2, "scales_h"), (3, "scales_w"))]
+    if inp.dim() != 4 or size is None or min(size) < 1 or inp.numel() == 0:
+        return None
+    if any(s is not None and not isinstance(s, (int, float)) for s in scales):
+        return None
+    out = (*inp.shape[:2], *size)
+    layout = _channels_last_strides(out) if _channels_last(inp) else None  # as on the CPU
+    return (name, [inp], [float(s) if s is not None else 0.0 for s in scales], list(size),
+            [out], None, None, [(layout, None)])
+
+
+def _embedding(runner, name, args, kwargs):
+    weight, indices = args[0], args[1]
+    # the output has one dim more than the indices: at most 8 (FLAGOS_MAX_DIMS)
+    if (not isinstance(indices, FlagosTensor) or indices.dtype != torch.int64 or weight.dim() != 2
+            or indices.dim() > 7 or indices.is_neg()):
+        return None
+    return name, [weight, indices], [], [], [(*indices.shape, weight.shape[1])], None, None
+
+
+def _cat(runner, name, args, kwargs):
+    tensors = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    # at most 8 tensors: run_kernel's limit (csrc/adapter_kernels.c)
+    if (not isinstance(tensors, (list, tuple)) or not 1 <= len(tensors) <= 8
+            or not all(isinstance(t, FlagosTensor) for t in tensors) or not isinstance(dim, int)):
+        return None
+    rank, shape = tensors[0].dim(), list(tensors[0].shape)
+    # 0-d tensors, legacy 1-d empty ones mixed with others, mismatched shapes: the host decides
+    # (or raises)
+    if rank == 0 or not -rank <= dim < rank:
+        return None
+    dim %= rank
+    for t in tensors[1:]:
+        if t.dim() != rank or any(a != b for i, (a, b) in enumerate(zip(t.shape, shape)) if i != dim):
+            return None
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    # channels_last when every input is (PyTorch's rule), else contiguous
+    layout = _channels_last_strides(shape) if all(_channels_last(t) for t in tensors) else None
+    return name, list(tensors), [], [dim], [tuple(shape)], None, None, [(layout, None)]
+
+
+# inputs exempt from the one-dtype rule of a kernel call (adapter.h): kernel name -> input
+# position -> the dtype it must have
+INDEX_INPUTS = {"aten::embedding": {1: torch.int64}}
+
 ELEMENTWISE = frozenset(("aten::add.Tensor", "aten::sub.Tensor", "aten::mul.Tensor", "aten::div.Tensor",
                          "aten::add.Scalar", "aten::sub.Scalar", "aten::mul.Scalar", "aten::div.Scalar",
                          "aten::neg", "aten::relu", "aten::silu", "aten::sigmoid", "aten::tanh",
@@ -801,4 +944,9 @@ KERNEL_BUILDERS = {
     "aten::mean.dim": _reduce,
     "aten::_softmax": _softmax,
     "aten::native_layer_norm": _layer_norm,
+    "aten::convolution": _convolution,
+    "aten::native_group_norm": _group_norm,
+    "aten::upsample_nearest2d": _upsample_nearest2d,
+    "aten::embedding": _embedding,
+    "aten::cat": _cat,
 }

@@ -138,8 +138,12 @@ typedef struct flagos_kernel_args {
 typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_status *status);
 
 /* One entry of the kernel table. flagos calls a kernel only when every tensor input and
- * output has the same dtype, that dtype is in `dtypes` and native on the device, and the
- * op's arguments fit the convention below; every other call takes the CPU fallback.
+ * output has the same dtype (one exception: aten::embedding's indices, below), that dtype is
+ * in `dtypes` and native on the device, and the op's arguments fit the convention below;
+ * every other call takes the CPU fallback. Inputs may be strided (and at a storage offset)
+ * unless an op says otherwise; outputs are contiguous, of the shapes given, except where an
+ * op says otherwise (native_group_norm, upsample_nearest2d and cat give a channels_last
+ * output where PyTorch's result is channels_last).
  *
  * Calling convention, by op (inputs, outputs, scalars and ints in this order):
  *
@@ -168,6 +172,51 @@ typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_statu
  *                                         ints: number of normalized trailing dims;
  *                                         scalars: eps; out: output, mean, rstd (mean and
  *                                         rstd: input's leading dims, trailing dims size 1)
+ *   aten::convolution                     2-d and not transposed only: in: input [N,Cin,H,W],
+ *                                         weight [Cout,Cin/groups,kH,kW], bias [Cout] (ndim -1
+ *                                         when absent); ints: stride_h, stride_w, pad_h, pad_w,
+ *                                         dilation_h, dilation_w, groups (all >= 1, pads >= 0);
+ *                                         out: [N,Cout,OH,OW], OH = (H + 2*pad_h -
+ *                                         dilation_h*(kH-1) - 1) / stride_h + 1 >= 1 (OW alike);
+ *                                         zero padding. (flagos declines a channels_last
+ *                                         input or weight: it leaves those to the CPU)
+ *   aten::native_group_norm               in: input [N,C,HxW] (the input's spatial dims as one:
+ *                                         flagos declines a layout where they do not merge),
+ *                                         weight [C], bias [C] (each ndim -1
+ *                                         when absent); ints: N, C, HxW, group (C % group == 0);
+ *                                         scalars: eps; out: output [N,C,HxW] (flagos gives it
+ *                                         the input's shape; of strides (C*HxW, 1, C), i.e.
+ *                                         channels_last, when the input is), mean [N,group],
+ *                                         rstd [N,group] (biased variance, rstd =
+ *                                         1/sqrt(var + eps))
+ *   aten::upsample_nearest2d              in: self [N,C,H,W]; out: [N,C,OH,OW]; ints: OH, OW;
+ *                                         scalars: scales_h, scales_w as the caller gave them
+ *                                         (0 when not given). Source row of output row i, as
+ *                                         PyTorch: i when OH == H, i/2 when OH == 2H, else
+ *                                         min(floor(i * s), H-1) in float, s = (float)(1/scales_h)
+ *                                         when scales_h > 0 else (float)H / (float)OH; columns
+ *                                         alike. Output contiguous, or of channels_last
+ *                                         strides when self is channels_last (PyTorch's
+ *                                         layout for that result)
+ *   aten::embedding                       in: weight [V,D], indices [...] (0 to 7 dims, any
+ *                                         strides; dtype int64 whatever the call's dtype: the
+ *                                         one input exempt from the same-dtype rule; `dtypes`
+ *                                         names weight's and the output's dtype); out:
+ *                                         [..., D], indices' shape + [D]. An index outside
+ *                                         [0, V): the
+ *                                         kernel reads no row for it and returns
+ *                                         FLAGOS_STATUS_UNSUPPORTED (output contents then
+ *                                         unspecified), and flagos runs the call on the CPU
+ *                                         fallback, which raises PyTorch's IndexError.
+ *   aten::cat                             in: 1 to 8 tensors of one rank (>= 1), alike but
+ *                                         along dim (some may be empty there); ints: dim
+ *                                         (non-negative); out: their concatenation along dim,
+ *                                         contiguous, or of channels_last strides when every
+ *                                         input is 4-d channels_last (PyTorch's layout).
+ *                                         (flagos declines more tensors, 0-d or mismatched
+ *                                         ones)
+ *       (conventions added without an ABI version change: the table is looked up by op
+ *        name, so an adapter without these entries loads and falls back for them as before)
  *
  * Copies between devices and the host are not kernels: they are the copy_* functions.
  */

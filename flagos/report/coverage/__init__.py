@@ -112,8 +112,10 @@ class AdapterCoverage(Coverage):
             return "fallback", f"no {op} kernel in {library}"
         mask &= self.chip_dtypes
         allowed = self._dtype_names(mask)
+        # an op's index inputs (embedding's int64 indices) are outside the kernel's dtype mask
+        exempt = {str(d).replace("torch.", "") for d in _adapter_ops.INDEX_INPUTS.get(op, {}).values()}
         seen = [str(d).replace("torch.", "") for d in dtypes]
-        refused = [d for d in seen if d not in allowed]
+        refused = [d for d in seen if d not in allowed and d not in exempt]
         if refused:
             return "fallback", f"the {self.chip} kernel takes {', '.join(allowed)}, not {', '.join(refused)}"
         return "native", f"{self.chip} kernel for {', '.join(allowed)}"
