@@ -40,4 +40,12 @@ EXPECTED = {
     "householder_product's backward 1.3e-5 off with a 1e-5 tolerance": [
         "opencl:linalg.householder_product:float32:bwd",
     ],
+    # PyTorch runs a complex convolution as three real ones (Gauss's trick), which on opencl are
+    # the chip's direct conv2d kernel, summing in another order than oneDNN. On the OpInfo
+    # sample (outputs up to 355 in magnitude) CPU's result is 7.5e-5 from the complex128 one and
+    # opencl's 6.4e-5: both are float32 rounding, 6.3e-5 apart, where the tolerance is 1e-5.
+    "opencl's float32 convolution sums in another order than oneDNN: complex64 conv2d's outputs "
+    "(up to 355) 6.3e-5 apart, each as close to the complex128 result as CPU's": [
+        "opencl:nn.functional.conv2d:complex64:fwd",
+    ],
 }
