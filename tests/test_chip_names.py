@@ -1,5 +1,7 @@
 """The names users type: vendor and product aliases of chips, names flagos cannot run, the cuda
 chip's vendors (identified from what PyTorch reports), and the one message at autoload."""
+import dataclasses
+
 import pytest
 from conftest import CHIP, run_python
 
@@ -166,3 +168,19 @@ def test_adapter_library_that_does_not_load_at_autoload_is_one_message(tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("flagos: FLAGOS_DEVICE=bogus at `import torch`: ")
     assert "libflagos_bogus_adapter.so" in proc.stderr
+
+
+def test_an_empty_name_means_auto():
+    assert names.resolve("", chips.known()) == names.Alias("auto")
+    assert names.resolve("  ", chips.known()) == names.Alias("auto")
+    assert _activation._pick_chip(" ") is _activation._pick_chip("auto")
+
+
+def test_the_name_tables_cannot_be_changed_through_a_lookup():
+    # resolve() hands out the table's own entries: a caller must not be able to rewrite them
+    alias = names.resolve("hygon", chips.known())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        alias.vendor = "amd"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        names.CUDA_VENDORS["hygon"].collective_backend = "gloo"
+    assert names.ALIASES["hygon"] == names.Alias("cuda", "hygon")
