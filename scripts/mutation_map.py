@@ -85,7 +85,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/chips/adapter.py": [cpu(LOADER, ADAPTERS)],
     "flagos/chips/base.py": [cpu(DEVICE, ERRORS), sim(DEVICE)],
     "flagos/chips/cpu.py": [cpu(DEVICE, ERRORS, T + "device_module.py")],
-    "flagos/chips/cuda.py": [cpu(CHIP_NAMES, ERRORS, DIAGNOSE)],
+    "flagos/chips/cuda.py": [cpu(CHIP_NAMES, ERRORS, DIAGNOSE, CHIP_PROFILES)],
     "flagos/chips/names.py": [cpu(CHIP_NAMES, ERRORS)],
     "flagos/chips/mlu.py": [cpu(ERRORS, DIAGNOSE, CHIP_PROFILES)],
     "flagos/chips/mps.py": [cpu(ERRORS, DIAGNOSE, CHIP_PROFILES)],
