@@ -53,7 +53,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/core/_env.py": [cpu(ENV_DOCS, ENV, ERRORS)],
     # sim with its default dtypes: the policy acts where bfloat16 is not native
     "flagos/core/_precision.py": [cpu(T + "precision_policy.py"), sim_default(T + "precision_policy.py")],
-    "flagos/report/_exporters.py": [cpu(TOP)],
+    "flagos/report/_exporters.py": [cpu(TOP, T + "exporters.py")],
     "flagos/runtime/_generator.py": [cpu(GENERATORS), sim(GENERATORS)],
     "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD), cpu(DISTRIBUTED, k="accelerate or ddp")],
     "flagos/integrations/_caches.py": [cpu(T + "cache_dirs.py")],
