@@ -336,6 +336,22 @@ MUTATIONS = [
       "flagos/runtime/_device_module.py", "        set_device(self.prev)\n        return False",
       "        set_device(self.prev)\n        return True",
       cpu("tests/test_device_module.py", k="propagates")),
+    M("exporter_record_without_pid_alive", "top: an exporter record without a pid counts as a live "
+      "process (kill(-1, 0))", "flagos/report/_exporters.py",
+      "        if isinstance(pid, int) and pid > 0 and _alive(pid):", "        if _alive(int(pid or -1)):",
+      cpu("tests/test_exporters.py", k="not_a_live_exporter")),
+    M("metrics_port_65535_refused", "flagos metrics refuses port 65535", "flagos/tools/_metrics.py",
+      "    if not 0 <= args.port <= 65535:", "    if not 0 <= args.port < 65535:",
+      cpu("tests/test_metrics.py", k="65535")),
+    M("cache_unremovable_folder_traceback", "flagos cache: a folder it cannot remove ends in a "
+      "traceback, not exit 1", "flagos/tools/_cache.py", "    except OSError as e:", "    except ZeroDivisionError as e:",
+      cpu("tests/test_cache_dirs.py", k="cannot_be_removed")),
+    M("cuda_vendor_from_last_device", "the cuda chip takes its vendor from the last device, not "
+      "device 0", "flagos/chips/cuda.py", "torch.cuda.get_device_name(0)", "torch.cuda.get_device_name(-1)",
+      cpu("tests/test_chip_names.py", k="nvidias_facts_until")),
+    M("cpu_chip_any_index", "the cpu chip's own index check accepts flagos:1", "flagos/chips/cpu.py",
+      "        if index != 0:", "        if index == 0:",
+      cpu("tests/test_device_module.py", k="index_itself")),
 ]
 
 
