@@ -150,6 +150,16 @@ def test_weak_reference_blocks_the_move_with_a_clear_error(dev):
     assert p.device == dev
 
 
+def test_weakly_referenced_parameter_moves_off_flagos_as_a_new_parameter(dev):
+    m = torch.nn.Linear(2, 2).to(dev)
+    old = m.weight
+    ref = weakref.ref(old)  # cannot be swapped: the module gets a new Parameter, PyTorch's way
+    m.to("cpu")
+    assert m.weight.device.type == "cpu" and m.weight is not old and ref() is old
+    assert old.device == dev and isinstance(m.weight, torch.nn.Parameter)
+    assert torch.equal(m.weight.detach(), old.detach().cpu())
+
+
 def test_swap_tensors_between_flagos_tensors_keeps_each_object(dev):
     """module.to(dtype) swaps wrapper-subclass parameters with torch.utils.swap_tensors; for two
     flagos tensors the data is exchanged as two `.data =` would, and each object keeps its
