@@ -97,6 +97,24 @@ def test_module_held_by_a_graph_moves_off_flagos_keeping_its_parameters(dev):
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_module_held_by_a_graph_moves_onto_flagos_keeping_its_parameters(dev):
+    """The other way: a CPU forward pass holds the parameters, module.to(flagos) swaps each
+    with its flagos copy (PyTorch's swap refuses a tensor a graph holds), and the graph's
+    gradients still reach the parameters, now on flagos."""
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 2)
+    model = torch.nn.Linear(3, 2)
+    model.load_state_dict(reference.state_dict())
+    params = list(model.parameters())
+    out = model(torch.ones(1, 3)).pow(2).sum()
+    model.to(dev)
+    assert all(p is q for p, q in zip(model.parameters(), params)) and params[0].device == dev
+    out.backward()
+    reference(torch.ones(1, 3)).pow(2).sum().backward()
+    for p, q in zip(params, reference.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad)
+
+
 def test_gradient_follows_the_data(dev):
     p = torch.nn.Parameter(torch.ones(3))
     (p * 2).sum().backward()
