@@ -53,7 +53,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/core/_env.py": [cpu(ENV_DOCS, ENV, ERRORS)],
     # sim with its default dtypes: the policy acts where bfloat16 is not native
     "flagos/core/_precision.py": [cpu(T + "precision_policy.py"), sim_default(T + "precision_policy.py")],
-    "flagos/report/_exporters.py": [cpu(TOP)],
+    "flagos/report/_exporters.py": [cpu(TOP, T + "exporters.py")],
     "flagos/runtime/_generator.py": [cpu(GENERATORS), sim(GENERATORS)],
     "flagos/runtime/_storage.py": [cpu(ERRORS, k="storage"), cpu(DEVICE, T + "redirect.py", k="load"),
                                    sim(ERRORS, k="storage"), sim(DEVICE, k="load")],
@@ -87,7 +87,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/chips/adapter.py": [cpu(LOADER, ADAPTERS)],
     "flagos/chips/base.py": [cpu(DEVICE, ERRORS), sim(DEVICE)],
     "flagos/chips/cpu.py": [cpu(DEVICE, ERRORS, T + "device_module.py")],
-    "flagos/chips/cuda.py": [cpu(CHIP_NAMES, ERRORS, DIAGNOSE)],
+    "flagos/chips/cuda.py": [cpu(CHIP_NAMES, ERRORS, DIAGNOSE, CHIP_PROFILES)],
     "flagos/chips/names.py": [cpu(CHIP_NAMES, ERRORS)],
     "flagos/chips/mlu.py": [cpu(ERRORS, DIAGNOSE, CHIP_PROFILES)],
     "flagos/chips/mps.py": [cpu(ERRORS, DIAGNOSE, CHIP_PROFILES)],

@@ -13,6 +13,7 @@ from flagos_cli import run_flagos
 
 import flagos
 from flagos.integrations import _caches
+from flagos.tools import _cache
 
 COMPILE = """
     import json, os, torch, flagos
@@ -246,3 +247,32 @@ def test_leaving_gives_back_what_the_variable_held_just_before_the_last_activati
     finally:
         _caches.uninstall()
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_cli_takes_a_chip_only_its_folders_know(cache_root):
+    # a folder an adapter chip made that this process has not loaded: listed and cleared by name
+    assert _caches._prepare(str(cache_root / "toy-acme-t1"), "toy", "acme", "t1") is None
+    env = {"FLAGOS_CACHE_DIR": str(cache_root)}
+    proc = run_flagos("cache", "--chip", "toy", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["folder"] for r in json.loads(proc.stdout)["folders"]] == ["toy-acme-t1"]
+    proc = run_flagos("cache", "--clear", "--chip", "toy", "--json", env=env)
+    result = json.loads(proc.stdout)
+    assert [r["folder"] for r in result["removed"]] == ["toy-acme-t1"] and result["folders"] == []
+    assert not (cache_root / "toy-acme-t1").exists() and (cache_root / "cuda-nvidia-sm90").exists()
+
+
+def test_cli_clearing_nothing_says_so(tmp_path):
+    proc = run_flagos("cache", "--clear", env={"FLAGOS_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0 and proc.stdout.strip() == f"nothing to clear in {tmp_path}"
+
+
+def test_cli_a_folder_that_cannot_be_removed_is_exit_1(cache_root, monkeypatch, capsys):
+    def refuse(base=None, chip=None):
+        raise PermissionError(13, "Permission denied", str(cache_root / "cpu-host-x86_64_avx2"))
+    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(cache_root))
+    monkeypatch.setattr(_caches, "clear", refuse)
+    assert _cache.run(types.SimpleNamespace(clear=True, chip=None, json=False)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"flagos cache: cannot remove {cache_root / 'cpu-host-x86_64_avx2'}: Permission denied")
+    assert "remove it by hand" in err

@@ -1,6 +1,10 @@
 """The names users type: vendor and product aliases of chips, names flagos cannot run, the cuda
 chip's vendors (identified from what PyTorch reports), and the one message at autoload."""
+import dataclasses
+import types
+
 import pytest
+import torch
 from conftest import CHIP, run_python
 
 import flagos
@@ -166,3 +170,70 @@ def test_adapter_library_that_does_not_load_at_autoload_is_one_message(tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("flagos: FLAGOS_DEVICE=bogus at `import torch`: ")
     assert "libflagos_bogus_adapter.so" in proc.stderr
+
+
+def test_an_empty_name_means_auto():
+    assert names.resolve("", chips.known()) == names.Alias("auto")
+    assert names.resolve("  ", chips.known()) == names.Alias("auto")
+    assert _activation._pick_chip(" ") is _activation._pick_chip("auto")
+
+
+def test_the_name_tables_cannot_be_changed_through_a_lookup():
+    # resolve() hands out the table's own entries: a caller must not be able to rewrite them
+    alias = names.resolve("hygon", chips.known())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        alias.vendor = "amd"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        names.CUDA_VENDORS["hygon"].collective_backend = "gloo"
+    assert names.ALIASES["hygon"] == names.Alias("cuda", "hygon")
+
+
+# ---- the cuda chip reading what PyTorch reports (PyTorch's answers stubbed: no GPU here) ----
+
+def _answering(monkeypatch, names_by_index, hip=None):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names_by_index[i])
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+
+
+def test_the_cuda_chip_takes_the_facts_of_the_vendor_found(monkeypatch):
+    _answering(monkeypatch, ["AMD Instinct MI300X"], hip="6.2.41133")
+    chip = CudaChip()
+    assert (chip.vendor, chip.collective_backend) == ("amd", "nccl")
+    assert chip.native_dtypes == names.CUDA_VENDORS["amd"].native_dtypes
+    assert chip.oom_patterns == ("hip out of memory", "out of memory")
+    # read once: the vendor does not change under a running program
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA A100")
+    assert chip.vendor == "amd"
+
+
+def test_the_cuda_chip_without_an_answering_device_has_nvidias_facts_until_one_answers(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "MetaX C500")
+    chip = CudaChip()
+    assert chip.vendor == "nvidia"
+    def broken(i):
+        raise RuntimeError("CUDA driver initialization failed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", broken)
+    assert chip.vendor == "nvidia"  # a broken runtime is detect()'s to report, not facts()'s
+    _answering(monkeypatch, ["MetaX C500", "NVIDIA A100"])  # device 0 names the vendor
+    assert chip.vendor == "metax"
+
+
+def test_the_cuda_architecture_waits_for_the_runtime_and_names_every_device(monkeypatch):
+    chip = CudaChip()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert chip.architecture() is None  # reading it would initialize the runtime
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [(9, 0), (8, 0), (9, 0)][i])
+    assert chip.architecture() == "sm80+sm90"
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
+    props = [types.SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-"), types.SimpleNamespace(gcnArchName="")]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    assert chip.architecture_now() == "gfx942:sramecc+:xnack-+unknown"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert chip.architecture_now() == "unknown"

@@ -233,3 +233,20 @@ def test_public_api(dev):
     assert all(d.chip not in ("cpu", CHIP) for d in absent)
     low, high = re.search(r"flagos accepts PyTorch (\d+\.\d+) to (\d+\.\d+)", README).groups()
     assert flagos.info()["torch_tested"] == f"{low} to {high}"  # what README.md promises
+
+
+def test_info_says_what_flagos_runs_on_and_how_it_is_configured(dev, monkeypatch):
+    monkeypatch.delenv("FLAGOS_FALLBACK", raising=False)
+    monkeypatch.delenv("FLAGOS_REPORT", raising=False)
+    info = flagos.info()
+    chip = flagos.chips.profile(CHIP)
+    assert (info["active"], info["fallback"], info["report_path"]) == (True, "warn", None)
+    assert (info["dtype_policy"], info["downcast_to"], info["redirect_cuda"], info["backward"]) == \
+        ("strict", None, False, True)
+    assert info["devices"] == [chip.device_name(i) for i in range(info["device_count"])]
+    assert (info["vendor"], info["collective_backend"]) == (chip.vendor, chip.collective_backend)
+    assert info["native_dtypes"] == list(chip.native_dtypes)
+    monkeypatch.setenv("FLAGOS_FALLBACK", "error")
+    monkeypatch.setenv("FLAGOS_REPORT", "/tmp/flagos-report.json")
+    info = flagos.info()
+    assert (info["fallback"], info["report_path"]) == ("error", "/tmp/flagos-report.json")

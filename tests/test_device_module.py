@@ -73,3 +73,17 @@ def test_the_cpu_chip_reports_the_host():
     assert torch.flagos.current_device() == 0
     isa = torch.backends.cpu.get_cpu_capability().lower()
     assert flagos.chips.profile("cpu").architecture() == f"{platform.machine()}-{isa}"
+
+
+def test_the_cpu_chip_checks_an_index_itself_and_names_an_unknown_isa(monkeypatch):
+    # flagos's state refuses flagos:1 before the chip is asked; the chip refuses it on its own too
+    cpu = flagos.chips.profile("cpu")
+    cpu.set_device(0)
+    for index in (1, -1):
+        with pytest.raises(ValueError, match=f"the cpu chip has one device; flagos:{index} does not exist"):
+            cpu.set_device(index)
+
+    def missing():
+        raise AttributeError("module 'torch.backends.cpu' has no attribute 'get_cpu_capability'")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", missing)  # an older PyTorch
+    assert cpu.architecture() == f"{platform.machine() or 'unknown'}-unknown"

@@ -126,6 +126,30 @@ def test_command_serves_every_device_until_terminated(tmp_path):
     assert not os.path.exists(tmp_path / "exporters" / f"{proc.pid}.json")
 
 
+def test_the_command_stops_quietly_on_ctrl_c(tmp_path):
+    env = command_env({"FLAGOS_RUNTIME_DIR": str(tmp_path)})
+    proc = subprocess.Popen([sys.executable, "-m", "flagos", "metrics", "--port", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("flagos metrics: serving http://127.0.0.1:")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert not os.path.exists(tmp_path / "exporters" / f"{proc.pid}.json")
+
+
+def test_the_command_takes_ports_0_to_65535_and_serves_on_9491_by_default(capsys):
+    for bad in ("-1", "65536"):
+        assert main(["metrics", "--port", bad]) == 2
+        assert f"--port must be from 0 to 65535, not {bad}" in capsys.readouterr().err
+    assert main(["metrics", "--once", "--port", "65535"]) == 0  # the highest port is a port
+    assert "flagos_info" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["metrics", "--help"])
+    assert "default 9491;" in capsys.readouterr().out  # the port docs/cli.md names
+
+
 def test_once_prints_one_scrape_and_a_taken_port_fails(capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -77,6 +77,23 @@ def test_attention_matches_cpu_forward_and_backward(dev, mask):
         assert report.op("aten::bmm") is None
 
 
+@pytest.mark.parametrize("options", [{"is_causal": True}, {"scale": 0.5}, {"enable_gqa": True}],
+                         ids=["causal", "scale", "gqa"])
+def test_attention_options_match_cpu(dev, options):
+    torch.manual_seed(0)
+    heads = 2 if options.get("enable_gqa") else 4  # grouped-query: 4 query heads share 2 key/value heads
+    q = torch.randn(2, 4, 8, 16, requires_grad=True)
+    k, v = (torch.randn(2, heads, 8, 16, requires_grad=True) for _ in range(2))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options)
+    ref.sum().backward()
+    fq, fk, fv = (t.detach().to(dev).requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(fq, fk, fv, **options)
+    out.sum().backward()
+    assert_close(out, ref, atol=1e-6)
+    for mine, theirs in ((fq, q), (fk, k), (fv, v)):
+        assert_close(mine.grad, theirs.grad, atol=1e-5)
+
+
 def test_bert_forward_and_training_step_match_cpu(dev):
     ids, mask, labels = models.bert_batch()
     ref_model, model = models.bert(), models.bert().to(dev)

@@ -97,6 +97,24 @@ def test_module_held_by_a_graph_moves_off_flagos_keeping_its_parameters(dev):
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_module_held_by_a_graph_moves_onto_flagos_keeping_its_parameters(dev):
+    """The other way: a CPU forward pass holds the parameters, module.to(flagos) swaps each
+    with its flagos copy (PyTorch's swap refuses a tensor a graph holds), and the graph's
+    gradients still reach the parameters, now on flagos."""
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 2)
+    model = torch.nn.Linear(3, 2)
+    model.load_state_dict(reference.state_dict())
+    params = list(model.parameters())
+    out = model(torch.ones(1, 3)).pow(2).sum()
+    model.to(dev)
+    assert all(p is q for p, q in zip(model.parameters(), params)) and params[0].device == dev
+    out.backward()
+    reference(torch.ones(1, 3)).pow(2).sum().backward()
+    for p, q in zip(params, reference.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad)
+
+
 def test_gradient_follows_the_data(dev):
     p = torch.nn.Parameter(torch.ones(3))
     (p * 2).sum().backward()
@@ -148,6 +166,16 @@ def test_weak_reference_blocks_the_move_with_a_clear_error(dev):
     del ref
     p.data = torch.zeros(3, device=dev)
     assert p.device == dev
+
+
+def test_weakly_referenced_parameter_moves_off_flagos_as_a_new_parameter(dev):
+    m = torch.nn.Linear(2, 2).to(dev)
+    old = m.weight
+    ref = weakref.ref(old)  # cannot be swapped: the module gets a new Parameter, PyTorch's way
+    m.to("cpu")
+    assert m.weight.device.type == "cpu" and m.weight is not old and ref() is old
+    assert old.device == dev and isinstance(m.weight, torch.nn.Parameter)
+    assert torch.equal(m.weight.detach(), old.detach().cpu())
 
 
 def test_swap_tensors_between_flagos_tensors_keeps_each_object(dev):

@@ -74,7 +74,9 @@ def running() -> list[dict]:
                 record = json.load(f)
         except (OSError, ValueError):
             continue
-        if _alive(int(record.get("pid", -1))):
+        pid = record.get("pid") if isinstance(record, dict) else None
+        # a record without a pid is no process's: kill(-1 or 0, 0) would ask about many
+        if isinstance(pid, int) and pid > 0 and _alive(pid):
             found.append(record)
         else:
             withdraw(path)

@@ -50,6 +50,8 @@ def _serve(exporter) -> None:
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
+        # announced inside the try: a Ctrl-C right after the line is seen stops it quietly
+        print(f"flagos metrics: serving {exporter.url} (Ctrl-C to stop)", flush=True)
         while not stop.wait(0.5):  # a timed wait, so Ctrl-C is seen at once
             pass
     except KeyboardInterrupt:
@@ -71,6 +73,5 @@ def run(args) -> int:
     except (ModuleNotFoundError, OSError) as e:
         print(f"flagos metrics: error: {e}", file=sys.stderr)
         return 1
-    print(f"flagos metrics: serving {exporter.url} (Ctrl-C to stop)", flush=True)
     _serve(exporter)
     return 0
