@@ -323,7 +323,7 @@ MUTATIONS = [
       cpu("tests/test_routes.py", k="built_by_hand")),
     M("load_positional_location_ignored", "torch.load(f, 'cuda') under the redirect ignores the "
       "positional map_location", "flagos/integrations/_redirect.py",
-      "        if len(args) > 1:\n            location, args", "        if len(args) > 2:\n            location, args",
+      "        if args:  # map_location and pickle_module", "        if len(args) > 1:  # map_location and pickle_module",
       cpu("tests/test_redirect.py", k="entry_point_runs and load")),
     M("pin_memory_device_argument", "t.pin_memory('flagos') is refused (PyTorch's PrivateUse1 hooks)",
       "flagos/runtime/_pinned.py", 'return device is None or torch.device(device).type == "flagos"',
