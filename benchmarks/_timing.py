@@ -10,15 +10,21 @@ import statistics
 import time
 
 
-def median_us(fn, number: int, repeat: int) -> float:
-    """Median over `repeat` runs of the mean time of `number` calls, in microseconds."""
+def median_us(fn, number: int, repeat: int, sync=None) -> float:
+    """Median over `repeat` runs of the mean time of `number` calls, in microseconds. `sync`
+    (the device's synchronize) ends each run, so that the work a chip queues asynchronously
+    (opencl, cuda) is inside the time, as torch.utils.benchmark does for CUDA."""
     for _ in range(max(number // 10, 3)):
         fn()
+    if sync is not None:
+        sync()
     runs = []
     for _ in range(repeat):
         start = time.perf_counter()
         for _ in range(number):
             fn()
+        if sync is not None:
+            sync()
         runs.append((time.perf_counter() - start) / number * 1e6)
     return statistics.median(runs)
 

@@ -93,15 +93,17 @@ def main() -> None:
     info = flagos.activate(args.chip, mode=args.mode)
     os.environ["FLAGOS_FALLBACK"] = "allow"
     dev = flagos.device()
+    sync = getattr(torch, dev.type).synchronize  # torch.flagos (device mode) or the chip's module
     on_chip = tuple(t.to(dev) for t in base)
-    routed = {name: median_us(lambda f=f: f(*on_chip), args.number, args.repeat) for name, f in OPS.items()}
+    routed = {name: median_us(lambda f=f: f(*on_chip), args.number, args.repeat, sync)
+              for name, f in OPS.items()}
     real = {}
     for name, (inputs, f) in REALISTIC.items():
         moved = tuple(t.to(dev) for t in inputs)
         number = max(args.number // 20, 20)
         # interleaved: native and flagos alternate, so a load change hits both
         pairs = [(median_us(lambda f=f, inputs=inputs: f(*inputs), number, 1),
-                  median_us(lambda f=f, moved=moved: f(*moved), number, 1))
+                  median_us(lambda f=f, moved=moved: f(*moved), number, 1, sync))
                  for _ in range(args.repeat)]
         real[name] = tuple(sorted(p[i] for p in pairs)[len(pairs) // 2] for i in (0, 1))
 
