@@ -635,8 +635,15 @@ int flagos_adapter_fallback(flagos_state *st, op_entry *e, PyObject *args, PyObj
         rc = -1;
         goto done;
     }
-    uint64_t t0 = now_ns(), to_host_bytes = 0, to_device_bytes = 0;
+    /* The chip's queued work finishes first (the download would wait for it anyway), so that
+     * the fallback's time is its copies and host op, not the kernels an asynchronous chip
+     * queued before it. */
+    flagos_status sync_status = {0};
     rc = -1;
+    if (flagos_adapter_check(c->adapter, c->adapter->api->synchronize(c->device, &sync_status),
+                             "synchronize", c->device, &sync_status) < 0)
+        goto done;
+    uint64_t t0 = now_ns(), to_host_bytes = 0, to_device_bytes = 0;
     if (download(c, &to_host_bytes) < 0 || host_views(c) < 0 || (hargs = to_host(c, args)) == NULL)
         goto done;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) > 0) {

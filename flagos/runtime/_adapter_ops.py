@@ -267,6 +267,9 @@ class Runner:
                 return out, NATIVE, 0, 0, 0, ()
         if policy:  # the router warns or raises first, then calls again with policy 0
             return None, WOULD_FALL_BACK, 0, 0, 0, ()
+        # The chip's queued work finishes first (the copies would wait for it anyway): the
+        # fallback's time is its copies and host op, not kernels queued before it.
+        self.adapter.synchronize(index)
         start = time.perf_counter_ns()
         out, to_host, to_device, dtypes = self._fallback(func, index, fts, args, kwargs)
         return out, FALLBACK, to_host, to_device, time.perf_counter_ns() - start, dtypes
