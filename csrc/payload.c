@@ -329,7 +329,8 @@ static int copy_math_bits(PyObject *w, PyObject *t, int complex)
 }
 
 /* 1 if stride is the contiguous stride of shape (every size at least 1, so no size-0 or size-1
- * ambiguity in what _make_wrapper_subclass would compute), 0 if not or on anything unexpected. */
+ * ambiguity in what _make_wrapper_subclass would compute), 0 if not. Only plain ints are read:
+ * a symbolic size (torch.SymInt) is never converted, which could specialize it while tracing. */
 static int contiguous_strides(PyObject *shape, PyObject *stride)
 {
     if (!PyTuple_Check(shape) || !PyTuple_Check(stride))
@@ -339,21 +340,19 @@ static int contiguous_strides(PyObject *shape, PyObject *stride)
         return 0;
     long long expect = 1;
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
-        int overflow = 0;
-        long long size = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(shape, i), &overflow);
-        if (overflow || size < 1 || (size == -1 && PyErr_Occurred()))
-            goto no;
-        long long got = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(stride, i), &overflow);
-        if (overflow || got != expect || (got == -1 && PyErr_Occurred()))
-            goto no;
-        if (size > (1LL << 62) / expect)
-            goto no;
+        PyObject *size_obj = PyTuple_GET_ITEM(shape, i), *stride_obj = PyTuple_GET_ITEM(stride, i);
+        if (!PyLong_CheckExact(size_obj) || !PyLong_CheckExact(stride_obj))
+            return 0;
+        int overflow = 0; /* an exact int cannot fail to convert, only overflow */
+        long long size = PyLong_AsLongLongAndOverflow(size_obj, &overflow);
+        if (overflow || size < 1 || size > (1LL << 62) / expect)
+            return 0;
+        long long got = PyLong_AsLongLongAndOverflow(stride_obj, &overflow);
+        if (overflow || got != expect)
+            return 0;
         expect *= size;
     }
     return 1;
-no:
-    PyErr_Clear(); /* a symbolic size: the general path passes it on as it is */
-    return 0;
 }
 
 /* _make_wrapper_subclass(cls, size, *, strides, storage_offset, dtype, device, storage_size):
@@ -381,10 +380,8 @@ PyObject *flagos_new_wrapper(flagos_state *st, PyObject *shape, PyObject *stride
         storage_size = size;
     }
     PyObject *device = PyTuple_GET_ITEM(st->flagos_devices, index);
-    int overflow = 0;
-    long long off = PyLong_Check(offset) ? PyLong_AsLongLongAndOverflow(offset, &overflow) : -1;
-    if (off == -1 && PyErr_Occurred())
-        return NULL;
+    int overflow = 0; /* an exact int cannot fail to convert, only overflow */
+    long long off = PyLong_CheckExact(offset) ? PyLong_AsLongLongAndOverflow(offset, &overflow) : -1;
     if (off == 0 && !overflow && contiguous_strides(shape, stride)) {
         PyObject *argv[5] = {st->wrapper_type, shape, dtype, device, storage_size};
         return PyObject_Vectorcall(st->make_wrapper, argv, 2, kwnames_contig);
