@@ -328,26 +328,65 @@ static int copy_math_bits(PyObject *w, PyObject *t, int complex)
     return 0;
 }
 
+/* 1 if stride is the contiguous stride of shape (every size at least 1, so no size-0 or size-1
+ * ambiguity in what _make_wrapper_subclass would compute), 0 if not. Only plain ints are read:
+ * a symbolic size (torch.SymInt) is never converted, which could specialize it while tracing. */
+static int contiguous_strides(PyObject *shape, PyObject *stride)
+{
+    if (!PyTuple_Check(shape) || !PyTuple_Check(stride))
+        return 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(shape);
+    if (PyTuple_GET_SIZE(stride) != n)
+        return 0;
+    long long expect = 1;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        PyObject *size_obj = PyTuple_GET_ITEM(shape, i), *stride_obj = PyTuple_GET_ITEM(stride, i);
+        if (!PyLong_CheckExact(size_obj) || !PyLong_CheckExact(stride_obj))
+            return 0;
+        int overflow = 0; /* an exact int cannot fail to convert, only overflow */
+        long long size = PyLong_AsLongLongAndOverflow(size_obj, &overflow);
+        if (overflow || size < 1 || size > (1LL << 62) / expect)
+            return 0;
+        long long got = PyLong_AsLongLongAndOverflow(stride_obj, &overflow);
+        if (overflow || got != expect)
+            return 0;
+        expect *= size;
+    }
+    return 1;
+}
+
 /* _make_wrapper_subclass(cls, size, *, strides, storage_offset, dtype, device, storage_size):
- * a new wrapper on flagos:index with this metadata and no payload yet. */
+ * a new wrapper on flagos:index with this metadata and no payload yet. A contiguous layout at
+ * offset 0 (most outputs) leaves strides and storage_offset out: PyTorch computes the same
+ * ones itself, and parsing two fewer keyword arguments saves time on every output. */
 PyObject *flagos_new_wrapper(flagos_state *st, PyObject *shape, PyObject *stride, PyObject *offset,
                              PyObject *dtype, int index)
 {
-    static PyObject *kwnames = NULL, *storage_size = NULL; /* built once, kept for the process */
-    if (kwnames == NULL) {
+    /* built once, kept for the process: strings and a constant, nothing configure() changes */
+    static PyObject *kwnames = NULL, *kwnames_contig = NULL, *storage_size = NULL;
+    if (storage_size == NULL) {
         PyObject *names = Py_BuildValue("(sssss)", "strides", "storage_offset", "dtype", "device",
                                         "storage_size");
+        PyObject *short_names = Py_BuildValue("(sss)", "dtype", "device", "storage_size");
         PyObject *size = PyLong_FromLongLong(WRAPPER_STORAGE_BYTES);
-        if (names == NULL || size == NULL) {
+        if (names == NULL || short_names == NULL || size == NULL) {
             Py_XDECREF(names);
+            Py_XDECREF(short_names);
             Py_XDECREF(size);
             return NULL;
         }
         kwnames = names;
+        kwnames_contig = short_names;
         storage_size = size;
     }
-    PyObject *argv[7] = {st->wrapper_type, shape, stride, offset, dtype,
-                         PyTuple_GET_ITEM(st->flagos_devices, index), storage_size};
+    PyObject *device = PyTuple_GET_ITEM(st->flagos_devices, index);
+    int overflow = 0; /* an exact int cannot fail to convert, only overflow */
+    long long off = PyLong_CheckExact(offset) ? PyLong_AsLongLongAndOverflow(offset, &overflow) : -1;
+    if (off == 0 && !overflow && contiguous_strides(shape, stride)) {
+        PyObject *argv[5] = {st->wrapper_type, shape, dtype, device, storage_size};
+        return PyObject_Vectorcall(st->make_wrapper, argv, 2, kwnames_contig);
+    }
+    PyObject *argv[7] = {st->wrapper_type, shape, stride, offset, dtype, device, storage_size};
     return PyObject_Vectorcall(st->make_wrapper, argv, 2, kwnames);
 }
 

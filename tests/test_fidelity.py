@@ -161,6 +161,36 @@ def test_deepcopy_of_tensors_and_modules(dev):
     assert copied["ids"].tolist() == [0, 1, 2, 3]
 
 
+# ---- layouts of results -----------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(8, 8), (1, 8), (8, 1), (), (0, 3), (3, 0, 2), (2, 1, 3, 4)])
+def test_result_layouts_match_cpu(dev, shape):
+    """Contiguous results get their wrapper by a shorter call than strided ones: sizes, strides,
+    offsets and contiguity of both kinds, and of the wrapper against its payload, as on CPU."""
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    xd = x.to(dev)
+    pairs = [(x + 1, xd + 1), (x.transpose(0, -1) if x.dim() else x,
+                               xd.transpose(0, -1) if xd.dim() else xd),
+             (x.expand(2, *shape) * 1, xd.expand(2, *shape) * 1),
+             (torch.nn.functional.layer_norm(x, shape[-1:]) if x.dim() else x,
+              torch.nn.functional.layer_norm(xd, shape[-1:]) if xd.dim() else xd)]
+    if x.numel() > 1:
+        pairs.append((x.reshape(-1)[1:], xd.reshape(-1)[1:]))
+        pairs.append((x.transpose(0, -1).contiguous(), xd.transpose(0, -1).contiguous()))
+    if x.dim() == 2 and x.numel():
+        pairs.append((x @ x.t(), xd @ xd.t()))
+        pairs.append((torch.empty_strided((2, 3), (1, 2)).fill_(1.0),
+                      torch.empty_strided((2, 3), (1, 2), device=dev).fill_(1.0)))
+    for ref, out in pairs:
+        assert (out.shape, out.stride(), out.storage_offset(), out.is_contiguous()) == \
+            (ref.shape, ref.stride(), ref.storage_offset(), ref.is_contiguous())
+        payload = out._payload
+        if isinstance(payload, torch.Tensor):
+            assert (out.stride(), out.storage_offset()) == (payload.stride(), payload.storage_offset())
+        close(out, ref)
+
+
 # ---- inference mode ----------------------------------------------------------------------
 
 def test_views_under_inference_mode(dev):
