@@ -122,7 +122,7 @@ COVERED = {
     "aten::add.Scalar", "aten::sub.Scalar", "aten::mul.Scalar", "aten::div.Scalar",
     "aten::neg", "aten::relu", "aten::silu", "aten::sigmoid", "aten::tanh", "aten::exp",
     "aten::gelu", "aten::mm", "aten::bmm", "aten::addmm", "aten::sum.dim_IntList",
-    "aten::mean.dim", "aten::_softmax", "aten::native_layer_norm", "aten::convolution",
+    "aten::mean.dim", "aten::_softmax", "aten::_safe_softmax", "aten::native_layer_norm", "aten::convolution",
     "aten::native_group_norm", "aten::upsample_nearest2d", "aten::embedding", "aten::cat",
 }
 
@@ -446,6 +446,44 @@ def test_softmax_rows_of_nan_and_minus_inf(dtype):
 @pytest.mark.parametrize("shape,dim", [((0, 5), 1), ((4, 0), 1), ((4, 0), 0), ((2, 3, 4), 1)], ids=str)
 def test_softmax_shapes(shape, dim, dtype):
     run_case("aten::_softmax", lambda t: torch.softmax(t, dim), [arg(randn(*shape, seed=24))], dtype)
+
+
+@on_sim
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "offset"])
+@pytest.mark.parametrize("dim", [0, -1])
+def test_safe_softmax(dim, layout, dtype):
+    run_case("aten::_safe_softmax", lambda x: torch.ops.aten._safe_softmax(x, dim),
+             [layout_arg(layout, seed=25, scale=3.0)], dtype)
+
+
+@on_sim
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_safe_softmax_gives_zeros_for_a_row_of_minus_inf_only(dtype):
+    # attention's fully masked rows: _softmax gives NaN there, _safe_softmax zeros
+    x = torch.tensor([[-math.inf, -math.inf, -math.inf], [1.0, math.nan, 2.0], [0.0, -math.inf, 2.0],
+                      [-math.inf, -math.inf, 5.0]])
+    run_case("aten::_safe_softmax", lambda t: torch.ops.aten._safe_softmax(t, 1), [arg(x)], dtype)
+    out = torch.ops.aten._safe_softmax(x.to(dtype).to(flagos.device()), 1).cpu()
+    assert torch.equal(out[0], torch.zeros(3, dtype=dtype)) and out[1].isnan().all()
+
+
+@on_sim
+def test_masked_attention_with_a_fully_masked_row_matches_cpu():
+    # scaled_dot_product_attention's math path calls _safe_softmax: a query that may attend
+    # to nothing gets zeros, on the chip's kernel as on CPU
+    q, k, v = (randn(1, 2, 4, 8, seed=s) for s in (26, 27, 28))
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    mask[2] = False
+    dev = flagos.device()
+    flagos.reset_report()
+    with flagos.track() as report:
+        out = F.scaled_dot_product_attention(q.to(dev), k.to(dev), v.to(dev), attn_mask=mask.to(dev))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    row = report.op("aten::_safe_softmax")
+    assert row is not None and row["calls"]["native"] == 1 and row["calls"]["fallback"] == 0, str(report)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.cpu()[0, :, 2], torch.zeros(2, 8))
 
 
 @on_sim

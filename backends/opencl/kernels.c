@@ -539,9 +539,10 @@ static int32_t mean_kernel(const flagos_kernel_args *args, flagos_status *status
     return run_reduction(args, status, &sig, 1);
 }
 
-static int32_t softmax_kernel(const flagos_kernel_args *args, flagos_status *status)
+static int32_t run_softmax(const flagos_kernel_args *args, flagos_status *status,
+                           const op_signature *signature, int safe)
 {
-    static const op_signature sig = {"aten::_softmax", 1, 1, 0, 1, 0, 0};
+    const op_signature sig = *signature;
     view in[MAX_TENSORS], out[MAX_TENSORS];
     int32_t dtype = FLAGOS_FLOAT32;
     int32_t rc = bind_args(args, &sig, in, out, &dtype, status);
@@ -570,8 +571,22 @@ static int32_t softmax_kernel(const flagos_kernel_args *args, flagos_status *sta
     arg(&list, sizeof l, &l);
     arg(&list, sizeof is, &is);
     arg(&list, sizeof os, &os);
+    cl_int safe_rows = safe;
+    arg(&list, sizeof safe_rows, &safe_rows);
     size_t global = items_for(outer.n);
     return launch(args->device, dtype, K_SOFTMAX, &list, 1, &global, status);
+}
+
+static int32_t softmax_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    static const op_signature sig = {"aten::_softmax", 1, 1, 0, 1, 0, 0};
+    return run_softmax(args, status, &sig, 0);
+}
+
+static int32_t safe_softmax_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    static const op_signature sig = {"aten::_safe_softmax", 1, 1, 0, 1, 0, 0};
+    return run_softmax(args, status, &sig, 1);
 }
 
 /* ---- layer norm ---------------------------------------------------------------- */
@@ -985,6 +1000,7 @@ const flagos_kernel ocl_kernels[] = {
     {"aten::sum.dim_IntList", sum_kernel, FLOAT_DTYPES},
     {"aten::mean.dim", mean_kernel, FLOAT_DTYPES},
     {"aten::_softmax", softmax_kernel, FLOAT_DTYPES},
+    {"aten::_safe_softmax", safe_softmax_kernel, FLOAT_DTYPES},
     {"aten::native_layer_norm", layer_norm_kernel, FLOAT_DTYPES},
     {"aten::convolution", convolution_kernel, FLOAT_DTYPES},
     {"aten::native_group_norm", group_norm_kernel, FLOAT_DTYPES},

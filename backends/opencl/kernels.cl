@@ -189,9 +189,10 @@ __kernel void reduce(__global T *out, __global const T *in, nd outer, nd inner, 
 
 /* ---- softmax ------------------------------------------------------------- */
 
-/* outer: every dim but the softmax one (operand 0: in, 1: out); one work item per row. */
+/* outer: every dim but the softmax one (operand 0: in, 1: out); one work item per row.
+ * safe (_safe_softmax): a row of -inf only is zeros, not NaN. */
 __kernel void softmax(__global T *out, __global const T *in, nd outer, long len, long in_stride,
-                      long out_stride)
+                      long out_stride, int safe)
 {
     long off[2];
     for (long i = get_global_id(0); i < outer.n; i += get_global_size(0)) {
@@ -203,6 +204,11 @@ __kernel void softmax(__global T *out, __global const T *in, nd outer, long len,
                 max = x;
             if (isnan(max))
                 break;
+        }
+        if (safe && max == -INFINITY) {
+            for (long k = 0; k < len; k++)
+                ST(out, off[1] + k * out_stride, (ACC)0);
+            continue;
         }
         kahan sum = {0, 0};
         for (long k = 0; k < len; k++)

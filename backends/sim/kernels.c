@@ -810,9 +810,10 @@ static int32_t mean_kernel(const flagos_kernel_args *args, flagos_status *status
 /* ---- softmax ------------------------------------------------------------- */
 
 /* Softmax of one row of `length` elements `stride` apart; subtracting the row's max keeps
- * exp() from overflowing. */
+ * exp() from overflowing. `safe` (_safe_softmax): a row of -inf only is zeros, not NaN. */
 static void softmax_row(const tensor_view *in, int64_t in_start, const tensor_view *out,
-                        int64_t out_start, int64_t length, int64_t in_stride, int64_t out_stride)
+                        int64_t out_start, int64_t length, int64_t in_stride, int64_t out_stride,
+                        int safe)
 {
     float max = -INFINITY;
     for (int64_t k = 0; k < length; k++) {
@@ -821,6 +822,11 @@ static void softmax_row(const tensor_view *in, int64_t in_start, const tensor_vi
             max = x;
         if (isnan(max))
             break;
+    }
+    if (safe && max == -INFINITY) { /* every element -inf (a fully masked attention row) */
+        for (int64_t k = 0; k < length; k++)
+            store_element(out, out_start + k * out_stride, 0.0f);
+        return;
     }
     double sum = 0.0;
     for (int64_t k = 0; k < length; k++)
@@ -831,9 +837,10 @@ static void softmax_row(const tensor_view *in, int64_t in_start, const tensor_vi
     }
 }
 
-static int32_t softmax_kernel(const flagos_kernel_args *args, flagos_status *status)
+static int32_t run_softmax(const flagos_kernel_args *args, flagos_status *status,
+                           const op_signature *signature, int safe)
 {
-    static const op_signature sig = {"aten::_softmax", 1, 1, 0, 1, 0, 0};
+    const op_signature sig = *signature;
     tensor_view in[MAX_TENSORS], out[MAX_TENSORS];
     int32_t rc = bind_args(args, &sig, in, out, status);
     if (rc != SIM_SUCCESS)
@@ -842,7 +849,7 @@ static int32_t softmax_kernel(const flagos_kernel_args *args, flagos_status *sta
     int32_t ndim = in[0].ndim;
     if (dim < 0 || dim >= (ndim > 0 ? ndim : 1))
         return sim_fail(status, SIM_ERROR_INVALID_VALUE,
-                        "aten::_softmax: dim %" PRId64 " out of range for a %d-d tensor", dim,
+                        "%s: dim %" PRId64 " out of range for a %d-d tensor", sig.op, dim,
                         ndim);
     if (!same_shape(&in[0], &out[0]))
         return fail_shape(status, sig.op, "input and output shapes differ");
@@ -861,8 +868,20 @@ static int32_t softmax_kernel(const flagos_kernel_args *args, flagos_status *sta
     int32_t x = iter_add(&it, in[0].strides, in[0].offset);
     int32_t o = iter_add(&it, out[0].strides, out[0].offset);
     for (; it.remaining > 0; iter_next(&it))
-        softmax_row(&in[0], it.pos[x], &out[0], it.pos[o], length, in_stride, out_stride);
+        softmax_row(&in[0], it.pos[x], &out[0], it.pos[o], length, in_stride, out_stride, safe);
     return sim_ok(status);
+}
+
+static int32_t softmax_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    static const op_signature sig = {"aten::_softmax", 1, 1, 0, 1, 0, 0};
+    return run_softmax(args, status, &sig, 0);
+}
+
+static int32_t safe_softmax_kernel(const flagos_kernel_args *args, flagos_status *status)
+{
+    static const op_signature sig = {"aten::_safe_softmax", 1, 1, 0, 1, 0, 0};
+    return run_softmax(args, status, &sig, 1);
 }
 
 /* ---- layer norm ---------------------------------------------------------- */
@@ -1392,6 +1411,7 @@ const flagos_kernel sim_kernels[] = {
     {"aten::sum.dim_IntList", sum_kernel, FLOAT_DTYPES},
     {"aten::mean.dim", mean_kernel, FLOAT_DTYPES},
     {"aten::_softmax", softmax_kernel, FLOAT_DTYPES},
+    {"aten::_safe_softmax", safe_softmax_kernel, FLOAT_DTYPES},
     {"aten::native_layer_norm", layer_norm_kernel, FLOAT_DTYPES},
     {"aten::convolution", convolution_kernel, FLOAT_DTYPES},
     {"aten::native_group_norm", group_norm_kernel, FLOAT_DTYPES},

@@ -773,6 +773,14 @@ def _softmax(runner, name, args, kwargs):
     return name, [self], [], [dim % self.dim()], [tuple(self.shape)], None, None
 
 
+def _safe_softmax(runner, name, args, kwargs):
+    self, dim = args[0], args[1]
+    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    if (dtype is not None and dtype != self.dtype) or self.dim() == 0 or not -self.dim() <= dim < self.dim():
+        return None
+    return name, [self], [], [dim % self.dim()], [tuple(self.shape)], None, None
+
+
 def _layer_norm(runner, name, args, kwargs):
     inp, normalized_shape, weight, bias, eps = args
     k = len(normalized_shape)
@@ -946,6 +954,7 @@ KERNEL_BUILDERS = {
     "aten::sum": lambda r, n, a, k: _reduce(r, "aten::sum.dim_IntList", a, k),  # every dim
     "aten::mean.dim": _reduce,
     "aten::_softmax": _softmax,
+    "aten::_safe_softmax": _safe_softmax,
     "aten::native_layer_norm": _layer_norm,
     "aten::convolution": _convolution,
     "aten::native_group_norm": _group_norm,

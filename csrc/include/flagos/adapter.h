@@ -168,6 +168,8 @@ typedef int32_t (*flagos_kernel_fn)(const flagos_kernel_args *args, flagos_statu
  *                                         dims, same ndim as self); ints: reduced dims,
  *                                         ascending, non-negative
  *   aten::_softmax                        in: self; ints: dim (non-negative)
+ *   aten::_safe_softmax                   as _softmax, and a row whose elements are all -inf
+ *                                         gives zeros (attention with a fully masked row)
  *   aten::native_layer_norm               in: input, weight, bias (ndim -1 when absent);
  *                                         ints: number of normalized trailing dims;
  *                                         scalars: eps; out: output, mean, rstd (mean and
