@@ -1,8 +1,9 @@
 """The fast subset of the conformance sweep (tests/conformance, full run: scripts/conformance.sh).
 
 About forty OpInfo entries across the op families, every dtype they support among float32,
-float16, bfloat16, complex64 and int64, forward and forward+backward, on the cpu chip and on sim,
-compared against plain CPU in worker processes. Fails on a failing case that
+float16, bfloat16, complex64 and int64, forward and forward+backward, on the cpu chip, on sim
+and on opencl (where its adapter was built and finds a device: PoCL in CI), compared against
+plain CPU in worker processes. Fails on a failing case that
 tests/conformance/expected_failures.py does not list, and on a listed case that now passes.
 """
 from __future__ import annotations
@@ -16,6 +17,10 @@ from conftest import device_mode_only
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "conformance"))
 import runner  # noqa: E402
+
+import flagos  # noqa: E402
+
+CHIPS = ("cpu", "sim") + (("opencl",) if flagos.chips.profile("opencl").detect() else ())
 
 FAST_OPS = [
     # elementwise, unary and binary, with type promotion and broadcasting
@@ -56,8 +61,8 @@ def run_subset():
         except Exception as exc:  # surfaced below, in the test's thread
             errors.append(exc)
 
-    # One worker per chip, both chips at once: the two workers' startup (loading op_db) overlaps.
-    threads = [threading.Thread(target=one, args=(chip,)) for chip in ("cpu", "sim")]
+    # One worker per chip, the chips at once: the workers' startup (loading op_db) overlaps.
+    threads = [threading.Thread(target=one, args=(chip,)) for chip in CHIPS]
     for t in threads:
         t.start()
     for t in threads:
@@ -111,6 +116,8 @@ def test_judge_is_strict():
 def test_subset_ran(results):
     assert FAST_OPS and len(results) > 4 * len(FAST_OPS)
     assert sum(r["outcome"] == "pass" for r in results.values()) > len(results) // 2
+    for chip in CHIPS:  # every chip swept the same cases
+        assert sum(k.startswith(chip + ":") for k in results) == len(results) // len(CHIPS), chip
 
 
 @device_mode_only
