@@ -1,10 +1,16 @@
-"""The README's main job and the quickstart run as documented, on the cpu chip and on sim."""
+"""The README's main job and the quickstart run as documented, on the cpu chip, on sim and (the
+main job) on the opencl chip where it is built."""
 import pathlib
 
 import pytest
 from conftest import DEVICE_MODE, device_mode_only, run_python
 
+import flagos
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+OPENCL = flagos.chips.profile("opencl")
+on_opencl = pytest.mark.skipif(not OPENCL.detect(), reason="no opencl chip here: " + (
+    "" if OPENCL.detect() else OPENCL.why_unavailable()))
 
 
 def run_example(script: str, *argv: str, env: dict | None = None):
@@ -16,7 +22,8 @@ def run_example(script: str, *argv: str, env: dict | None = None):
     """, env={"FLAGOS_FALLBACK": "allow", **(env or {})})
 
 
-@pytest.mark.parametrize("chip", ["cpu", pytest.param("sim", marks=device_mode_only)])
+@pytest.mark.parametrize("chip", ["cpu", pytest.param("sim", marks=device_mode_only),
+                                  pytest.param("opencl", marks=[device_mode_only, on_opencl])])
 def test_diffusers_pipeline_example(tmp_path, chip):
     image = tmp_path / "ddpm.png"
     proc = run_example("diffusers_pipeline.py", "--device", chip, "--steps", "3",
