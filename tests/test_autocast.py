@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import device_mode_only
+from conftest import CHIP, device_mode_only
 
 pytestmark = device_mode_only
 
@@ -50,6 +50,7 @@ def test_autocast_off_outside_the_region(dev):
 
 
 def test_grad_scaler_fp16_training_steps_match_cpu(dev):
+    torch.manual_seed(7)  # the same inputs whatever ran before in this process
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
     params = []
     for device in ("cpu", dev):
@@ -64,8 +65,12 @@ def test_grad_scaler_fp16_training_steps_match_cpu(dev):
             scaler.step(opt)
             scaler.update()
         params.append([p.detach().cpu() for p in model.parameters()] + [torch.tensor(scaler.get_scale())])
+    # The cpu chip runs CPU's kernels: equal. A C-ABI chip's float16 convolution (sim, opencl)
+    # rounds otherwise than oneDNN's, so a weight gradient may differ by a float16 ulp, which
+    # the learning rate turns into up to ~1.2e-5 after three steps (seen over many inputs).
+    tol = 1e-5 if CHIP == "cpu" else 5e-5
     for got, ref in zip(params[1], params[0]):
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -232,6 +232,9 @@ def test_error_paths_do_not_leak():
 
 HOOK_SCRIPT = """
 import os, signal, time, torch, flagos
+# Python's own SIGINT handler even where the test runner was started with SIGINT ignored (a
+# background job of a non-interactive shell), which Python would otherwise keep
+signal.signal(signal.SIGINT, signal.default_int_handler)
 flagos.activate("{chip}")
 torch.manual_seed(0)
 MODEL = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
