@@ -66,7 +66,8 @@ core = Extension(
 sim = Extension(
     "flagos.adapters.libflagos_sim_adapter",
     sources=["backends/sim/sim.c", "backends/sim/kernels.c"],
-    include_dirs=["csrc/include", "backends/sim"] + [d for d in [find_uthash()] if d != "/usr/include"],
+    depends=["backends/sim/sim_internal.h", "backends/kernel_table.h"],
+    include_dirs=["csrc/include", "backends", "backends/sim"] + [d for d in [find_uthash()] if d != "/usr/include"],
     extra_compile_args=["-std=c11", *WARNINGS, *san_compile],
     extra_link_args=["-lpthread", "-lm", *san_link],
 )
@@ -110,8 +111,9 @@ opencl = Extension(
     "flagos.adapters.libflagos_opencl_adapter",
     sources=["backends/opencl/opencl.c", "backends/opencl/memory.c",
              "backends/opencl/program.c", "backends/opencl/kernels.c"],
-    depends=["backends/opencl/kernels.cl", "backends/opencl/opencl_internal.h"],
-    include_dirs=["csrc/include", "backends/opencl", OPENCL_GENERATED]
+    depends=["backends/opencl/kernels.cl", "backends/opencl/opencl_internal.h",
+             "backends/kernel_table.h"],
+    include_dirs=["csrc/include", "backends", "backends/opencl", OPENCL_GENERATED]
     + [d for d in [find_uthash()] if d != "/usr/include"],
     extra_compile_args=["-std=c11", *WARNINGS, *san_compile],
     extra_link_args=["-lOpenCL", *san_link],

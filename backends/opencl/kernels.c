@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_table.h"
 #include "opencl_internal.h"
 
 #define FLOAT_DTYPES                                                                        \
@@ -591,6 +592,32 @@ static int32_t safe_softmax_kernel(const flagos_kernel_args *args, flagos_status
 
 /* ---- layer norm ---------------------------------------------------------------- */
 
+/* Both norm kernels take y, mean, rstd, x, weight, bias (an absent one bound to another buffer,
+   with its has_* flag 0), then their shape arguments, has_w, has_b and eps in the ACC type. */
+static int32_t launch_norm(const flagos_kernel_args *args, int32_t dtype, int which,
+                           const view *in, const view *out, const arg_list *shapes,
+                           size_t global, flagos_status *status)
+{
+    cl_mem mean = out[1].mem, rstd = out[2].mem, y = mem_or(&out[0], mean);
+    cl_mem x = mem_or(&in[0], y), w = mem_or(&in[1], y), b = mem_or(&in[2], y);
+    cl_int has_w = in[1].ndim != -1 && in[1].mem != NULL;
+    cl_int has_b = in[2].ndim != -1 && in[2].mem != NULL;
+    acc_value eps;
+    arg_list list = {0};
+    arg(&list, sizeof(cl_mem), &y);
+    arg(&list, sizeof(cl_mem), &mean);
+    arg(&list, sizeof(cl_mem), &rstd);
+    arg(&list, sizeof(cl_mem), &x);
+    arg(&list, sizeof(cl_mem), &w);
+    arg(&list, sizeof(cl_mem), &b);
+    for (cl_uint i = 0; i < shapes->n; i++)
+        arg(&list, shapes->items[i].size, shapes->items[i].value);
+    arg(&list, sizeof has_w, &has_w);
+    arg(&list, sizeof has_b, &has_b);
+    acc_arg(&list, dtype, &eps, args->scalars[0]);
+    return launch(args->device, dtype, which, &list, 1, &global, status);
+}
+
 /* weight or bias: exactly the normalized shape; its strides go to operand `k` of norm. */
 static int place_param(const view *p, const view *x, int32_t axis, nd *norm, int k)
 {
@@ -651,25 +678,10 @@ static int32_t layer_norm_kernel(const flagos_kernel_args *args, flagos_status *
         return unsupported(status, sig.op, "weight or bias is not of the normalized shape");
     if (rows.n == 0 || out[1].mem == NULL)
         return ocl_ok(status);
-    cl_mem y = out[0].mem != NULL ? out[0].mem : out[1].mem, mean = out[1].mem,
-           rstd = out[2].mem, xm = mem_or(x, y), w = mem_or(&in[1], y), b = mem_or(&in[2], y);
-    cl_int has_w = in[1].ndim != -1 && in[1].mem != NULL;
-    cl_int has_b = in[2].ndim != -1 && in[2].mem != NULL;
-    acc_value eps;
-    arg_list list = {0};
-    arg(&list, sizeof(cl_mem), &y);
-    arg(&list, sizeof(cl_mem), &mean);
-    arg(&list, sizeof(cl_mem), &rstd);
-    arg(&list, sizeof(cl_mem), &xm);
-    arg(&list, sizeof(cl_mem), &w);
-    arg(&list, sizeof(cl_mem), &b);
-    arg(&list, sizeof rows, &rows);
-    arg(&list, sizeof norm, &norm);
-    arg(&list, sizeof has_w, &has_w);
-    arg(&list, sizeof has_b, &has_b);
-    acc_arg(&list, dtype, &eps, args->scalars[0]);
-    size_t global = items_for(rows.n);
-    return launch(args->device, dtype, K_LAYER_NORM, &list, 1, &global, status);
+    arg_list shapes = {0};
+    arg(&shapes, sizeof rows, &rows);
+    arg(&shapes, sizeof norm, &norm);
+    return launch_norm(args, dtype, K_LAYER_NORM, in, out, &shapes, items_for(rows.n), status);
 }
 
 /* ---- convolution ---------------------------------------------------------------- */
@@ -766,23 +778,10 @@ static int32_t group_norm_kernel(const flagos_kernel_args *args, flagos_status *
         dims_of(b, s.b);
     if (out[1].numel == 0)
         return ocl_ok(status);
-    cl_mem mean = out[1].mem, rstd = out[2].mem, y = mem_or(&out[0], mean), xm = mem_or(x, y),
-           wm = mem_or(w, y), bm = mem_or(b, y);
-    cl_int has_w = w->ndim == 1 && w->mem != NULL, has_b = b->ndim == 1 && b->mem != NULL;
-    acc_value eps;
-    arg_list list = {0};
-    arg(&list, sizeof(cl_mem), &y);
-    arg(&list, sizeof(cl_mem), &mean);
-    arg(&list, sizeof(cl_mem), &rstd);
-    arg(&list, sizeof(cl_mem), &xm);
-    arg(&list, sizeof(cl_mem), &wm);
-    arg(&list, sizeof(cl_mem), &bm);
-    arg(&list, sizeof s, &s);
-    arg(&list, sizeof has_w, &has_w);
-    arg(&list, sizeof has_b, &has_b);
-    acc_arg(&list, dtype, &eps, args->scalars[0]);
-    size_t global = items_for(s.n * s.group);
-    return launch(args->device, dtype, K_GROUP_NORM, &list, 1, &global, status);
+    arg_list shapes = {0};
+    arg(&shapes, sizeof s, &s);
+    return launch_norm(args, dtype, K_GROUP_NORM, in, out, &shapes, items_for(s.n * s.group),
+                       status);
 }
 
 /* ---- nearest upsampling ------------------------------------------------------------- */
@@ -978,35 +977,6 @@ static int32_t cat_kernel(const flagos_kernel_args *args, flagos_status *status)
 
 /* ---- the table ----------------------------------------------------------------- */
 
-const flagos_kernel ocl_kernels[] = {
-    {"aten::add.Tensor", add_tensor_kernel, FLOAT_DTYPES},
-    {"aten::sub.Tensor", sub_tensor_kernel, FLOAT_DTYPES},
-    {"aten::mul.Tensor", mul_tensor_kernel, FLOAT_DTYPES},
-    {"aten::div.Tensor", div_tensor_kernel, FLOAT_DTYPES},
-    {"aten::add.Scalar", add_scalar_kernel, FLOAT_DTYPES},
-    {"aten::sub.Scalar", sub_scalar_kernel, FLOAT_DTYPES},
-    {"aten::mul.Scalar", mul_scalar_kernel, FLOAT_DTYPES},
-    {"aten::div.Scalar", div_scalar_kernel, FLOAT_DTYPES},
-    {"aten::neg", neg_kernel, FLOAT_DTYPES},
-    {"aten::relu", relu_kernel, FLOAT_DTYPES},
-    {"aten::silu", silu_kernel, FLOAT_DTYPES},
-    {"aten::sigmoid", sigmoid_kernel, FLOAT_DTYPES},
-    {"aten::tanh", tanh_kernel, FLOAT_DTYPES},
-    {"aten::exp", exp_kernel, FLOAT_DTYPES},
-    {"aten::gelu", gelu_kernel, FLOAT_DTYPES},
-    {"aten::mm", mm_kernel, FLOAT_DTYPES},
-    {"aten::bmm", bmm_kernel, FLOAT_DTYPES},
-    {"aten::addmm", addmm_kernel, FLOAT_DTYPES},
-    {"aten::sum.dim_IntList", sum_kernel, FLOAT_DTYPES},
-    {"aten::mean.dim", mean_kernel, FLOAT_DTYPES},
-    {"aten::_softmax", softmax_kernel, FLOAT_DTYPES},
-    {"aten::_safe_softmax", safe_softmax_kernel, FLOAT_DTYPES},
-    {"aten::native_layer_norm", layer_norm_kernel, FLOAT_DTYPES},
-    {"aten::convolution", convolution_kernel, FLOAT_DTYPES},
-    {"aten::native_group_norm", group_norm_kernel, FLOAT_DTYPES},
-    {"aten::upsample_nearest2d", upsample_nearest2d_kernel, FLOAT_DTYPES},
-    {"aten::embedding", embedding_kernel, FLOAT_DTYPES},
-    {"aten::cat", cat_kernel, FLOAT_DTYPES},
-};
+const flagos_kernel ocl_kernels[] = {REFERENCE_KERNELS(KERNEL_TABLE_ROW)};
 
 const int32_t ocl_n_kernels = (int32_t)(sizeof ocl_kernels / sizeof ocl_kernels[0]);

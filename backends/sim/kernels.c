@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_table.h"
 #include "sim_internal.h"
 
 #define FLOAT_DTYPES                                                                        \
@@ -1389,35 +1390,6 @@ static int32_t cat_kernel(const flagos_kernel_args *args, flagos_status *status)
 
 /* ---- the table ----------------------------------------------------------- */
 
-const flagos_kernel sim_kernels[] = {
-    {"aten::add.Tensor", add_tensor_kernel, FLOAT_DTYPES},
-    {"aten::sub.Tensor", sub_tensor_kernel, FLOAT_DTYPES},
-    {"aten::mul.Tensor", mul_tensor_kernel, FLOAT_DTYPES},
-    {"aten::div.Tensor", div_tensor_kernel, FLOAT_DTYPES},
-    {"aten::add.Scalar", add_scalar_kernel, FLOAT_DTYPES},
-    {"aten::sub.Scalar", sub_scalar_kernel, FLOAT_DTYPES},
-    {"aten::mul.Scalar", mul_scalar_kernel, FLOAT_DTYPES},
-    {"aten::div.Scalar", div_scalar_kernel, FLOAT_DTYPES},
-    {"aten::neg", neg_kernel, FLOAT_DTYPES},
-    {"aten::relu", relu_kernel, FLOAT_DTYPES},
-    {"aten::silu", silu_kernel, FLOAT_DTYPES},
-    {"aten::sigmoid", sigmoid_kernel, FLOAT_DTYPES},
-    {"aten::tanh", tanh_kernel, FLOAT_DTYPES},
-    {"aten::exp", exp_kernel, FLOAT_DTYPES},
-    {"aten::gelu", gelu_kernel, FLOAT_DTYPES},
-    {"aten::mm", mm_kernel, FLOAT_DTYPES},
-    {"aten::bmm", bmm_kernel, FLOAT_DTYPES},
-    {"aten::addmm", addmm_kernel, FLOAT_DTYPES},
-    {"aten::sum.dim_IntList", sum_kernel, FLOAT_DTYPES},
-    {"aten::mean.dim", mean_kernel, FLOAT_DTYPES},
-    {"aten::_softmax", softmax_kernel, FLOAT_DTYPES},
-    {"aten::_safe_softmax", safe_softmax_kernel, FLOAT_DTYPES},
-    {"aten::native_layer_norm", layer_norm_kernel, FLOAT_DTYPES},
-    {"aten::convolution", convolution_kernel, FLOAT_DTYPES},
-    {"aten::native_group_norm", group_norm_kernel, FLOAT_DTYPES},
-    {"aten::upsample_nearest2d", upsample_nearest2d_kernel, FLOAT_DTYPES},
-    {"aten::embedding", embedding_kernel, FLOAT_DTYPES},
-    {"aten::cat", cat_kernel, FLOAT_DTYPES},
-};
+const flagos_kernel sim_kernels[] = {REFERENCE_KERNELS(KERNEL_TABLE_ROW)};
 
 const int32_t sim_n_kernels = (int32_t)(sizeof sim_kernels / sizeof sim_kernels[0]);
