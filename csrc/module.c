@@ -107,13 +107,40 @@ static PyObject *fl_dispatch_factory(PyObject *module, PyObject *args, PyObject 
 
 /* The floor of the mechanism, for benchmarks/dispatch_overhead.py: a wrapper subclass whose
  * __torch_dispatch__ is this function (cls, func, types, args, kwargs) unwraps the top-level
- * `_payload` of arguments of type cls, calls func._op, and wraps a single tensor output with
- * _make_wrapper_subclass (on the payload's device); other outputs are returned as they are.
- * No table, no routes, no checks: what any C-dispatched wrapper pays. */
+ * `_payload` of arguments of type cls, calls func._op, and wraps each tensor output (one, or
+ * each item of a tuple: layer_norm's three) with _make_wrapper_subclass on the payload's
+ * device; other outputs are returned as they are. No table, no routes, no checks: what any
+ * C-dispatched wrapper pays. */
+static PyObject *make_wrapper, *wrapper_kwnames; /* kept for the process */
+
+/* A new reference: `out` wrapped in cls when it is a tensor, else `out` itself. */
+static PyObject *floor_wrap(PyObject *cls, PyObject *out)
+{
+    if (!PyObject_HasAttr(out, fl_names.storage_offset))
+        return Py_NewRef(out);
+    PyObject *shape = PyObject_GetAttr(out, fl_names.shape);
+    PyObject *stride = shape ? PyObject_CallMethodNoArgs(out, fl_names.stride) : NULL;
+    PyObject *offset = stride ? PyObject_CallMethodNoArgs(out, fl_names.storage_offset) : NULL;
+    PyObject *dtype = offset ? PyObject_GetAttr(out, fl_names.dtype) : NULL;
+    PyObject *device = dtype ? PyObject_GetAttr(out, fl_names.device) : NULL;
+    PyObject *w = NULL;
+    if (device != NULL) {
+        PyObject *wargv[6] = {cls, shape, stride, offset, dtype, device};
+        w = PyObject_Vectorcall(make_wrapper, wargv, 2, wrapper_kwnames);
+        if (w != NULL && PyObject_SetAttr(w, fl_names.payload, out) < 0)
+            Py_CLEAR(w);
+    }
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(offset);
+    Py_XDECREF(dtype);
+    Py_XDECREF(device);
+    return w;
+}
+
 static PyObject *fl_floor_dispatch(PyObject *module, PyObject *const *argv, Py_ssize_t argc)
 {
     (void)module;
-    static PyObject *make_wrapper, *kwnames; /* kept for the process */
     if (argc < 4 || !PyType_Check(argv[0]) || !PyTuple_Check(argv[3]) ||
         (argc > 4 && argv[4] != Py_None && !PyDict_Check(argv[4]))) {
         PyErr_SetString(PyExc_TypeError, "floor_dispatch(cls, func, types, args, kwargs=None)");
@@ -132,7 +159,7 @@ static PyObject *fl_floor_dispatch(PyObject *module, PyObject *const *argv, Py_s
             return NULL;
         }
         make_wrapper = mw;
-        kwnames = names;
+        wrapper_kwnames = names;
     }
     PyObject *cls = argv[0], *args = argv[3];
     PyObject *kwargs = argc > 4 && argv[4] != Py_None ? argv[4] : NULL;
@@ -159,28 +186,22 @@ static PyObject *fl_floor_dispatch(PyObject *module, PyObject *const *argv, Py_s
     PyObject *out = PyObject_Call(fn, uargs, kwargs);
     Py_DECREF(fn);
     Py_DECREF(uargs);
-    if (out == NULL || PyTuple_Check(out) || PyList_Check(out) || out == Py_None ||
-        !PyObject_HasAttr(out, fl_names.storage_offset))
-        return out;
-    PyObject *shape = PyObject_GetAttr(out, fl_names.shape);
-    PyObject *stride = shape ? PyObject_CallMethodNoArgs(out, fl_names.stride) : NULL;
-    PyObject *offset = stride ? PyObject_CallMethodNoArgs(out, fl_names.storage_offset) : NULL;
-    PyObject *dtype = offset ? PyObject_GetAttr(out, fl_names.dtype) : NULL;
-    PyObject *device = dtype ? PyObject_GetAttr(out, fl_names.device) : NULL;
-    PyObject *w = NULL;
-    if (device != NULL) {
-        PyObject *wargv[6] = {cls, shape, stride, offset, dtype, device};
-        w = PyObject_Vectorcall(make_wrapper, wargv, 2, kwnames);
-        if (w != NULL && PyObject_SetAttr(w, fl_names.payload, out) < 0)
-            Py_CLEAR(w);
+    if (out == NULL || !PyTuple_Check(out)) {
+        PyObject *w = out != NULL ? floor_wrap(cls, out) : NULL;
+        Py_XDECREF(out);
+        return w;
     }
-    Py_XDECREF(shape);
-    Py_XDECREF(stride);
-    Py_XDECREF(offset);
-    Py_XDECREF(dtype);
-    Py_XDECREF(device);
+    Py_ssize_t m = PyTuple_GET_SIZE(out);
+    PyObject *wrapped = PyTuple_New(m);
+    for (Py_ssize_t i = 0; wrapped != NULL && i < m; i++) {
+        PyObject *w = floor_wrap(cls, PyTuple_GET_ITEM(out, i));
+        if (w == NULL)
+            Py_CLEAR(wrapped);
+        else
+            PyTuple_SET_ITEM(wrapped, i, w);
+    }
     Py_DECREF(out);
-    return w;
+    return wrapped;
 }
 
 /* ---- configuration ---------------------------------------------------- */
@@ -388,7 +409,7 @@ static PyMethodDef fl_methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "PrivateUse1 fallback: route an op that reached the flagos key without flagos tensors."},
     {"floor_dispatch", (PyCFunction)(void (*)(void))fl_floor_dispatch, METH_FASTCALL,
-     "Benchmark floor: a __torch_dispatch__ that unwraps, calls and wraps one output."},
+     "Benchmark floor: a __torch_dispatch__ that unwraps, calls and wraps each tensor output."},
     {"configure", (PyCFunction)(void (*)(void))fl_configure, METH_VARARGS | METH_KEYWORDS,
      "Set the active chip's configuration; clears the dispatch table."},
     {"deconfigure", fl_deconfigure, METH_NOARGS, "Refuse new calls and clear the table."},

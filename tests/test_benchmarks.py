@@ -62,3 +62,25 @@ def test_run_all_tables_and_plots_the_compile_piece(tmp_path):
     written = run_all.plots(run, str(tmp_path))
     assert [os.path.basename(p) for p in written] == ["models.png"]
     assert (tmp_path / "models.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_floor_wrapper_computes_what_the_cpu_does():
+    """The floor beside the per-op figure must run the op and wrap every tensor it returns:
+    layer_norm's three outputs, one output, a non-tensor result."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import dispatch_overhead
+    finally:
+        sys.path.pop(0)
+    torch = dispatch_overhead.torch
+    x = torch.randn(4, 8)
+    wrapped = dispatch_overhead.floor_tensor(x)
+    out, mean, rstd = torch.ops.aten.native_layer_norm(wrapped, [8], None, None, 1e-5)
+    expected = torch.ops.aten.native_layer_norm(x, [8], None, None, 1e-5)
+    for got, want in zip((out, mean, rstd), expected):
+        assert type(got) is dispatch_overhead.FloorTensor
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got._payload, want)
+    total = wrapped.sum()
+    assert type(total) is dispatch_overhead.FloorTensor and torch.equal(total._payload, x.sum())
+    assert wrapped.dim() == 2 and torch.ops.aten.sym_size.int(wrapped, 1) == 8
