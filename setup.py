@@ -1,4 +1,5 @@
 """Build of the C extension flagos._C (metadata lives in pyproject.toml)."""
+import glob
 import os
 import shutil
 import subprocess
@@ -55,6 +56,8 @@ core = Extension(
              "csrc/adapter_checks.c",
              "csrc/adapter_memory.c", "csrc/adapter_streams.c", "csrc/adapter_kernels.c",
              "csrc/adapter_fast.c", "csrc/adapter_fallback.c", "csrc/guard.c"],
+    # a changed header rebuilds every unit (they share its structs)
+    depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/include/flagos/*.h")),
     include_dirs=["csrc", "csrc/include"] + [d for d in [find_uthash()] if d != "/usr/include"],
     # The units share flagos_* functions with each other; only PyInit__C leaves the library.
     extra_compile_args=["-std=c11", "-fvisibility=hidden", *WARNINGS, *san_compile],

@@ -13,6 +13,11 @@ pays, measured in the same run: a trivial wrapper subclass whose `__torch_dispat
 (layer_norm's aten op has three); no table, routes or checks. Its per-op figure is printed
 beside flagos's; its median is taken over the one-output ops, as flagos's "same ops" figure,
 and the layer_norm / add ratio is printed for both, since three wrappers cost the floor too.
+
+On a C-ABI chip (sim, opencl) the time inside the adapter's kernels is counted by the adapter
+object (`Adapter.kernel_times()`) and printed apart, per op call ("kernel µs"), with the
+overhead less that time: the cost of the path to the kernel, not of sim's plain C loops. On an
+asynchronous chip the kernel's own time is its launch; the queue's work is in the flagos time.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from _timing import add_json_option, machine, median_us, write_json  # noqa: E40
 
 import flagos  # noqa: E402
 from flagos import _C  # noqa: E402
+from flagos.chips.adapter import AdapterChip  # noqa: E402
+from flagos.core import _state  # noqa: E402
 
 OPS = {
     "add": lambda a, b: a + b,
@@ -72,6 +79,18 @@ REALISTIC = {
 }
 
 
+def kernel_clock(chip):
+    """Seconds spent inside the adapter's kernels so far (0 on a chip without an adapter)."""
+    if not isinstance(chip, AdapterChip) or not hasattr(chip.adapter, "kernel_times"):
+        return lambda: 0.0
+    return lambda: sum(seconds for _, _, seconds in chip.adapter.kernel_times())
+
+
+def timed_calls(number: int, repeat: int) -> int:
+    """The calls median_us makes: its warm-up and `repeat` runs of `number`."""
+    return max(number // 10, 3) + number * repeat
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chip", default="cpu")
@@ -96,8 +115,12 @@ def main() -> None:
     dev = flagos.device()
     sync = getattr(torch, dev.type).synchronize  # torch.flagos (device mode) or the chip's module
     on_chip = tuple(t.to(dev) for t in base)
-    routed = {name: median_us(lambda f=f: f(*on_chip), args.number, args.repeat, sync)
-              for name, f in OPS.items()}
+    kernel_seconds = kernel_clock(_state.active().chip)
+    routed, kernel = {}, {}
+    for name, f in OPS.items():
+        before = kernel_seconds()
+        routed[name] = median_us(lambda f=f: f(*on_chip), args.number, args.repeat, sync)
+        kernel[name] = (kernel_seconds() - before) * 1e6 / timed_calls(args.number, args.repeat)
     real = {}
     for name, (inputs, f) in REALISTIC.items():
         moved = tuple(t.to(dev) for t in inputs)
@@ -110,14 +133,21 @@ def main() -> None:
 
     print(f"machine: {machine()}")
     print(f"chip {info['chip']}, {info['mode']} mode; 8x8 float32; median of {args.repeat} x {args.number} calls")
+    has_kernels = any(kernel.values())
     print(f"{'op':<12}{'native µs':>11}{'flagos µs':>11}{'overhead µs':>13}{'ratio':>8}"
-          + (f"{'floor over µs':>15}" if floor else ""))
+          + (f"{'floor over µs':>15}" if floor else "")
+          + (f"{'kernel µs':>11}{'overhead - kernel':>19}" if has_kernels else ""))
     for name in OPS:
         n, f = native[name], routed[name]
         fl = f"{floor[name] - n:>15.2f}" if name in floor else ("" if not floor else f"{'-':>15}")
-        print(f"{name:<12}{n:>11.2f}{f:>11.2f}{f - n:>13.2f}{f / n:>8.2f}{fl}")
+        k = f"{kernel[name]:>11.2f}{f - n - kernel[name]:>19.2f}" if has_kernels else ""
+        print(f"{name:<12}{n:>11.2f}{f:>11.2f}{f - n:>13.2f}{f / n:>8.2f}{fl}{k}")
     over = sorted(routed[k] - native[k] for k in OPS)
     print(f"median overhead per op: {over[len(over) // 2]:.2f} µs")
+    if has_kernels:
+        path = sorted(routed[k] - native[k] - kernel[k] for k in OPS)
+        print(f"median overhead less the time inside the adapter's kernels: "
+              f"{path[len(path) // 2]:.2f} µs")
     if floor:
         low = sorted(floor[k] - native[k] for k in FLOOR_OPS)
         same = sorted(routed[k] - native[k] for k in FLOOR_OPS)
@@ -134,8 +164,11 @@ def main() -> None:
     write_json(args.json, "dispatch_overhead", {
         "chip": info["chip"], "mode": info["mode"], "number": args.number, "repeat": args.repeat,
         "small_ops": {name: {"native_us": native[name], "flagos_us": routed[name],
-                             "floor_us": floor.get(name)} for name in OPS},
+                             "floor_us": floor.get(name), "kernel_us": kernel[name]}
+                      for name in OPS},
         "median_overhead_us": over[len(over) // 2],
+        "median_overhead_less_kernel_us": sorted(routed[k] - native[k] - kernel[k]
+                                                 for k in OPS)[len(OPS) // 2],
         "floor_median_overhead_us": (sorted(floor[k] - native[k] for k in FLOOR_OPS)[len(FLOOR_OPS) // 2]
                                      if floor else None),
         "realistic_ops": {name: {"native_us": n, "flagos_us": f} for name, (n, f) in real.items()},

@@ -19,9 +19,9 @@
 #include "adapter_fallback.h"
 
 #include <string.h>
-#include <time.h>
 
 #include "adapter_fast.h"
+#include "clock.h"
 #include "adapter_internal.h"
 #include "fallback.h"
 #include "payload.h"
@@ -61,13 +61,6 @@ static int init_names(void)
     }
     names.strided = strided;
     return 0;
-}
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 /* One buffer's host region: bytes [b0, b1) of the buffer, in `data` at `ptr`. */
@@ -643,7 +636,7 @@ int flagos_adapter_fallback(flagos_state *st, op_entry *e, PyObject *args, PyObj
     if (flagos_adapter_check(c->adapter, c->adapter->api->synchronize(c->device, &sync_status),
                              "synchronize", c->device, &sync_status) < 0)
         goto done;
-    uint64_t t0 = now_ns(), to_host_bytes = 0, to_device_bytes = 0;
+    uint64_t t0 = flagos_now_ns(), to_host_bytes = 0, to_device_bytes = 0;
     if (download(c, &to_host_bytes) < 0 || host_views(c) < 0 || (hargs = to_host(c, args)) == NULL)
         goto done;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) > 0) {
@@ -674,7 +667,7 @@ int flagos_adapter_fallback(flagos_state *st, op_entry *e, PyObject *args, PyObj
         goto done;
     e->bytes_to_host += to_host_bytes;
     e->bytes_to_device += to_device_bytes;
-    e->fallback_ns += now_ns() - t0;
+    e->fallback_ns += flagos_now_ns() - t0;
     *out = res;
     res = NULL;
     rc = 1;

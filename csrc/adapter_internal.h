@@ -21,6 +21,9 @@ typedef struct {
     const flagos_adapter *api;  /* the adapter's static table */
     int has_streams;            /* it fills the ABI 1.1 stream/event entries */
     PyObject *path;
+    /* per kernel-table row: calls and nanoseconds inside the kernel function (for an
+     * asynchronous chip, its launch), owned by the object */
+    uint64_t *kernel_calls, *kernel_ns;
 } AdapterObject;
 
 typedef struct {
@@ -113,6 +116,8 @@ PyObject *flagos_adapter_event_elapsed_ms(AdapterObject *self, PyObject *args);
 int flagos_adapter_call_kernel(AdapterObject *self, int index, const flagos_kernel_args *ka,
                                flagos_status *st);
 PyObject *flagos_adapter_kernels(AdapterObject *self, PyObject *arg);
+/* [(op, calls, seconds)]: the calls that ran and the time inside the kernel function */
+PyObject *flagos_adapter_kernel_times(AdapterObject *self, PyObject *arg);
 PyObject *flagos_adapter_run_kernel(AdapterObject *self, PyObject *args);
 
 #endif

@@ -5,6 +5,8 @@
 #include "adapter_internal.h"
 
 #include <stdio.h>
+
+#include "clock.h"
 #include <string.h>
 
 PyObject *flagos_adapter_kernels(AdapterObject *self, PyObject *Py_UNUSED(arg))
@@ -21,6 +23,21 @@ PyObject *flagos_adapter_kernels(AdapterObject *self, PyObject *Py_UNUSED(arg))
             return NULL;
         }
         Py_DECREF(item);
+    }
+    return out;
+}
+
+PyObject *flagos_adapter_kernel_times(AdapterObject *self, PyObject *Py_UNUSED(arg))
+{
+    PyObject *out = PyList_New(self->api->n_kernels);
+    for (int32_t i = 0; out != NULL && i < self->api->n_kernels; i++) {
+        PyObject *item = Py_BuildValue("(sKd)", self->api->kernels[i].op,
+                                       (unsigned long long)self->kernel_calls[i],
+                                       (double)self->kernel_ns[i] * 1e-9);
+        if (item == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, item);
     }
     return out;
 }
@@ -93,7 +110,12 @@ int flagos_adapter_call_kernel(AdapterObject *self, int index, const flagos_kern
                                flagos_status *st)
 {
     const flagos_kernel *k = &self->api->kernels[index];
+    uint64_t t0 = flagos_now_ns();
     int32_t rc = k->fn(ka, st);
+    if (rc == 0) { /* the time of calls that ran: a declined call is the fallback's */
+        self->kernel_ns[index] += flagos_now_ns() - t0;
+        self->kernel_calls[index]++;
+    }
     if (rc == FLAGOS_STATUS_UNSUPPORTED) {
         st->message[sizeof(st->message) - 1] = '\0';
         return 1;

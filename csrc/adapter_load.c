@@ -40,6 +40,7 @@ static void adapter_dealloc(AdapterObject *self)
     if (self->library != NULL)
         dlclose(self->library);
     Py_XDECREF(self->path);
+    PyMem_Free(self->kernel_calls);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -127,6 +128,8 @@ static PyMethodDef adapter_methods[] = {
     {"error_name", (PyCFunction)adapter_error_name, METH_O, "error_name(code) -> str"},
     {"kernels", (PyCFunction)flagos_adapter_kernels, METH_NOARGS,
      "[(op, dtype mask)] in table order"},
+    {"kernel_times", (PyCFunction)flagos_adapter_kernel_times, METH_NOARGS,
+     "[(op, calls, seconds inside the kernel)] in table order, since the library was loaded"},
     {"alloc", (PyCFunction)flagos_adapter_alloc, METH_VARARGS, "alloc(device, nbytes) -> Buffer"},
     {"alloc_tensor", (PyCFunction)flagos_adapter_alloc_tensor, METH_VARARGS,
      "alloc_tensor(device, sizes, strides | None, itemsize) -> Buffer, the layout checked first"},
@@ -316,7 +319,13 @@ PyObject *flagos_load_adapter(PyObject *Py_UNUSED(module), PyObject *path_obj)
         goto done;
     }
     AdapterObject *a = PyObject_New(AdapterObject, &Adapter_Type);
-    if (a == NULL) {
+    /* one block: calls in its first half, nanoseconds in its second */
+    uint64_t *kernel_stats = PyMem_Calloc(2 * (size_t)api->n_kernels + 1, sizeof(uint64_t));
+    if (a == NULL || kernel_stats == NULL) {
+        if (a != NULL)
+            PyObject_Free(a);
+        PyMem_Free(kernel_stats);
+        PyErr_NoMemory();
         if (api->shutdown)
             api->shutdown();
         dlclose(lib);
@@ -326,6 +335,8 @@ PyObject *flagos_load_adapter(PyObject *Py_UNUSED(module), PyObject *path_obj)
     a->api = api;
     a->has_streams = has_streams;
     a->path = Py_NewRef(path);
+    a->kernel_calls = kernel_stats;
+    a->kernel_ns = kernel_stats + api->n_kernels;
     for (int i = 0; i < MAX_ADAPTERS; i++) {
         if (open_adapters[i] == NULL) {
             open_adapters[i] = a;

@@ -7,17 +7,10 @@
  */
 #include "fallback.h" /* first: Python.h sets the feature macros */
 
+#include "clock.h"
 #include "payload.h"
 #include "staging.h"
 
-#include <time.h>
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 /* Arguments of one call whose host copies can live in staging buffers; the rest get their own. */
 #define MAX_STAGED 16
@@ -262,7 +255,7 @@ static PyObject *results_to_chip(copy_ctx *c, PyObject *out, int target)
 PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyObject *kwargs,
                               PyObject *target_obj)
 {
-    uint64_t t0 = now_ns();
+    uint64_t t0 = flagos_now_ns();
     int target = (int)PyLong_AsLong(target_obj);
     /* Host copies may be staging buffers only when every result is copied out of them: not
      * when the op's host results are handed back as they are (.cpu()). */
@@ -313,6 +306,6 @@ done:
     Py_XDECREF(out);
     for (int i = 0; i < c.n_staged; i++) /* their host views are gone with hargs and out */
         flagos_staging_give(c.staged[i]);
-    e->fallback_ns += now_ns() - t0;
+    e->fallback_ns += flagos_now_ns() - t0;
     return res;
 }

@@ -125,7 +125,7 @@ TESTS: dict[str, list[Run]] = {
     "csrc/adapter_checks.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
     "csrc/adapter_memory.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
     "csrc/adapter_streams.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
-    "csrc/adapter_kernels.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
+    "csrc/adapter_kernels.c": [cpu(LOADER, ADAPTERS, KERNEL_CHECKS), sim(SIM_TESTS, STREAMS)],
     "csrc/adapter_fast.c": [cpu(T + "sim_fast_path.py"), sim(KERNELS)],
     "csrc/adapter_fallback.c": [cpu(T + "sim_fallback_c.py"), sim(COUNTERS, POLICY, T + "fallback_staging.py")],
     # ---- the emulated accelerator ----

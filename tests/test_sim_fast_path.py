@@ -401,3 +401,23 @@ def test_allocation_failures_of_the_new_cases():
     # the host round trip (csrc/adapter_fallback.c) took it
     assert "IN-PLACE [[2.0, 2.0], [2.0, 2.0]] 0 1" in proc.stdout, proc.stdout
     assert "AGAIN [[3.0, 3.0], [3.0, 3.0]]" in proc.stdout
+
+
+def test_the_adapter_counts_kernel_calls_from_both_paths_and_none_for_a_fallback():
+    proc = run_sim("""
+        import torch, flagos
+        from flagos.core import _state
+        adapter = _state.active().chip.adapter
+        def calls(op):
+            return next(c for name, c, _ in adapter.kernel_times() if name == op)
+        a, b = torch.randn(4, 4).to("flagos"), torch.randn(4, 4).to("flagos")
+        add0, gelu0 = calls("aten::add.Tensor"), calls("aten::gelu")
+        a + b                                          # the C hot path
+        torch.nn.functional.gelu(a, approximate="tanh")  # the Python runner's kernel call
+        assert calls("aten::add.Tensor") == add0 + 1 and calls("aten::gelu") == gelu0 + 1
+        flagos.set_route("aten::add.Tensor", "fallback")
+        torch.testing.assert_close((a + b).cpu(), a.cpu() + b.cpu())
+        assert calls("aten::add.Tensor") == add0 + 1   # the host ran it
+        print("COUNTED")
+    """)
+    assert "COUNTED" in proc.stdout

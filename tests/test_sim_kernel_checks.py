@@ -132,3 +132,21 @@ def test_cat_refuses_sizes_that_do_not_add_up(sim_adapter):
         run(sim_adapter, "aten::cat", [(2, 3), (3, 4)], [(2, 7)], ints=(1,))
     with pytest.raises(DeviceError, match="dim 2 out of range"):
         run(sim_adapter, "aten::cat", [(2, 3), (2, 4)], [(2, 7)], ints=(2,))
+
+
+def times(adapter):
+    return {op: (calls, seconds) for op, calls, seconds in adapter.kernel_times()}
+
+
+def test_kernel_times_count_the_calls_that_ran_and_their_time(sim_adapter):
+    assert [op for op, _, _ in sim_adapter.kernel_times()] == [op for op, _ in sim_adapter.kernels()]
+    before = times(sim_adapter)
+    run(sim_adapter, "aten::mm", [(2, 3), (3, 4)], [(2, 4)])
+    run(sim_adapter, "aten::mm", [(2, 3), (3, 4)], [(2, 4)])
+    with pytest.raises(DeviceError, match="inner dims differ"):  # failed: not a run
+        run(sim_adapter, "aten::mm", [(2, 3), (4, 4)], [(2, 4)])
+    after = times(sim_adapter)
+    assert after["aten::mm"][0] == before["aten::mm"][0] + 2
+    assert after["aten::mm"][1] > before["aten::mm"][1]
+    assert {op: v for op, v in after.items() if op != "aten::mm"} == \
+        {op: v for op, v in before.items() if op != "aten::mm"}
