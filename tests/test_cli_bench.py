@@ -10,7 +10,7 @@ import pytest
 from conftest import CHIP, device_mode_only
 
 import flagos.tools
-from flagos.tools import _models
+from flagos.tools import _bench, _models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,6 +62,12 @@ def test_bench_against_plain_torch(tmp_path):
         assert fallback["ops"] == ["aten::gelu"]
         assert (fallback["calls"], fallback["fallback_calls"]) == (5 * 8, 5)
         assert fallback["call_share"] == pytest.approx(1 / 8) and 0 < fallback["time_share"] <= 1
+    # the time inside sim's kernels (7 of the 8 ops a step): a share of sim's time only
+    assert native["kernel_time_share"] is None and cpu["kernel_time_share"] is None
+    assert 0 < sim["kernel_time_share"] < 1
+    table = _bench.format_results(data).splitlines()
+    assert "kernel time" in table[2]
+    assert table[-1].split()[-2] == f"{100 * sim['kernel_time_share']:.1f}%"
     # sim's weights stay on the device while it is measured; the cpu chip's memory is the
     # host's, not tracked, and not reported as 0
     assert sim["peak_memory_bytes"] >= _param_bytes("mlp") and cpu["peak_memory_bytes"] is None

@@ -7,7 +7,10 @@ MODEL is a built-in workload (mlp, cnn, bert, unet, ddpm: small configs, seeded 
 or `path.py:function` returning (model, inputs). The chip `torch-cpu` is plain PyTorch on the CPU
 without flagos, the native reference; the ratio column divides each chip's median latency by the
 first chip's. Warm-up iterations are timed apart from the measured ones; the device is
-synchronized after every iteration. Exit codes: 0 every chip ran, 1 a chip failed, 2 usage.
+synchronized after every iteration. On a C-ABI chip (sim, opencl) the "kernel time" column is
+the share of the measured time spent inside the adapter's kernels (for an asynchronous chip,
+their launches): the rest is flagos's path, the fallbacks and the host's Python. Exit codes: 0
+every chip ran, 1 a chip failed, 2 usage.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import torch
 
 import flagos
 
+from ..chips.adapter import AdapterChip
+from ..core import _state
 from . import _childrun, _models
 from ._common import format_bytes, format_table, non_negative_int, positive_int, write_json
 
@@ -84,6 +89,14 @@ def _compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _kernel_seconds() -> float | None:
+    """Seconds inside the active adapter's kernels so far; None on a chip without an adapter."""
+    state = _state.active_or_none()
+    if state is None or not isinstance(state.chip, AdapterChip):
+        return None
+    return sum(seconds for _, _, seconds in state.chip.adapter.kernel_times())
+
+
 def measure(chip: str, model: str, batch: int, warmup: int, iters: int, dtype: str,
             seed: int, progress: str = "never", compile: bool = False) -> dict:
     """Run one chip's measurement (in the process where flagos is active on `chip`)."""
@@ -113,16 +126,20 @@ def measure(chip: str, model: str, batch: int, warmup: int, iters: int, dtype: s
         _childrun.reset_peak_memory(chip)
         if on_flagos:
             flagos.reset_report()
+        kernels_before = _kernel_seconds() if on_flagos else None
         latencies = []
         for i in range(iters):
             latencies.append(step())
             bar.update(warmup + i + 1)
+        kernel_seconds = None if kernels_before is None else _kernel_seconds() - kernels_before
     bar.close()
     result = {"chip": name, "device": str(device), "mode": _childrun.mode(chip),
               "warmup_ms": warm, "latencies_ms": latencies,
               "peak_memory_bytes": _childrun.peak_memory(chip), "fallback": None,
               # graphs Dynamo compiled in this process: the proof the run was compiled
-              "compiled_graphs": _compiled_graphs() if compile else None}
+              "compiled_graphs": _compiled_graphs() if compile else None,
+              "kernel_time_share": (None if kernel_seconds is None
+                                    else min(1.0, kernel_seconds / (sum(latencies) / 1e3)))}
     if on_flagos:
         report = flagos.fallback_report()
         calls, fallback_calls = report.calls(), report.calls("fallback")
@@ -209,7 +226,8 @@ def _share(row, key) -> str:
 
 def format_results(data: dict) -> str:
     headers = ["chip", "min ms", "p50 ms", "p90 ms", "p99 ms", "mean ms", "std ms", "samples/s",
-               "peak mem", "fallback calls", "fallback time", f"ratio vs {data['base']}"]
+               "peak mem", "fallback calls", "fallback time", "kernel time",
+               f"ratio vs {data['base']}"]
     rows, errors = [], []
     for r in data["results"]:
         if "error" in r:
@@ -220,6 +238,8 @@ def format_results(data: dict) -> str:
                                    ("min_ms", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "std_ms")]
                     + [f"{r['throughput_per_s']:.1f}", format_bytes(r["peak_memory_bytes"]),
                        _share(r, "call_share"), _share(r, "time_share"),
+                       "-" if r.get("kernel_time_share") is None
+                       else f"{100 * r['kernel_time_share']:.1f}%",
                        "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"])
     compiled = ", torch.compile" if data.get("compile") else ""
     head = (f"bench {data['model']}{compiled}: batch {data['batch']}, {data['dtype']}, "
