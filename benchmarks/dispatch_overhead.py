@@ -28,10 +28,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _floor import floor_available, floor_tensor  # noqa: E402
 from _timing import add_json_option, machine, median_us, write_json  # noqa: E402
 
 import flagos  # noqa: E402
-from flagos import _C  # noqa: E402
 from flagos.chips.adapter import AdapterChip  # noqa: E402
 from flagos.core import _state  # noqa: E402
 
@@ -49,21 +49,6 @@ OPS = {
 
 # ops whose aten call has one tensor output (layer_norm's has three): the medians beside the floor
 FLOOR_OPS = [name for name in OPS if name != "layer_norm"]
-
-
-class FloorTensor(torch.Tensor):
-    """The floor: a wrapper whose __torch_dispatch__ is C, unwrap + call + rewrap each output."""
-    __torch_function__ = torch._C._disabled_torch_function_impl
-    # a flagos build from before the floor entry has none: the floor line is then left out
-    __torch_dispatch__ = classmethod(getattr(_C, "floor_dispatch", lambda *a: NotImplemented))
-
-
-def floor_tensor(t: torch.Tensor) -> torch.Tensor:
-    w = torch.Tensor._make_wrapper_subclass(FloorTensor, t.shape, strides=t.stride(),
-                                            storage_offset=t.storage_offset(), dtype=t.dtype,
-                                            device=t.device)
-    w._payload = t
-    return w
 
 
 F = torch.nn.functional
@@ -106,7 +91,7 @@ def main() -> None:
     base = torch.randn(8, 8), torch.randn(8, 8)
     native = {name: median_us(lambda f=f: f(*base), args.number, args.repeat) for name, f in OPS.items()}
     floor = {}
-    if args.floor and hasattr(_C, "floor_dispatch"):
+    if args.floor and floor_available():
         wrapped = tuple(floor_tensor(t) for t in base)
         floor = {name: median_us(lambda f=f: f(*wrapped), args.number, args.repeat)
                  for name, f in OPS.items()}

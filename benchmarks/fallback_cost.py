@@ -9,6 +9,10 @@ the ideal; efficiency = ideal time / fallback time (1.0: the fallback costs no m
 copies and the op). The three are timed interleaved, one round after the other, so a load
 change on the machine hits all of them; min / median / max over the rounds are printed. Every
 figure is a ratio of positive times: nothing divides by a difference that could be <= 0.
+
+Beside it, the ceiling any tensor-subclass device layer has here: the same work by hand with the
+`neg` called through the floor (benchmarks/_floor.py, a trivial C-dispatch wrapper), so its
+dispatch cost is in; ceiling = ideal / that time. A fallback cannot beat it, whatever its copies.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _floor import floor_available, floor_tensor  # noqa: E402
 from _timing import add_json_option, machine, median_us, spread, write_json  # noqa: E402
 
 import flagos  # noqa: E402
@@ -39,8 +44,9 @@ def main() -> None:
     flagos.set_route("aten::neg", "fallback")
     print(f"machine: {machine()}")
     print(f"chip {info['chip']} ({info['mode']} mode); float32; {args.repeat} interleaved rounds")
+    with_floor = floor_available()
     print(f"{'size':<8}{'copy MB/s':>11}{'ideal µs':>10}{'fallback µs':>13}"
-          f"{'efficiency min / median / max':>32}")
+          f"{'efficiency min / median / max':>32}" + (f"{'ceiling':>9}" if with_floor else ""))
     figures = {}
     for label, n in SIZES.items():
         number = max(3, 2_000_000 // n)
@@ -51,25 +57,37 @@ def main() -> None:
             staged.copy_(src)
             result.copy_(torch.neg(staged))
 
-        copies, ideal, fallback = [], [], []
+        floor_staged = floor_tensor(staged)
+
+        def through_floor(src=src, staged=staged, result=result, wrapped=floor_staged):
+            staged.copy_(src)
+            result.copy_(torch.neg(wrapped)._payload)
+
+        copies, ideal, fallback, floor = [], [], [], []
         flagos.reset_report()
         for _ in range(args.repeat):
             copies.append(median_us(lambda s=src, d=staged: d.copy_(s), number, 1))
             ideal.append(median_us(by_hand, number, 1))
             fallback.append(median_us(lambda t=on_chip: torch.neg(t), number, 1))
+            if with_floor:
+                floor.append(median_us(through_floor, number, 1))
         row = flagos.fallback_report().op("aten::neg")
         calls = row["calls"]["fallback"]
         moved = (row["bytes_to_host"] + row["bytes_to_device"]) / calls  # bytes per call
         efficiency = spread([i / f for i, f in zip(ideal, fallback)])
         copy_mbs = src.nbytes / spread(copies)["median"]
+        ceiling = spread([i / f for i, f in zip(ideal, floor)]) if floor else None
         figures[label] = {"bytes": src.nbytes, "bytes_moved_per_call": moved,
                           "host_copy_mb_s": copy_mbs, "ideal_us": spread(ideal),
-                          "fallback_us": spread(fallback), "efficiency": efficiency}
+                          "fallback_us": spread(fallback), "efficiency": efficiency,
+                          "floor_us": spread(floor) if floor else None, "ceiling": ceiling}
         print(f"{label:<8}{copy_mbs:>11.0f}{spread(ideal)['median']:>10.1f}"
               f"{spread(fallback)['median']:>13.1f}"
-              f"{efficiency['min']:>12.2f} / {efficiency['median']:.2f} / {efficiency['max']:.2f}")
+              f"{efficiency['min']:>12.2f} / {efficiency['median']:.2f} / {efficiency['max']:.2f}"
+              + (f"{ceiling['median']:>9.2f}" if ceiling else ""))
     print("ideal = host copy_ in + neg + copy_ out into existing tensors; efficiency = ideal / "
-          "fallback time, per round")
+          "fallback time, per round" + ("; ceiling = ideal / the same with neg dispatched "
+                                        "through the floor (median)" if with_floor else ""))
     write_json(args.json, "fallback_cost", {"chip": info["chip"], "mode": info["mode"],
                                             "repeat": args.repeat, "sizes": figures})
 

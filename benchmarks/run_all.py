@@ -151,9 +151,12 @@ def markdown(run: dict) -> str:
             r = e["data"]["results"]
             for size, v in r["sizes"].items():
                 eff = v["efficiency"]
+                ceiling = v.get("ceiling")
                 rows.append([r["chip"], size, f"{v['host_copy_mb_s']:.0f}", f"{v['fallback_us']['median']:.1f}",
-                             f"{eff['min']:.2f} / {eff['median']:.2f} / {eff['max']:.2f}"])
-        lines += _table(["chip", "size", "host copy MB/s", "fallback µs", "efficiency min / median / max"], rows) + [""]
+                             f"{eff['min']:.2f} / {eff['median']:.2f} / {eff['max']:.2f}",
+                             "-" if ceiling is None else f"{ceiling['median']:.2f}"])
+        lines += _table(["chip", "size", "host copy MB/s", "fallback µs", "efficiency min / median / max",
+                         "ceiling (the floor's)"], rows) + [""]
     benches = [e for e in ok if e["label"].startswith("bench")]
     if benches:
         lines += ["### flagos bench (p50 ms; ratio vs plain PyTorch)", ""]

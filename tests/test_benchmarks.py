@@ -26,8 +26,9 @@ def test_run_all_writes_json_table_and_plots(tmp_path):
     for figures in sizes.values():
         # one float32 tensor to the host and its result back, every call
         assert figures["bytes_moved_per_call"] == 2 * figures["bytes"]
-        eff = figures["efficiency"]
+        eff, ceiling = figures["efficiency"], figures["ceiling"]
         assert 0 < eff["min"] <= eff["median"] <= eff["max"]
+        assert 0 < ceiling["min"] <= ceiling["median"] <= ceiling["max"]
     table = (tmp_path / "results.md").read_text()
     assert "| sim | 16 MiB |" in table and "### redirect_overhead" in table
     assert (tmp_path / "fallback.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -69,18 +70,18 @@ def test_the_floor_wrapper_computes_what_the_cpu_does():
     layer_norm's three outputs, one output, a non-tensor result."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
-        import dispatch_overhead
+        import _floor
     finally:
         sys.path.pop(0)
-    torch = dispatch_overhead.torch
+    torch = _floor.torch
     x = torch.randn(4, 8)
-    wrapped = dispatch_overhead.floor_tensor(x)
+    wrapped = _floor.floor_tensor(x)
     out, mean, rstd = torch.ops.aten.native_layer_norm(wrapped, [8], None, None, 1e-5)
     expected = torch.ops.aten.native_layer_norm(x, [8], None, None, 1e-5)
     for got, want in zip((out, mean, rstd), expected):
-        assert type(got) is dispatch_overhead.FloorTensor
+        assert type(got) is _floor.FloorTensor
         assert got.shape == want.shape and got.stride() == want.stride()
         assert torch.equal(got._payload, want)
     total = wrapped.sum()
-    assert type(total) is dispatch_overhead.FloorTensor and torch.equal(total._payload, x.sum())
+    assert type(total) is _floor.FloorTensor and torch.equal(total._payload, x.sum())
     assert wrapped.dim() == 2 and torch.ops.aten.sym_size.int(wrapped, 1) == 8
