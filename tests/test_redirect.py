@@ -461,6 +461,24 @@ torch.save({"losses": torch.tensor(losses), "weight": model.classifier.weight.de
             "ids": ids.cpu()}, sys.argv[1])
 """
 
+# A checkpoint saved and loaded straight onto the device, as a CUDA user loads one from the hub
+LOAD_SCRIPT = """
+import sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+LlamaForCausalLM(config).save_pretrained(sys.argv[1] + ".model")
+model = LlamaForCausalLM.from_pretrained(sys.argv[1] + ".model", device_map="cuda")
+ids = torch.tensor([[1, 5, 9, 3]], device="cuda")
+tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+with torch.no_grad():
+    logits = model(ids).logits
+torch.save({"tokens": tokens.cpu(), "logits": logits.cpu()}, sys.argv[1])
+"""
+
 
 def _as_cpu_script(script: str) -> str:
     """The plain-CPU version of a CUDA script: "cuda" -> "cpu" (torch.cpu has no seeding
@@ -482,10 +500,10 @@ def _run(script: str, out: str, env: dict) -> dict:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("script", ["ddpm", "train"])
+@pytest.mark.parametrize("script", ["ddpm", "train", "load"])
 def test_cuda_script_runs_unchanged(tmp_path, script):
-    text = {"ddpm": DDPM_SCRIPT, "train": TRAIN_SCRIPT}[script]
-    assert 'to("cuda")' in text or ".cuda()" in text
+    text = {"ddpm": DDPM_SCRIPT, "train": TRAIN_SCRIPT, "load": LOAD_SCRIPT}[script]
+    assert 'to("cuda")' in text or ".cuda()" in text or 'device_map="cuda"' in text
     got = _run(text, str(tmp_path / "script_chip"), {"FLAGOS_DEVICE": CHIP, "FLAGOS_REDIRECT_CUDA": "1"})
     want = _run(_as_cpu_script(text), str(tmp_path / "script_cpu"), {})
     assert got.keys() == want.keys()

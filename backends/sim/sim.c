@@ -31,7 +31,9 @@
 
 #define SIM_MAX_DEVICES 16
 #define SIM_DEFAULT_DEVICES 2
-#define SIM_DEFAULT_MEMORY (1024ull * 1024 * 1024)
+/* A pool the size of a small real card: the memory is the host's, allocated on demand, and
+ * libraries size their work by it (transformers' allocator warm-up asks for total - 1.2 GiB). */
+#define SIM_DEFAULT_MEMORY (4ull * 1024 * 1024 * 1024)
 
 typedef struct sim_allocation {
     flagos_buffer handle; /* key */
