@@ -85,3 +85,26 @@ def test_the_floor_wrapper_computes_what_the_cpu_does():
     total = wrapped.sum()
     assert type(total) is _floor.FloorTensor and torch.equal(total._payload, x.sum())
     assert wrapped.dim() == 2 and torch.ops.aten.sym_size.int(wrapped, 1) == 8
+
+
+def test_run_all_takes_the_chips_and_tables_the_kernel_share(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import run_all
+    finally:
+        sys.path.pop(0)
+    labels = [label for _, label, _ in run_all._jobs(True, False, ("cpu", "opencl"))]
+    assert "dispatch_overhead opencl" in labels and "fallback_cost opencl" in labels
+    assert not any("sim" in label for label in labels)
+    bench = next(cmd for piece, _, cmd in run_all._jobs(True, False, ("cpu", "opencl")) if piece == "bench")
+    assert bench[bench.index("--chips") + 1] == "torch-cpu,cpu,opencl"
+    rows = [{"chip": "torch-cpu", "requested": "torch-cpu", "p50_ms": 2.0, "ratio": 1.0, "kernel_time_share": None},
+            {"chip": "opencl", "requested": "opencl", "p50_ms": 5.0, "ratio": 2.5, "kernel_time_share": 0.6}]
+    run = {"environment": {"utc": "now", "machine": "here", "load_average": [1.0, 1.0, 1.0]},
+           "runs": [{"label": "bench unet", "data": {"results": rows}}]}
+    table = run_all.markdown(run)
+    assert "| model | torch-cpu | opencl |" in table
+    assert "| unet | 2.00 (1.00x) | 5.00 (2.50x; kernels 60%) |" in table
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--chips", "torch-cpu",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--chips takes flagos chips" in proc.stderr
