@@ -97,3 +97,30 @@ def test_auto_moves_past_an_adapter_whose_init_fails(tmp_path):
     """, env={"FLAGOS_ADAPTER_PATH": str(tmp_path)})
     assert "CHIP cpu" in proc.stdout and "SUM 6.0" in proc.stdout
     assert "chip noinit skipped" in proc.stderr and "no card in slot 3" in proc.stderr
+
+
+def test_an_adapter_is_shut_down_once_when_its_object_goes(tmp_path):
+    """One Adapter object per library, however often it is loaded; when it goes, the adapter's
+    shutdown() runs once (a chip's contexts and memory are released with it)."""
+    shutdown = ('#include <stdio.h>\n'
+                'static void toy_shutdown(void)\n{\n'
+                '    const char *path = getenv("TOY_SHUTDOWN_LOG");\n'
+                '    FILE *f = path != NULL ? fopen(path, "a") : NULL;\n'
+                '    if (f != NULL) {\n        fputs("shutdown\\n", f);\n        fclose(f);\n    }\n}\n')
+    source = variant("    .synchronize = toy_synchronize,\n",
+                     "    .synchronize = toy_synchronize,\n    .shutdown = toy_shutdown,\n")
+    source = source.replace("static const flagos_kernel toy_kernels[]",
+                            shutdown + "static const flagos_kernel toy_kernels[]")
+    lib = build(tmp_path, "bye", source)
+    log = tmp_path / "shutdown.log"
+    proc = run_python(f"""
+        import gc, os
+        from flagos import _C
+        first = _C.load_adapter({str(lib)!r})
+        assert _C.load_adapter({str(lib)!r}) is first
+        assert not os.path.exists({str(log)!r})
+        del first
+        gc.collect()
+        print("LOG", open({str(log)!r}).read().split())
+    """, env={"TOY_SHUTDOWN_LOG": str(log)})
+    assert "LOG ['shutdown']" in proc.stdout

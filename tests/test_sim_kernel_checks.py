@@ -150,3 +150,13 @@ def test_kernel_times_count_the_calls_that_ran_and_their_time(sim_adapter):
     assert after["aten::mm"][1] > before["aten::mm"][1]
     assert {op: v for op, v in after.items() if op != "aten::mm"} == \
         {op: v for op, v in before.items() if op != "aten::mm"}
+
+
+@pytest.mark.parametrize("field", ["scalars", "ints"])
+def test_run_kernel_passes_up_to_16_scalars_and_ints_to_the_adapter(sim_adapter, field):
+    """16 reach the adapter (sim names the count it got); 17 never leave flagos."""
+    with pytest.raises(DeviceError, match=r"expected 1 inputs, 1 outputs, 0 scalars and 0 ints; "
+                                          r"got 1, 1, (16 and 0|0 and 16)"):
+        run(sim_adapter, "aten::neg", [(2,)], [(2,)], **{field: (0,) * 16})
+    with pytest.raises(ValueError, match="at most 16 scalars and ints"):
+        run(sim_adapter, "aten::neg", [(2,)], [(2,)], **{field: (0,) * 17})
