@@ -115,7 +115,7 @@ MUTATIONS = [
       "    if (out == NULL && route == ROUTE_OVERRIDE && 0 &&\n        PyErr_ExceptionMatches(PyExc_NotImplementedError)) {",
       cpu(POLICY, k="override_declining")),
     M("fallback_time_unmeasured", "the fallback's wall time is not measured (torch-native chips)",
-      FALLBACK, "    e->fallback_ns += now_ns() - t0;", "    e->fallback_ns += 0 * (now_ns() - t0);",
+      FALLBACK, "    e->fallback_ns += flagos_now_ns() - t0;", "    e->fallback_ns += 0 * (flagos_now_ns() - t0);",
       cpu(COUNTERS, k="fallback_time")),
     M("written_bytes_uncounted", "bytes copied back for written arguments are not counted",
       FALLBACK, "        if (same == 1 && add_bytes(host, &c->e->bytes_to_device) == 0)",
@@ -170,8 +170,8 @@ MUTATIONS = [
       "        PyObject *orig = flagos_argument_value",
       cpu(COUNTERS, k="batch_norm")),
     M("fallback_time_unmeasured_sim", "C-ABI chips: the fallback's wall time is not counted",
-      "csrc/adapter_fallback.c", "    e->fallback_ns += now_ns() - t0;",
-      "    e->fallback_ns += 0 * (now_ns() - t0);", sim(COUNTERS, k="fallback_time")),
+      "csrc/adapter_fallback.c", "    e->fallback_ns += flagos_now_ns() - t0;",
+      "    e->fallback_ns += 0 * (flagos_now_ns() - t0);", sim(COUNTERS, k="fallback_time")),
     M("route_env_ignored", "FLAGOS_ROUTE in the environment is ignored", "flagos/core/_routes.py",
       '    _forced.update(parse_route_spec(_env.get("FLAGOS_ROUTE")))',
       '    parse_route_spec(_env.get("FLAGOS_ROUTE"))',
@@ -352,6 +352,15 @@ MUTATIONS = [
     M("cpu_chip_any_index", "the cpu chip's own index check accepts flagos:1", "flagos/chips/cpu.py",
       "        if index != 0:", "        if index == 0:",
       cpu("tests/test_device_module.py", k="index_itself")),
+    # survivors of the C pass (scripts/mutation_c.py), 2026-12-03
+    M("adapter_never_shut_down", "an Adapter object that goes never calls the adapter's shutdown()",
+      "csrc/adapter_load.c", "    if (self->api != NULL && self->api->shutdown != NULL)\n        self->api->shutdown();",
+      "    if (0)\n        self->api->shutdown();",
+      cpu("tests/test_adapter_loader.py", k="shut_down")),
+    M("run_kernel_refuses_16_values", "run_kernel refuses 16 scalars, the most the ABI call takes",
+      "csrc/adapter_kernels.c", "    if (ns > MAX_KERNEL_VALUES || ni > MAX_KERNEL_VALUES) {",
+      "    if (ns >= MAX_KERNEL_VALUES || ni > MAX_KERNEL_VALUES) {",
+      cpu("tests/test_sim_kernel_checks.py", k="up_to_16")),
 ]
 
 
