@@ -160,3 +160,17 @@ def test_run_kernel_passes_up_to_16_scalars_and_ints_to_the_adapter(sim_adapter,
         run(sim_adapter, "aten::neg", [(2,)], [(2,)], **{field: (0,) * 16})
     with pytest.raises(ValueError, match="at most 16 scalars and ints"):
         run(sim_adapter, "aten::neg", [(2,)], [(2,)], **{field: (0,) * 17})
+
+
+def test_a_view_of_a_buffer_is_checked_against_it(sim_adapter):
+    """Buffer.check_view, the runner's bound on a view it makes of a buffer: PyTorch's errors
+    for a negative offset and for a view past the end; a view inside passes."""
+    buf = sim_adapter.alloc_tensor(0, (4, 4), None, 4)   # 64 bytes
+    assert buf.check_view((4, 4), (4, 1), 0, 4) is None
+    assert buf.check_view((2, 2), (1, 4), 10, 4) is None  # the last element is the 16th
+    with pytest.raises(RuntimeError, match="invalid storage offset -1"):
+        buf.check_view((2,), (1,), -1, 4)
+    with pytest.raises(RuntimeError, match=r"setStorage: sizes \[2, 2\], strides \[1, 4\], storage "
+                                           r"offset 11, and itemsize 4 requiring a storage size of "
+                                           r"68 are out of bounds for storage of size 64"):
+        buf.check_view((2, 2), (1, 4), 11, 4)
