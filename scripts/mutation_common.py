@@ -173,13 +173,14 @@ def run_selection(tree: str, runs: list[Run], timeout: float | None = None) -> O
 
 def baseline(work: str, tree: str, path: str, tree_print: str) -> float:
     """Seconds the selection of `path` takes on the unmutated tree; runs it (and exits when it
-    fails) unless it passed before on a tree with the same fingerprint."""
+    fails) unless the same selection passed before on a tree with the same fingerprint (files
+    that share a selection share its baseline)."""
     record = os.path.join(work, "baselines.json")
     known = load_json(record, {})
-    key = f"{path}@{tree_print}"
+    runs = tests_for(path)
+    key = f"{tuple(runs)!r}@{tree_print}"
     if key in known:
         return known[key]
-    runs = tests_for(path)
     print(f"baseline  {path}: " + "; ".join(r.label() for r in runs), flush=True)
     outcome = run_selection(tree, runs)
     if outcome.status != SURVIVED:
