@@ -44,7 +44,12 @@ def test_adapter_built_for_abi_1_0_loads_and_runs_synchronously(tmp_path):
     lib = build(tmp_path, "old", source)
     adapter = load(str(lib))
     assert adapter.abi == (1, 0) and adapter.has_streams is False
-    for call, args in (("stream_create", (0, 0)), ("stream_destroy", (0, 1)), ("event_query", (0, 1))):
+    for call, args in (("stream_create", (0, 0)), ("stream_destroy", (0, 1)), ("set_stream", (0, 1)),
+                       ("stream_synchronize", (0, 1)), ("stream_query", (0, 1)),
+                       ("stream_wait_event", (0, 1, 1)), ("event_create", (0, 0)),
+                       ("event_destroy", (0, 1)), ("event_record", (0, 1, 0)),
+                       ("event_synchronize", (0, 1)), ("event_query", (0, 1)),
+                       ("event_elapsed_ms", (0, 1, 2))):
         with pytest.raises(RuntimeError, match="chip adapter toy has no stream/event entries"):
             getattr(adapter, call)(*args)
     proc = run_python("""
@@ -124,3 +129,51 @@ def test_an_adapter_is_shut_down_once_when_its_object_goes(tmp_path):
         print("LOG", open({str(log)!r}).read().split())
     """, env={"TOY_SHUTDOWN_LOG": str(log)})
     assert "LOG ['shutdown']" in proc.stdout
+
+
+# Every stream/event entry of ABI 1.1; the two creates "succeed" without giving a handle.
+HANDLELESS = """
+static int32_t s_create(int32_t d, int32_t p, flagos_stream *s, flagos_status *st)
+{ (void)d; (void)p; (void)s; return ok(st); }
+static int32_t s_handle(int32_t d, flagos_stream s, flagos_status *st) { (void)d; (void)s; return ok(st); }
+static int32_t s_query(int32_t d, flagos_stream s, int32_t *done, flagos_status *st)
+{ (void)d; (void)s; *done = 1; return ok(st); }
+static int32_t s_wait(int32_t d, flagos_stream s, flagos_event e, flagos_status *st)
+{ (void)d; (void)s; (void)e; return ok(st); }
+static int32_t e_create(int32_t d, uint32_t f, flagos_event *e, flagos_status *st)
+{ (void)d; (void)f; (void)e; return ok(st); }
+static int32_t e_handle(int32_t d, flagos_event e, flagos_status *st) { (void)d; (void)e; return ok(st); }
+static int32_t e_record(int32_t d, flagos_event e, flagos_stream s, flagos_status *st)
+{ (void)d; (void)e; (void)s; return ok(st); }
+static int32_t e_query(int32_t d, flagos_event e, int32_t *done, flagos_status *st)
+{ (void)d; (void)e; *done = 1; return ok(st); }
+static int32_t e_elapsed(int32_t d, flagos_event a, flagos_event b, double *ms, flagos_status *st)
+{ (void)d; (void)a; (void)b; *ms = 0.0; return ok(st); }
+"""
+STREAM_ENTRIES = """    .stream_create = s_create,
+    .stream_destroy = s_handle,
+    .set_stream = s_handle,
+    .stream_synchronize = s_handle,
+    .stream_query = s_query,
+    .stream_wait_event = s_wait,
+    .event_create = e_create,
+    .event_destroy = e_handle,
+    .event_record = e_record,
+    .event_synchronize = e_handle,
+    .event_query = e_query,
+    .event_elapsed_ms = e_elapsed,
+"""
+
+
+def test_a_create_that_succeeds_without_a_handle_is_an_adapter_error(tmp_path):
+    source = variant("    .synchronize = toy_synchronize,\n",
+                     "    .synchronize = toy_synchronize,\n" + STREAM_ENTRIES)
+    source = source.replace("static const flagos_kernel toy_kernels[]",
+                            HANDLELESS + "static const flagos_kernel toy_kernels[]")
+    adapter = load(str(build(tmp_path, "nohandle", source)))
+    assert adapter.has_streams is True
+    for call in ("stream_create", "event_create"):
+        with pytest.raises(flagos.errors.AdapterError,
+                           match=rf"{call}\(\) on device 0 returned success and handle 0"):
+            getattr(adapter, call)(0, 0)
+    assert adapter.stream_query(0, 1) is True and adapter.event_elapsed_ms(0, 1, 2) == 0.0
