@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COPIED = ("setup.py", "pyproject.toml", "README.md", "csrc", "flagos", "backends", "tests", "docs",
-          "examples")
+COPIED = ("setup.py", "pyproject.toml", "README.md", "constraints.txt", "csrc", "flagos", "backends", "tests",
+          "docs", "examples", "scripts", "benchmarks")
 SIM_ALL = {"FLAGOS_SIM_DTYPES": "float32,float16,bfloat16"}
 
 
