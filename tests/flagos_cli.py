@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import selectors
 import subprocess
 import sys
 
@@ -15,8 +16,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def command_env(extra: dict | None = None) -> dict:
-    """The caller's environment without FLAGOS_* settings, with this checkout importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    """The caller's environment without FLAGOS_* settings, with this checkout importable, and
+    with Python's default buffering (no PYTHONUNBUFFERED): a command whose output is read as it
+    runs must flush it itself, as it must for a user who pipes it."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("FLAGOS_") and k != "PYTHONUNBUFFERED"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})
@@ -51,3 +55,13 @@ def run_workload() -> tuple[torch.nn.Module, int]:
         got = torch.softmax(model(x.to(flagos.device())), dim=-1).cpu()
     torch.testing.assert_close(got, expected, rtol=1.3e-6, atol=1e-5)
     return model, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def first_line(proc: subprocess.Popen, timeout: float = 120) -> str:
+    """The first line a running command prints, or an AssertionError after `timeout` seconds
+    (a line it never flushed must fail the test, not hang it)."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise AssertionError(f"no line from the command within {timeout} s (not flushed?)")
+    return proc.stdout.readline()

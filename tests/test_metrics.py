@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 from conftest import CHIP, device_mode_only
-from flagos_cli import command_env, run_workload
+from flagos_cli import command_env, first_line, run_workload
 from prometheus_client.parser import text_string_to_metric_families
 
 import flagos
@@ -108,7 +108,7 @@ def test_command_serves_every_device_until_terminated(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "flagos", "metrics", "--port", "0"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()
+        line = first_line(proc)
         assert line.startswith("flagos metrics: serving http://127.0.0.1:"), (line, proc.stderr.read())
         url = line.split()[3]
         metrics = scrape(url)
@@ -131,7 +131,7 @@ def test_the_command_stops_quietly_on_ctrl_c(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "flagos", "metrics", "--port", "0"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().startswith("flagos metrics: serving http://127.0.0.1:")
+        assert first_line(proc).startswith("flagos metrics: serving http://127.0.0.1:")
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
