@@ -144,6 +144,7 @@ def test_a_storage_on_flagos_is_refused_and_the_process_goes_on():
         x = torch.arange(6.0, device=flagos.device())
         attempts = {{
             "UntypedStorage": lambda: torch.UntypedStorage(16, device="flagos"),
+            "UntypedStorage on flagos:0": lambda: torch.UntypedStorage(16, device="flagos:0"),
             "UntypedStorage of a list": lambda: torch.UntypedStorage([1, 2], device=torch.device("flagos", 0)),
             "TypedStorage": lambda: torch.TypedStorage(4, dtype=torch.float32, device="flagos:0"),
             "storage.to": lambda: torch.UntypedStorage(8).to(device="flagos"),
