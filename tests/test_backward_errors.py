@@ -231,7 +231,7 @@ def test_error_paths_do_not_leak():
 # exception on both, and the clean step that follows must give CPU's gradients.
 
 HOOK_SCRIPT = """
-import os, signal, time, torch, flagos
+import os, signal, time, torch, traceback, flagos
 # Python's own SIGINT handler even where the test runner was started with SIGINT ignored (a
 # background job of a non-interactive shell), which Python would otherwise keep
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -268,6 +268,9 @@ def step(dev, entry):
         got = "no error"
     except BaseException as e:  # KeyboardInterrupt included
         got = type(e).__name__ + ": " + str(e)
+        # the traceback keeps the frame that raised, as on CPU
+        frames = {{f.name for f in traceback.extract_tb(e.__traceback__)}}
+        got += "".join(f" [raised in {{name}}]" for name in ("fail", "interrupt") if name in frames)
     for h in handles:
         h.remove()
     del out, loss
