@@ -179,6 +179,35 @@ def test_load_with_map_location_flagos_lands_on_the_device(dev):
     with pytest.raises(RuntimeError, match="Make a tensor instead"):
         torch.UntypedStorage(8).to(device="flagos")
 
+
+class _HoldsACheckpoint:
+    """Unpickled by loading a checkpoint of its own: a torch.load inside a torch.load."""
+
+    def __init__(self, blob: bytes):
+        self.blob = blob
+
+    def __reduce__(self):
+        return _load_inner, (self.blob,)
+
+
+def _load_inner(blob: bytes):
+    holder = _HoldsACheckpoint(blob)
+    holder.tensor = torch.load(io.BytesIO(blob), map_location="cpu")
+    holder.on_flagos = torch.load(io.BytesIO(blob), map_location="flagos")
+    return holder
+
+
+def test_a_load_inside_a_load_moves_what_each_asked_for(dev):
+    inner, outer = io.BytesIO(), io.BytesIO()
+    torch.save(torch.arange(3.0), inner)
+    torch.save({"holder": _HoldsACheckpoint(inner.getvalue()), "w": torch.ones(2)}, outer)
+    outer.seek(0)
+    out = torch.load(outer, map_location="flagos", weights_only=False)
+    assert out["w"].device == dev
+    assert out["holder"].tensor.device.type == "cpu" and out["holder"].on_flagos.device == dev
+    assert torch.equal(out["holder"].on_flagos.cpu(), torch.arange(3.0))
+
+
 def test_device_module(dev):
     m = torch.flagos
     count = len([d for d in flagos.list_devices() if d.chip == CHIP])
