@@ -56,6 +56,8 @@ def test_records_that_are_not_a_live_exporter_are_skipped_or_removed(runtime_dir
     (folder / "1.json").mkdir()                        # unreadable: skipped
     (folder / "2.json").write_text(json.dumps({"host": "h"}))  # no pid: no process's, removed
     (folder / "3.json").write_text(json.dumps([1, 2]))           # not a record: removed
+    (folder / "4.json").write_text(json.dumps({**mine, "pid": 0}))   # kill(0, 0) is a group: removed
+    (folder / "5.json").write_text(json.dumps({**mine, "pid": -7}))  # kill(-7, 0) is a group: removed
     (folder / f"{ended}.json").write_text(json.dumps({**mine, "pid": ended}))  # its process ended
     (folder / "0.json.tmp").write_text(json.dumps(mine))     # not a record's name (sorted before the live one)
     (folder / f"{os.getpid()}.json").write_text(json.dumps(mine))
@@ -74,3 +76,12 @@ def test_a_process_of_another_user_is_alive(monkeypatch):
         raise ProcessLookupError(3, "No such process")
     monkeypatch.setattr(os, "kill", gone)
     assert _exporters._alive(12345) is False
+
+
+def test_an_exporter_that_is_pid_1_is_listed(runtime_dir):
+    """In a container the program is often pid 1, and pid 1 is always alive."""
+    folder = runtime_dir / "exporters"
+    folder.mkdir()
+    init = {"pid": 1, "host": "127.0.0.1", "port": 9491, "url": "u", "chip": "cpu"}
+    (folder / "1.json").write_text(json.dumps(init))
+    assert _exporters.running() == [init]
