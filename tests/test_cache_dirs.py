@@ -210,6 +210,18 @@ def test_cli_clears_one_chip_then_all(cache_root):
     assert proc.returncode == 0 and "no flagos cache folders in" in proc.stdout
 
 
+def test_the_python_call_lists_and_removes_only_when_asked(cache_root, monkeypatch):
+    """flagos.tools.cache(): listing is the default; clear=True removes."""
+    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(cache_root))
+    listed = flagos.tools.cache()
+    assert sorted(r["chip"] for r in listed["folders"]) == ["cpu", "cuda", "sim"] and listed["removed"] == []
+    assert [r["chip"] for r in flagos.tools.cache(chip="sim")["folders"]] == ["sim"]
+    assert len(list(cache_root.iterdir())) == 4  # nothing removed
+    gone = flagos.tools.cache(clear=True, chip="sim")
+    assert [r["chip"] for r in gone["removed"]] == ["sim"] and gone["folders"] == []
+    assert len(list(cache_root.iterdir())) == 3
+
+
 def test_cli_refuses_an_unknown_chip(cache_root):
     proc = run_flagos("cache", "--clear", "--chip", "tpu", env={"FLAGOS_CACHE_DIR": str(cache_root)})
     assert proc.returncode == 2 and "unknown chip 'tpu'" in proc.stderr and "cuda" in proc.stderr
