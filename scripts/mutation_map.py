@@ -113,7 +113,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/tools/_smoke.py": [cpu(DIAGNOSE)],
     "flagos/tools/_top.py": [cpu(TOP)],
     # ---- the C router and loader ----
-    "csrc/module.c": [cpu(DEVICE, ROUTES, ERRORS), sim(DEVICE)],
+    "csrc/module.c": [cpu(DEVICE, ROUTES, ERRORS, NATIVE), sim(DEVICE)],
     "csrc/state.c": [cpu(DEVICE, ROUTES)],
     "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS), sim(ROUTES, POLICY, COUNTERS)],
     "csrc/payload.c": [cpu(ROUTES, POLICY, COUNTERS), sim(ROUTES, POLICY, COUNTERS)],

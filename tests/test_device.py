@@ -1,4 +1,5 @@
 """The flagos device behaves like any PyTorch device (device mode, cpu chip)."""
+import inspect
 import io
 import pathlib
 import re
@@ -206,6 +207,16 @@ def test_a_load_inside_a_load_moves_what_each_asked_for(dev):
     assert out["w"].device == dev
     assert out["holder"].tensor.device.type == "cpu" and out["holder"].on_flagos.device == dev
     assert torch.equal(out["holder"].on_flagos.cpu(), torch.arange(3.0))
+
+
+def test_torch_load_keeps_its_name_and_signature(dev):
+    """Libraries read torch.load's signature (transformers asks whether it takes
+    weights_only): the wrapper that lands checkpoints on flagos must not hide it."""
+    original = torch.load.__flagos_load__
+    assert torch.load is not original  # the wrapper is installed
+    assert torch.load.__name__ == "load" and torch.load.__doc__ == original.__doc__
+    assert inspect.signature(torch.load) == inspect.signature(original)
+    assert "weights_only" in inspect.signature(torch.load).parameters
 
 
 def test_device_module(dev):
