@@ -46,7 +46,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_attention.py": [cpu(MODELS, k="attention"), sim(MODELS, k="attention")],
     "flagos/runtime/_autocast.py": [cpu(AUTOCAST), sim(AUTOCAST)],
     "flagos/_autoload.py": [cpu(AUTOLOAD, CHIP_NAMES)],
-    "flagos/integrations/_backward_errors.py": [cpu(BACKWARD)],
+    "flagos/integrations/_backward_errors.py": [cpu(BACKWARD), cpu(MULTI, k="engine or backward"), sim(MULTI, k="engine or backward")],
     "flagos/integrations/_engine_exit.py": [cpu(BACKWARD, k="exit"), sim(BACKWARD, k="exit")],
     "flagos/integrations/_compile.py": [cpu(COMPILE)],
     "flagos/runtime/_device_module.py": [cpu(DEVICE, MULTI, T + "device_module.py"), sim(STREAMS)],
