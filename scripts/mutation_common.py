@@ -134,7 +134,8 @@ def run_selection(tree: str, runs: list[Run], timeout: float | None = None) -> O
     """Run each pytest run of a selection until one fails. Killed: a run exited non-zero (a
     failing test, a collection error from a broken import, a crashed process) other than
     pytest's 5 (nothing collected: the selection is wrong, reported as an error). Timeout: the
-    whole selection took longer than `timeout` seconds (the process group is killed)."""
+    whole selection took longer than `timeout` seconds. Each run is a process group of its own,
+    killed when the run ends, so no process a test started outlives it."""
     t0 = time.monotonic()
     detail = ""
     for run in runs:
@@ -157,6 +158,12 @@ def run_selection(tree: str, runs: list[Run], timeout: float | None = None) -> O
             except ProcessLookupError:
                 pass
             raise
+        # what the tests started and a mutant kept alive (a server that ignores its stop
+        # signal) goes with the run, not on spinning through the next mutants
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         lines = out.strip().splitlines()
         last = lines[-1] if lines else ""
         detail = f"{run.label()}: {last}"
