@@ -130,7 +130,7 @@ TESTS: dict[str, list[Run]] = {
     "csrc/adapter_fallback.c": [cpu(T + "sim_fallback_c.py"), sim(COUNTERS, POLICY, T + "fallback_staging.py")],
     # ---- the emulated accelerator ----
     "backends/sim/kernels.c": [sim(KERNELS), cpu(KERNEL_CHECKS)],
-    "backends/sim/sim.c": [sim(SIM_TESTS, SIM_FIDELITY, STREAMS, MULTI), cpu(ENV, k="sim")],
+    "backends/sim/sim.c": [sim(SIM_TESTS, SIM_FIDELITY, STREAMS, MULTI), cpu(ENV, k="sim"), cpu(KERNEL_CHECKS)],
     # ---- the OpenCL adapter (its kernels.cl, OpenCL C built at run time, is not mutated) ----
     "backends/opencl/kernels.c": [cpu(T + "opencl.py")],
     "backends/opencl/memory.c": [cpu(T + "opencl.py")],

@@ -174,3 +174,12 @@ def test_a_view_of_a_buffer_is_checked_against_it(sim_adapter):
                                            r"offset 11, and itemsize 4 requiring a storage size of "
                                            r"68 are out of bounds for storage of size 64"):
         buf.check_view((2, 2), (1, 4), 11, 4)
+
+
+def test_sim_refuses_to_destroy_the_default_stream(sim_adapter):
+    with pytest.raises(DeviceError, match="the default stream cannot be destroyed"):
+        sim_adapter.stream_destroy(0, 0)
+    stream = sim_adapter.stream_create(0, 0)
+    sim_adapter.stream_destroy(0, stream)
+    with pytest.raises(DeviceError, match=rf"stream {stream} is not a live stream of sim device 0"):
+        sim_adapter.stream_destroy(0, stream)
