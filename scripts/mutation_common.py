@@ -126,23 +126,45 @@ class Outcome:
 
 
 def pytest_command(run: Run) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *run.paths]
+    # one order for the baseline, the coverage pass and every mutant; the plugin narrows a run
+    # to the tests that reach a mutant (scripts/mutation_pytest/mutation_plugin.py)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+           "-p", "mutation_plugin", *run.paths]
     return cmd + (["-k", run.k] if run.k else [])
 
 
-def run_selection(tree: str, runs: list[Run], timeout: float | None = None) -> Outcome:
+def selection_env(tree: str, run: Run, only_file: str | None, extra_env: dict | None) -> dict:
+    env = test_env(tree, run)
+    env["PYTHONPATH"] = os.pathsep.join((tree, os.path.join(tree, "scripts", "mutation_pytest")))
+    if only_file:
+        env["MUTATION_ONLY_TESTS"] = only_file
+    env.update(extra_env or {})
+    return env
+
+
+def run_selection(tree: str, runs: list[Run], timeout: float | None = None,
+                  only: list[list[str] | None] | None = None, extra_env: dict | None = None) -> Outcome:
     """Run each pytest run of a selection until one fails. Killed: a run exited non-zero (a
     failing test, a collection error from a broken import, a crashed process) other than
     pytest's 5 (nothing collected: the selection is wrong, reported as an error). Timeout: the
     whole selection took longer than `timeout` seconds. Each run is a process group of its own,
-    killed when the run ends, so no process a test started outlives it."""
+    killed when the run ends, so no process a test started outlives it. `only[i]`, when given,
+    narrows run i to those node ids (an empty list skips it; None runs it whole)."""
     t0 = time.monotonic()
     detail = ""
-    for run in runs:
+    for index, run in enumerate(runs):
+        node_ids = only[index] if only is not None else None
+        if node_ids is not None and not node_ids:
+            continue
         left = None if timeout is None else max(1.0, timeout - (time.monotonic() - t0))
-        proc = subprocess.Popen(pytest_command(run), cwd=tree, env=test_env(tree, run), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=die_with_parent)
+        only_file = None
+        if node_ids:
+            only_file = os.path.join(tree, ".mutation-only-tests")
+            with open(only_file, "w") as f:
+                f.write("\n".join(node_ids) + "\n")
+        proc = subprocess.Popen(pytest_command(run), cwd=tree, env=selection_env(tree, run, only_file, extra_env),
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=die_with_parent)
         try:
             out, _ = proc.communicate(timeout=left)
         except subprocess.TimeoutExpired:
@@ -314,9 +336,12 @@ def mapped_files(kind: str, asked: list[str]) -> list[str] | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description="run the test selection of FILE on the tree in cwd")
     parser.add_argument("--run-tests", metavar="FILE", required=True)
+    parser.add_argument("--only", metavar="JSON",
+                        help="a JSON list, per run of the selection, of the node ids to run (null: all)")
     opts = parser.parse_args()
     die_with_parent()  # cosmic-ray starts this runner in a session of its own
-    outcome = run_selection(os.getcwd(), tests_for(opts.run_tests))
+    only = load_json(opts.only, None) if opts.only else None
+    outcome = run_selection(os.getcwd(), tests_for(opts.run_tests), only=only)
     print(f"{outcome.status}: {outcome.detail} ({outcome.seconds:.0f} s)")
     return {SURVIVED: 0, KILLED: 1}.get(outcome.status, 3)
 

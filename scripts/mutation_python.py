@@ -10,7 +10,9 @@ their results, so an interrupted run continues where it stopped; `cr-report` and
 read the same sessions. A session is made again (its results dropped) when its module's source
 changed. Mutants are applied in place in a scratch copy of the checkout (<work>/tree-python, see
 scripts/mutation_common.py), one at a time, and the module's selection runs against it with
-a timeout of max(--min-timeout, --timeout-factor x the selection's unmutated time).
+a timeout of max(--min-timeout, --timeout-factor x the selection's unmutated time). Each mutant
+runs first against the tests that reach its line (scripts/mutation_coverage.py), and only when
+it survives them, against the whole selection.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ except ImportError:
     sys.exit("cosmic-ray is not installed: run scripts/mutation_full.sh, which installs it")
 
 import mutation_common as common
+import mutation_coverage
+import mutation_reach
 from mutation_check import ROOT
 from mutation_map import source_files
 
@@ -132,17 +136,32 @@ def run_module(work: str, tree: str, module: str, opts, tree_print: str) -> None
         timeout = max(opts.min_timeout, opts.timeout_factor * secs)
         command = f"{shlex.quote(sys.executable)} {shlex.quote(os.path.join(ROOT, 'scripts', 'mutation_common.py'))}" \
                   f" --run-tests {shlex.quote(module)}"
+        reach = mutation_coverage.measure(work, tree, module, tree_print) if opts.narrow else None
+        with open(os.path.join(tree, module)) as f:
+            source = f.read()
+        only_path = os.path.join(work, "python", "only-tests.json")
         print(f"{module}: {len(todo)} mutants to run, timeout {timeout:.0f} s each", flush=True)
         for n, item in enumerate(todo, 1):
             t0 = time.monotonic()
-            result = mutate_and_test(item.mutations, command, timeout)
+            only = reach.selection(mutation_reach.statement_lines(source, item.mutations[0].start_pos[0])) \
+                if reach is not None else None
+            ran = "whole selection"
+            if only is not None:
+                common.save_json(only_path, only)
+                result = mutate_and_test(item.mutations, f"{command} --only {shlex.quote(only_path)}", timeout)
+                ran = f"{sum(len(ids or ()) for ids in only)} tests reaching it"
+                if classify(result) in (common.SURVIVED, common.ERROR):  # confirmed by the whole selection
+                    result = mutate_and_test(item.mutations, command, timeout)
+                    ran += ", then the whole selection"
+            else:
+                result = mutate_and_test(item.mutations, command, timeout)
             spent = time.monotonic() - t0
             db.set_result(item.job_id, result)
             meta = common.load_json(meta_path, {})
             meta.setdefault("seconds", {})[item.job_id] = round(spent, 1)
             common.save_json(meta_path, meta)
             status = classify(result)
-            print(f"  [{n}/{len(todo)}] {status:10} {spent:5.0f} s  {label(item)}", flush=True)
+            print(f"  [{n}/{len(todo)}] {status:10} {spent:5.0f} s  {label(item)}  ({ran})", flush=True)
             if status == common.ERROR:
                 print("    " + (result.output or "")[-600:].replace("\n", "\n    "), flush=True)
 
@@ -183,6 +202,9 @@ def main() -> int:
     parser.add_argument("--operators", choices=("reduced", "all"), default="reduced")
     parser.add_argument("--sample", type=int, default=0, metavar="N",
                         help="run N mutants per module picked by --seed (default: every mutant)")
+    parser.add_argument("--no-narrow", dest="narrow", action="store_false",
+                        help="run every mutant against its module's whole selection, not first against "
+                             "the tests that reach it (scripts/mutation_coverage.py)")
     parser.add_argument("--count", action="store_true",
                         help="make the sessions and print the mutants per module; run nothing")
     parser.add_argument("--survivors", action="store_true", help="print each surviving mutant's diff")

@@ -1,7 +1,9 @@
 """scripts/mutation_check.py's planted bugs stay plantable: each edit's original text is in its
 file exactly once, so a refactor that moves a line fails here, in every CI run, rather than in
-the next mutation check (which is not part of CI)."""
+the next mutation check (which is not part of CI). And the systematic pass's narrowing (scripts/mutation_reach.py, the
+pytest plugin of scripts/mutation_pytest/) never leaves out a test that reaches a mutant."""
 import os
+import subprocess
 import sys
 
 import pytest
@@ -10,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import mutation_check  # noqa: E402
 import mutation_map  # noqa: E402
+import mutation_reach  # noqa: E402
 
 
 @pytest.mark.parametrize("mutation", mutation_check.MUTATIONS, ids=lambda m: m.name)
@@ -30,3 +33,65 @@ def test_every_source_file_names_its_tests_for_mutation_testing():
     """scripts/mutation_full.sh and mutation_c.py stop on a file without a selection: a new module
     is given its tests in scripts/mutation_map.py when it lands, not when a pass meets it."""
     assert mutation_map.unmapped("python") == [] and mutation_map.unmapped("c") == []
+
+
+# ---- scripts/mutation_reach.py: a narrowed mutant run may never leave out a test that reaches it
+
+SOURCE = '''\
+import os
+
+LIMIT = 3
+
+
+@staticmethod
+def pick(values,
+         limit=LIMIT):
+    if (len(values) >
+            limit):
+        return values[:limit]
+    total = sum(v
+                for v in values)
+    return total
+'''
+
+
+@pytest.mark.parametrize("line, lines", [
+    (10, range(9, 11)),   # an `if` over two lines: its header, not its body
+    (9, range(9, 11)),
+    (11, range(11, 12)),  # a statement in the body
+    (13, range(12, 14)),  # the second line of a two-line statement: the whole statement
+    (7, range(7, 9)),     # a default value: the `def` header (it runs at import)
+    (6, range(6, 7)),     # a decorator: its own line
+    (3, range(3, 4)),
+])
+def test_statement_lines_cover_the_whole_statement_a_mutant_sits_in(line, lines):
+    assert mutation_reach.statement_lines(SOURCE, line) == lines
+
+
+def test_a_mutant_runs_the_tests_that_reached_its_statement_per_run():
+    reach = mutation_reach.CoverageMap(
+        tests=[["t.py::a", "t.py::b", "t.py::c"], ["s.py::x"]],
+        lines={5: {0: [0]}, 6: {0: [2]}, 7: {0: [1], 1: [0]}, 8: {0: [mutation_reach.OUTSIDE_TESTS, 1]}})
+    assert reach.selection(range(5, 7)) == [["t.py::a", "t.py::c"], []]  # run 1 never reached it: skipped
+    assert reach.selection(range(7, 8)) == [["t.py::b"], ["s.py::x"]]
+
+
+def test_a_line_run_outside_any_test_or_by_no_test_runs_the_whole_selection():
+    reach = mutation_reach.CoverageMap(tests=[["t.py::a"]], lines={8: {0: [mutation_reach.OUTSIDE_TESTS, 0]}})
+    assert reach.selection(range(7, 9)) is None   # at import: every test reaches it
+    assert reach.selection(range(20, 22)) is None  # no measured process ran it (a forked child, say)
+    assert mutation_reach.CoverageMap.from_json(reach.to_json()) == reach
+
+
+def test_the_plugin_runs_only_the_listed_tests(tmp_path):
+    (tmp_path / "test_two.py").write_text("def test_kept():\n    pass\n\ndef test_left_out():\n    assert False\n")
+    only = tmp_path / "only.txt"
+    only.write_text("test_two.py::test_kept\n")
+    env = dict(os.environ, MUTATION_ONLY_TESTS=str(only),
+               PYTHONPATH=os.path.join(ROOT, "scripts", "mutation_pytest"))
+    env.pop("MUTATION_COVERAGE_DIR", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           "-p", "mutation_plugin", "test_two.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 passed, 1 deselected" in proc.stdout
