@@ -84,6 +84,25 @@ def open_session(work: str, tree: str, module: str, operators: str) -> str:
     return db_path
 
 
+ANNOTATION = "equivalent: inside an annotation, which `from __future__ import annotations` never evaluates"
+
+
+def skip_annotation_mutants(db_path: str, tree: str, module: str) -> None:
+    """Mutants inside annotations are equivalent by construction (mutation_reach.annotation_spans):
+    set aside as skipped, with the reason, rather than run against the whole selection."""
+    with open(os.path.join(tree, module)) as f:
+        spans = mutation_reach.annotation_spans(f.read())
+    if not spans:
+        return
+    with use_db(db_path, WorkDB.Mode.open) as db:
+        results = dict(db.results)
+        inside = [item.job_id for item in db.work_items
+                  if mutation_reach.in_annotation(spans, item.mutations[0].start_pos)
+                  and (results.get(item.job_id) is None or results[item.job_id].output != ANNOTATION)]
+        if inside:
+            db.set_multiple_results(inside, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output=ANNOTATION))
+
+
 def item_key(item) -> tuple:
     m = item.mutations[0]
     return (tuple(m.start_pos), m.operator_name, m.occurrence)
@@ -227,7 +246,7 @@ def main() -> int:
         os.chdir(tree)  # cosmic-ray applies each mutant to the module path relative to here
         tree_print = common.fingerprint(tree)
         for module in modules:
-            open_session(work, tree, module, opts.operators)
+            skip_annotation_mutants(open_session(work, tree, module, opts.operators), tree, module)
         if opts.count:
             total = 0
             for module in modules:

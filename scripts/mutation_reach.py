@@ -56,3 +56,26 @@ def statement_lines(source: str, line: int) -> range:
             return range(line, line + 1)
         return range(best.lineno, end + 1)
     return range(best.lineno, (best.end_lineno or best.lineno) + 1)
+
+
+def annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The (start, end) positions of every annotation in a module that has
+    `from __future__ import annotations` (PEP 563: annotations are kept as strings, never
+    evaluated, so a mutant inside one changes nothing); none for other modules."""
+    tree = ast.parse(source)
+    postponed = any(isinstance(node, ast.ImportFrom) and node.module == "__future__"
+                    and any(alias.name == "annotations" for alias in node.names) for node in tree.body)
+    if not postponed:
+        return []
+    spans = []
+    for node in ast.walk(tree):
+        annotation = (node.returns if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else
+                      node.annotation if isinstance(node, (ast.arg, ast.AnnAssign)) else None)
+        if annotation is not None:
+            spans.append(((annotation.lineno, annotation.col_offset),
+                          (annotation.end_lineno, annotation.end_col_offset)))
+    return spans
+
+
+def in_annotation(spans, position: tuple[int, int]) -> bool:
+    return any(start <= tuple(position) < end for start, end in spans)

@@ -253,6 +253,9 @@ def test_device_module(dev):
     assert m.info()["chip"] == CHIP
     with pytest.raises(ValueError, match="does not exist"):
         m.set_device(count)
+    for missing in (count, -1):  # an index past the end or below zero names the device
+        with pytest.raises(ValueError, match=f"flagos:{missing} does not exist"):
+            m.memory_allocated(missing)
 
 
 def test_accelerator_reports_flagos(dev):

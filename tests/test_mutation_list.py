@@ -95,3 +95,18 @@ def test_the_plugin_runs_only_the_listed_tests(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed, 1 deselected" in proc.stdout
+
+
+def test_mutants_inside_postponed_annotations_are_found_and_nothing_else():
+    source = ("from __future__ import annotations\n"
+              "limit: int | None = 3 | 4\n"
+              "def f(x: str | None = None, *, y: 'a' = 1 | 2) -> dict | None:\n"
+              "    return x or y\n")
+    spans = mutation_reach.annotation_spans(source)
+    assert mutation_reach.in_annotation(spans, (2, 11))       # the | of `int | None`
+    assert not mutation_reach.in_annotation(spans, (2, 22))   # the | of `3 | 4`: a value
+    assert mutation_reach.in_annotation(spans, (3, 13))       # `str | None`
+    assert not mutation_reach.in_annotation(spans, (3, 42))   # `1 | 2`, a default
+    assert mutation_reach.in_annotation(spans, (3, 55))       # the return annotation
+    # without the future import, annotations are evaluated: nothing is set aside
+    assert mutation_reach.annotation_spans(source.split("\n", 1)[1]) == []
