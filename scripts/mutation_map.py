@@ -79,7 +79,7 @@ TESTS: dict[str, list[Run]] = {
                                   cpu(COMPILE, k="flatten or cached_graphs or report_counts")],
     "flagos/runtime/_tracing.py": [cpu(COMPILE), sim(COMPILE)],
     "flagos/runtime/_guard_errors.py": [cpu(BACKWARD)],
-    "flagos/core/_state.py": [cpu(DEVICE, MULTI, VERSIONS), cpu(ERRORS, k="fork"), sim(MULTI)],
+    "flagos/core/_state.py": [cpu(DEVICE, MULTI, VERSIONS, AUTOLOAD), cpu(ERRORS, k="fork"), sim(MULTI)],
     "flagos/report/_sites.py": [cpu(HTML, ANALYZE, T + "report_sites.py")],
     "flagos/errors.py": [cpu(ERRORS)],
     "flagos/metrics.py": [cpu(METRICS)],

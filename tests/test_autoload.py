@@ -8,9 +8,15 @@ def test_autoload_with_flagos_device():
         import torch
         print(torch.ones(2, device='flagos') + 1)
         print("FLAGOS" if "flagos" in __import__("sys").modules else "NO")
+        # no backward can have run before `import torch`: training works, and info() says so
+        x = torch.ones(2, device='flagos', requires_grad=True)
+        (x * 3).sum().backward()
+        import flagos
+        print("BACKWARD", flagos.info()["backward"], x.grad.tolist())
     """, env={"FLAGOS_DEVICE": "cpu"})
     assert "tensor([2., 2.], device='flagos:0')" in proc.stdout
     assert "FLAGOS" in proc.stdout  # flagos was imported by the autoload itself
+    assert "BACKWARD True [3.0, 3.0]" in proc.stdout
 
 
 @device_mode_only
