@@ -1,6 +1,7 @@
 """Per-op routes, the CPU fallback and its report (device mode, cpu chip)."""
 import inspect
 import json
+import logging
 import warnings
 
 import pytest
@@ -110,6 +111,36 @@ def test_override_kernel(dev):
     finally:
         flagos.unregister_kernel("aten::relu", chip=CHIP)
     assert flagos.route_of("aten::relu") == "native"
+
+
+def test_forced_override_without_a_kernel_says_how_to_register_one(dev):
+    calls = []
+
+    def my_relu(x):
+        calls.append(1)
+        return torch.clamp(x, min=0)
+
+    flagos.set_route("aten::relu", "override")
+    with pytest.raises(flagos.ConfigError, match="routed to 'override' but no kernel is registered.*"
+                                                 r"use flagos\.register_kernel\(\)"):
+        torch.tensor([-1.0, 2.0], device=dev).relu()
+    flagos.register_kernel("aten::relu", my_relu, chip=CHIP)
+    try:  # the process goes on, and the forced route takes the kernel once there is one
+        assert torch.tensor([-1.0, 2.0], device=dev).relu().cpu().tolist() == [0.0, 2.0]
+        assert calls == [1] and flagos.fallback_report().op("aten::relu")["calls"]["override"] == 1
+    finally:
+        flagos.unregister_kernel("aten::relu", chip=CHIP)
+
+
+def test_debug_log_names_each_ops_route_and_whether_it_was_forced(dev, caplog):
+    flagos.set_route("aten::mul", "fallback")  # a fresh table: every op is resolved again
+    x = torch.ones(2, device=dev)
+    with caplog.at_level(logging.DEBUG, logger="flagos"):
+        x * x
+        x + x
+    messages = [record.getMessage() for record in caplog.records]
+    assert f"aten::mul.Tensor on {CHIP}: fallback (forced)" in messages
+    assert f"aten::add.Tensor on {CHIP}: native" in messages
 
 
 def test_routes_and_bad_route():
