@@ -183,3 +183,25 @@ def test_sim_refuses_to_destroy_the_default_stream(sim_adapter):
     sim_adapter.stream_destroy(0, stream)
     with pytest.raises(DeviceError, match=rf"stream {stream} is not a live stream of sim device 0"):
         sim_adapter.stream_destroy(0, stream)
+
+
+@pytest.mark.parametrize("dtype, size", [(0, 4), (1, 2), (2, 2), (3, 8), (4, 8), (5, 4), (6, 2), (7, 1), (8, 1),
+                                         (9, 1)])
+def test_a_view_that_fills_its_buffer_exactly_reaches_the_kernel(sim_adapter, dtype, size):
+    """flagos checks every kernel tensor against its buffer with the ABI's element size of its
+    dtype (float32 ... bool): a view that fills the 16 bytes exactly reaches the kernel (which
+    runs it, or refuses a dtype it has no kernel for), one element more never does."""
+    index = {name: i for i, (name, _) in enumerate(sim_adapter.kernels())}["aten::neg"]
+    source, result = sim_adapter.alloc(0, 16), sim_adapter.alloc(0, 16)
+
+    def neg(count):
+        sim_adapter.run_kernel(index, 0, [(source, 0, dtype, (count,), (1,))],
+                               [(result, 0, dtype, (count,), (1,))], (), ())
+
+    if dtype in (FLOAT32, 1, 2):
+        neg(16 // size)
+    else:
+        with pytest.raises(DeviceError, match="aten::neg: .*dtype"):
+            neg(16 // size)
+    with pytest.raises(ValueError, match="a kernel tensor lies outside its buffer"):
+        neg(16 // size + 1)
