@@ -247,3 +247,12 @@ def test_buffer_copies_outside_the_buffer_never_reach_the_adapter(tmp_path):
         buf.write(to_dlpack(torch._efficientzerotensor(4)), 0)
     with pytest.raises(ValueError, match="a kernel tensor lies outside its buffer"):
         adapter.run_kernel(0, 0, [(buf, 2, 0, (4,), (1,))], [(buf, 0, 0, (4,), (1,))], (), ())
+
+
+def test_error_name_takes_a_code_and_refuses_anything_else(tmp_path):
+    adapter = broken(tmp_path, "errname")
+    assert isinstance(adapter.error_name(2), str)
+    with pytest.raises(TypeError):
+        adapter.error_name("2")
+    with pytest.raises(OverflowError):
+        adapter.error_name(2 ** 40)
