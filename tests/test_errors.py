@@ -201,3 +201,12 @@ def test_a_forked_child_uses_the_chip_only_where_its_driver_survives_fork(chip):
     expected = ("True refused refused refused refused" if chip == "opencl"
                 else "False ran ran ran ran")
     assert lines[-2:] == [expected, "parent [1.0, 2.0, 3.0, 4.0] False"]
+
+
+def test_the_routers_downcast_switch_refuses_half_a_policy():
+    """_C.set_downcast takes the whole policy or None: given only some of its five values it
+    raises and keeps the policy it had, never a policy with no message to warn with."""
+    with pytest.raises(TypeError, match=r"set_downcast\(from_dtype, to_dtype, device_type, warning, message\)"):
+        flagos._C.set_downcast(torch.bfloat16)
+    with pytest.raises(TypeError, match="set_downcast"):
+        flagos._C.set_downcast(torch.bfloat16, torch.float32, "flagos", UserWarning)
