@@ -117,7 +117,7 @@ TESTS: dict[str, list[Run]] = {
     "csrc/state.c": [cpu(DEVICE, ROUTES)],
     "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY), sim(ROUTES, POLICY, COUNTERS)],
     "csrc/payload.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY), sim(ROUTES, POLICY, COUNTERS)],
-    "csrc/fallback.c": [cpu(COUNTERS, POLICY, FIDELITY), sim(COUNTERS)],
+    "csrc/fallback.c": [cpu(COUNTERS, POLICY, FIDELITY, T + "fallback_staging.py"), sim(COUNTERS)],
     "csrc/staging.c": [cpu(T + "fallback_staging.py", FIDELITY), sim(T + "fallback_staging.py")],
     "csrc/callsite.c": [cpu(ANALYZE)],
     "csrc/guard.c": [cpu(BACKWARD)],

@@ -88,6 +88,34 @@ def test_bytes_of_a_view_fallback(dev):
     assert row["bytes_to_host"] == 3 * 4 and row["bytes_to_device"] == 3 * 4
 
 
+def test_bytes_of_an_out_fallback_with_several_results(dev):
+    """sort(out=(values, indices)): each written tensor comes back once, and the op returns
+    the caller's own two tensors (no second upload of the results)."""
+    x = torch.tensor([[3.0, 1.0, 2.0], [0.5, -1.0, 4.0]])
+    values, indices = torch.empty(2, 3, device=dev), torch.empty(2, 3, dtype=torch.long, device=dev)
+    flagos.set_route("aten::sort", "fallback")
+    got = torch.sort(x.to(dev), dim=1, out=(values, indices))
+    assert got[0] is values and got[1] is indices
+    ref = torch.sort(x, dim=1)
+    assert torch.equal(values.cpu(), ref.values) and torch.equal(indices.cpu(), ref.indices)
+    row = flagos.fallback_report().op("aten::sort.values")
+    assert row["bytes_to_host"] == 6 * 4 + 6 * 4 + 6 * 8   # x, values, indices
+    assert row["bytes_to_device"] == 6 * 4 + 6 * 8         # values and indices, once each
+
+
+def test_a_written_list_of_tensors_is_written_back_whole(dev):
+    """An in-place op over a list (the foreach ops optimizers use) on the fallback: every
+    tensor of the list comes back with its new values."""
+    xs = [torch.randn(3), torch.randn(2, 2), torch.randn(1)]
+    ys = [x.to(dev) for x in xs]
+    flagos.set_route("aten::_foreach_add_", "fallback")
+    torch._foreach_add_(ys, 1.5)
+    for x, y in zip(xs, ys):
+        torch.testing.assert_close(y.cpu(), x + 1.5)
+    row = flagos.fallback_report().op("aten::_foreach_add_.Scalar")
+    assert row["calls"]["fallback"] == 1 and row["bytes_to_device"] == (3 + 4 + 1) * 4
+
+
 def test_new_results_count_their_upload(dev):
     x = torch.randn(5, 7)
     flagos.set_route("aten::cumsum", "fallback")
