@@ -1,8 +1,10 @@
 """Per-op routes, the CPU fallback and its report (device mode, cpu chip)."""
+import gc
 import inspect
 import json
 import logging
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -280,3 +282,23 @@ def test_a_report_built_by_hand_adds_up():
     assert mm.split()[1:6] == ["fallback", "3", "2.50", "3.000", "1.500"]
     assert lines[-1] == ("total: 2 ops, 8 calls; fallback: 1 ops, 3 calls (37.5% of calls), "
                          "2.50 ms (25.0% of 0.01 s), 3.00 MB to host, 1.50 MB back")
+
+
+def test_an_unregistered_kernel_is_let_go(dev):
+    """After unregister_kernel, flagos keeps no reference to the kernel: whatever it holds (a
+    closure over model weights, say) is freed, even before the op runs again."""
+    class Kernel:
+        def __call__(self, x):
+            return torch.clamp(x, min=0)
+
+    kernel = Kernel()
+    alive = weakref.ref(kernel)
+    flagos.register_kernel("aten::relu", kernel, chip=CHIP)
+    try:
+        assert torch.tensor([-1.0, 2.0], device=dev).relu().cpu().tolist() == [0.0, 2.0]
+        assert flagos.route_of("aten::relu") == "override"
+    finally:
+        flagos.unregister_kernel("aten::relu", chip=CHIP)
+    del kernel
+    gc.collect()
+    assert alive() is None

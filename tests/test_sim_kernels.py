@@ -533,6 +533,7 @@ CONV_CASES = {
     "depthwise": ((1, 4, 7, 7), (4, 1, 3, 3), False, (1, 2), 1, 1, 4),
     # more output channels than opencl's tile of 8, and not a multiple of it, per group
     "20 out, groups 2": ((1, 4, 6, 5), (20, 2, 3, 3), True, 1, 1, 1, 2),
+    "one output": ((1, 3, 3, 3), (1, 3, 3, 3), True, 1, 0, 1, 1),  # a window the input's size
 }
 CONV_VIEWS = {
     "contiguous": None,
