@@ -240,7 +240,19 @@ int flagos_new_tensor_nbytes(PyObject *sizes, PyObject *strides, PyObject *items
 {
     layout l;
     long long itemsize = PyLong_AsLongLong(itemsize_obj);
-    if ((itemsize == -1 && PyErr_Occurred()) || flagos_parse_layout(sizes, strides, &l) < 0)
+    if (itemsize == -1 && PyErr_Occurred())
+        return -1;
+    if (strides != Py_None) { /* empty_strided's own words; a view's are parse_layout's */
+        Py_ssize_t n_sizes = PySequence_Size(sizes), n_strides = PySequence_Size(strides);
+        if (n_sizes < 0 || n_strides < 0)
+            return -1;
+        if (n_sizes != n_strides) {
+            PyErr_Format(PyExc_RuntimeError, "dimensionality of sizes (%zd) must match "
+                         "dimensionality of strides (%zd)", n_sizes, n_strides);
+            return -1;
+        }
+    }
+    if (flagos_parse_layout(sizes, strides, &l) < 0)
         return -1;
     for (int i = 0; i < l.ndim; i++) {
         if (l.sizes[i] < 0) {

@@ -122,7 +122,7 @@ TESTS: dict[str, list[Run]] = {
     "csrc/callsite.c": [cpu(ANALYZE)],
     "csrc/guard.c": [cpu(BACKWARD)],
     "csrc/adapter_load.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
-    "csrc/adapter_checks.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
+    "csrc/adapter_checks.c": [cpu(LOADER, ADAPTERS, KERNEL_CHECKS), sim(SIM_TESTS, STREAMS)],
     "csrc/adapter_memory.c": [cpu(LOADER, ADAPTERS, KERNEL_CHECKS), sim(SIM_TESTS, STREAMS, SIM_FIDELITY)],
     "csrc/adapter_streams.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
     "csrc/adapter_kernels.c": [cpu(LOADER, ADAPTERS, KERNEL_CHECKS), sim(SIM_TESTS, STREAMS)],

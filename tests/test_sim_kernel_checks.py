@@ -174,6 +174,8 @@ def test_a_view_of_a_buffer_is_checked_against_it(sim_adapter):
                                            r"offset 11, and itemsize 4 requiring a storage size of "
                                            r"68 are out of bounds for storage of size 64"):
         buf.check_view((2, 2), (1, 4), 11, 4)
+    with pytest.raises(RuntimeError, match="mismatch in length of strides and shape"):  # as_strided's words
+        buf.check_view((2, 2), (1,), 0, 4)
 
 
 def test_sim_refuses_to_destroy_the_default_stream(sim_adapter):
