@@ -274,23 +274,26 @@ def test_fallback_warning_comes_before_the_op_runs():
     assert "UNCHANGED [1.0, 1.0, 1.0] 0" in proc.stdout and "RAN [1.0, 2.0, 3.0]" in proc.stdout
 
 
-def test_a_layout_pytorch_refuses_is_refused_with_pytorchs_error():
-    """sim's empty_strided checks the layout as PyTorch's own kernel does, with the same
-    errors (compared with CPU's in the same process), and the process goes on."""
+def test_empty_strided_takes_and_refuses_the_layouts_cpu_does():
+    """sim's empty_strided checks a layout as PyTorch's own kernel does: the same layouts made
+    (empty ones included), the same errors (compared with CPU's in the same process), and the
+    process goes on."""
     proc = run_sim("""
         import torch
-        for shape, stride in [((2, 3), (1,)), ((2, -3), (3, 1))]:
-            errors = []
+        for shape, stride in [((2, 3), (1,)), ((2, -3), (3, 1)), ((2, 0), (1, 1)), ((0,), (1,))]:
+            outcomes = []
             for device in ("cpu", "flagos"):
                 try:
-                    torch.empty_strided(shape, stride, device=device)
+                    t = torch.empty_strided(shape, stride, device=device)
+                    outcomes.append(("made", tuple(t.shape), t.stride()))
                 except RuntimeError as e:
-                    errors.append(str(e).splitlines()[0])
-            print("ERRORS", errors)
+                    outcomes.append(("refused", str(e).splitlines()[0]))
+            print("OUTCOMES", outcomes)
         print("SUM", torch.ones(3, device="flagos").sum().item())
     """)
-    errors = [eval(line.removeprefix("ERRORS ")) for line in proc.stdout.splitlines() if line.startswith("ERRORS")]
-    assert len(errors) == 2
-    for cpu_error, flagos_error in errors:
-        assert flagos_error == cpu_error
+    outcomes = [eval(line.removeprefix("OUTCOMES ")) for line in proc.stdout.splitlines()
+                if line.startswith("OUTCOMES")]
+    assert [cpu[0] for cpu, _ in outcomes] == ["refused", "refused", "made", "made"]
+    for cpu, on_flagos in outcomes:
+        assert on_flagos == cpu
     assert "SUM 3.0" in proc.stdout
