@@ -301,3 +301,24 @@ def test_out_ops_with_several_results_return_each_callers_tensor(dev, route):
         assert got[0] is first and got[1] is other, name
         close(first, expected[0])
         close(other, expected[1], atol=0, rtol=0)
+
+
+def test_inplace_view_ops_change_the_tensors_own_shape(dev):
+    """t_, unsqueeze_, squeeze_, transpose_, as_strided_ and resize_ change the layout of the
+    tensor they are called on: the flagos tensor says what the CPU tensor says."""
+    cases = [  # (op, shape, elements to compare: resize_ leaves its new ones unset)
+        (lambda t: t.t_(), (2, 3), 6),
+        (lambda t: t.unsqueeze_(0), (4,), 4),
+        (lambda t: t.squeeze_(1), (3, 1, 2), 6),
+        (lambda t: t.transpose_(0, 2), (2, 3, 4), 24),
+        (lambda t: t.as_strided_((2, 2), (1, 2)), (6,), 4),
+        (lambda t: t.resize_(3, 3), (2, 3), 6),
+    ]
+    for op, shape, kept in cases:
+        torch.manual_seed(0)
+        host = torch.randn(*shape)
+        on_flagos = host.to(dev)
+        assert op(on_flagos) is on_flagos
+        op(host)
+        assert (on_flagos.shape, on_flagos.stride()) == (host.shape, host.stride())
+        assert torch.equal(on_flagos.cpu().flatten()[:kept], host.flatten()[:kept])
