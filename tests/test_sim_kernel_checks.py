@@ -207,3 +207,25 @@ def test_a_view_that_fills_its_buffer_exactly_reaches_the_kernel(sim_adapter, dt
             neg(16 // size)
     with pytest.raises(ValueError, match="a kernel tensor lies outside its buffer"):
         neg(16 // size + 1)
+
+
+def test_an_absent_optional_tensor_is_passed_as_none(sim_adapter):
+    """run_kernel takes None for an optional tensor the op was called without (a convolution
+    without bias): the kernel runs, and computes the convolution without one."""
+    torch.manual_seed(0)
+    x, w = torch.randn(1, 2, 4, 4), torch.randn(3, 2, 3, 3)
+    expected = torch.nn.functional.conv2d(x, w)
+
+    def on_sim(t):
+        buf = sim_adapter.alloc(0, t.nbytes)
+        buf.write(to_dlpack(t), 0)
+        return (buf, 0, FLOAT32, tuple(t.shape), t.stride())
+
+    out = sim_adapter.alloc(0, expected.nbytes)
+    index = {name: i for i, (name, _) in enumerate(sim_adapter.kernels())}["aten::convolution"]
+    sim_adapter.run_kernel(index, 0, [on_sim(x), on_sim(w), None],
+                           [(out, 0, FLOAT32, tuple(expected.shape), expected.stride())],
+                           (), (1, 1, 0, 0, 1, 1, 1))  # stride, padding, dilation, groups
+    got = torch.empty_like(expected)
+    out.read(to_dlpack(got), 0)
+    torch.testing.assert_close(got, expected)
