@@ -119,7 +119,7 @@ TESTS: dict[str, list[Run]] = {
     "csrc/payload.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY), sim(ROUTES, POLICY, COUNTERS)],
     "csrc/fallback.c": [cpu(COUNTERS, POLICY, FIDELITY, T + "fallback_staging.py"), sim(COUNTERS)],
     "csrc/staging.c": [cpu(T + "fallback_staging.py", FIDELITY), sim(T + "fallback_staging.py")],
-    "csrc/callsite.c": [cpu(ANALYZE)],
+    "csrc/callsite.c": [cpu(ANALYZE), cpu(ROUTES, k="site")],
     "csrc/guard.c": [cpu(BACKWARD)],
     "csrc/adapter_load.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
     "csrc/adapter_checks.c": [cpu(LOADER, ADAPTERS, KERNEL_CHECKS), sim(SIM_TESTS, STREAMS)],

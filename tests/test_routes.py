@@ -302,3 +302,13 @@ def test_an_unregistered_kernel_is_let_go(dev):
     del kernel
     gc.collect()
     assert alive() is None
+
+
+def test_the_site_of_a_fallback_is_the_users_line_not_torchs(dev):
+    """An op reached through torch's own Python (F.layer_norm, in torch/nn/functional.py) is
+    reported at the line of user code that called it."""
+    x = torch.randn(2, 8)
+    flagos.set_route("aten::native_layer_norm", "fallback")
+    out = torch.nn.functional.layer_norm(x.to(dev), (8,)); line = inspect.currentframe().f_lineno  # noqa: E702
+    assert_close(out, torch.nn.functional.layer_norm(x, (8,)))
+    assert flagos.fallback_report().op("aten::native_layer_norm")["site"].endswith(f"test_routes.py:{line}")
