@@ -114,7 +114,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/tools/_smoke.py": [cpu(DIAGNOSE)],
     "flagos/tools/_top.py": [cpu(TOP)],
     # ---- the C router and loader ----
-    "csrc/module.c": [cpu(DEVICE, ROUTES, ERRORS, NATIVE), sim(DEVICE)],
+    "csrc/module.c": [cpu(DEVICE, ROUTES, ERRORS, NATIVE), sim(DEVICE), cpu(T + "benchmarks.py", k="floor")],
     "csrc/state.c": [cpu(DEVICE, ROUTES)],
     "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY), sim(ROUTES, POLICY, COUNTERS)],
     "csrc/payload.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY), sim(ROUTES, POLICY, COUNTERS)],
