@@ -534,6 +534,7 @@ CONV_CASES = {
     # more output channels than opencl's tile of 8, and not a multiple of it, per group
     "20 out, groups 2": ((1, 4, 6, 5), (20, 2, 3, 3), True, 1, 1, 1, 2),
     "one output": ((1, 3, 3, 3), (1, 3, 3, 3), True, 1, 0, 1, 1),  # a window the input's size
+    "1x1 depthwise": ((1, 4, 5, 5), (4, 1, 1, 1), True, 1, 0, 1, 4),  # one tap per output
 }
 CONV_VIEWS = {
     "contiguous": None,
