@@ -161,6 +161,23 @@ def test_downcast_conversions_factories_and_autocast_run_in_float16(dev, downcas
 
 
 @on_sim
+def test_downcast_rewrites_the_dtype_argument_of_a_reduction(dev, downcast):
+    """sum(dtype=torch.bfloat16) asks for its result's dtype by keyword: under the downcast it
+    runs and returns float16 on the chip, as the factories do, never bfloat16 on the fallback."""
+    torch.manual_seed(0)
+    host = torch.randn(8, 16)
+    x = host.to(dev)
+    flagos.reset_report()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", flagos.DowncastWarning)
+        total, rows = x.sum(dtype=torch.bfloat16), x.sum(1, dtype=torch.bfloat16)
+    assert total.dtype == rows.dtype == torch.float16
+    torch.testing.assert_close(total.cpu(), host.sum(dtype=torch.float16), atol=5e-2, rtol=1e-2)
+    torch.testing.assert_close(rows.cpu(), host.sum(1, dtype=torch.float16), atol=5e-2, rtol=1e-2)
+    assert not bf16_fallbacks(flagos.fallback_report())
+
+
+@on_sim
 def test_switching_back_to_strict_restores_bfloat16(dev, downcast):
     x = torch.ones(4, device=dev)
     with warnings.catch_warnings(record=True) as record:
