@@ -276,11 +276,12 @@ def test_fallback_warning_comes_before_the_op_runs():
 
 def test_empty_strided_takes_and_refuses_the_layouts_cpu_does():
     """sim's empty_strided checks a layout as PyTorch's own kernel does: the same layouts made
-    (empty ones included), the same errors (compared with CPU's in the same process), and the
-    process goes on."""
+    (empty ones included), the same errors (strides of another length, a negative size, a size
+    that overflows; compared with CPU's in the same process), and the process goes on."""
     proc = run_sim("""
         import torch
-        for shape, stride in [((2, 3), (1,)), ((2, -3), (3, 1)), ((2, 0), (1, 1)), ((0,), (1,))]:
+        for shape, stride in [((2, 3), (1,)), ((2, -3), (3, 1)), ((2, 0), (1, 1)), ((0,), (1,)),
+                              ((2 ** 62, 4), (4, 1))]:
             outcomes = []
             for device in ("cpu", "flagos"):
                 try:
@@ -293,7 +294,7 @@ def test_empty_strided_takes_and_refuses_the_layouts_cpu_does():
     """)
     outcomes = [eval(line.removeprefix("OUTCOMES ")) for line in proc.stdout.splitlines()
                 if line.startswith("OUTCOMES")]
-    assert [cpu[0] for cpu, _ in outcomes] == ["refused", "refused", "made", "made"]
+    assert [cpu[0] for cpu, _ in outcomes] == ["refused", "refused", "made", "made", "refused"]
     for cpu, on_flagos in outcomes:
         assert on_flagos == cpu
     assert "SUM 3.0" in proc.stdout
