@@ -30,21 +30,23 @@ def find_uthash():
 
 
 def sanitizer_flags():
-    """FLAGOS_SANITIZE=address or undefined builds the extension for the AddressSanitizer or
-    UndefinedBehaviorSanitizer job (tests/sanitizers/run.sh)."""
+    """FLAGOS_SANITIZE=address, undefined or both (address,undefined) builds the extension for the
+    sanitizer job (tests/sanitizers/run.sh)."""
     which = os.environ.get("FLAGOS_SANITIZE", "")
     if not which:
         return [], []
-    common = ["-fno-omit-frame-pointer", "-O1", "-g"]
-    if which == "address":
-        return ["-fsanitize=address", *common], ["-fsanitize=address"]
-    if which == "undefined":
+    kinds = [k.strip() for k in which.split(",")]
+    unknown = [k for k in kinds if k not in ("address", "undefined")]
+    if unknown or len(set(kinds)) != len(kinds):
+        sys.exit(f"flagos build: FLAGOS_SANITIZE={which!r} is not supported; use 'address', "
+                 "'undefined' or 'address,undefined'.")
+    compile_flags = [f"-fsanitize={','.join(kinds)}"]
+    if "undefined" in kinds:
         # Python's own CFLAGS carry -fwrapv, which defines signed overflow and so hides it from
         # the sanitizer; -fno-wrapv comes later on the command line and wins for our sources.
-        return (["-fsanitize=undefined", "-fno-sanitize-recover=undefined", "-fno-wrapv", *common],
-                ["-fsanitize=undefined"])
-    sys.exit(f"flagos build: FLAGOS_SANITIZE={which!r} is not supported; use 'address' or "
-             "'undefined'.")
+        compile_flags += ["-fno-sanitize-recover=undefined", "-fno-wrapv"]
+    return ([*compile_flags, "-fno-omit-frame-pointer", "-O1", "-g"],
+            [f"-fsanitize={','.join(kinds)}"])
 
 
 san_compile, san_link = sanitizer_flags()

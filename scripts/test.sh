@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: everything in device mode on the cpu chip (with native mode, autoload, the
 # adapter ABI and the real models), the chip-dependent tests again on the emulated accelerator
-# sim and on the opencl chip (PoCL), and the AddressSanitizer and UndefinedBehaviorSanitizer
-# jobs over the C router, the loader and the sim adapter.
+# sim and on the opencl chip (PoCL), and one AddressSanitizer + UndefinedBehaviorSanitizer job
+# over the C router, the loader and the sim adapter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -17,11 +17,11 @@ case "$SEED" in
 esac
 export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -p randomly --randomly-seed=$SEED"
 echo "test order: --randomly-seed=$SEED (repeat it with FLAGOS_TEST_SEED=$SEED bash scripts/test.sh)"
-# Two lanes, side by side (neither writes what the other reads; the sanitizer jobs build and test copies of
-# the tree of their own): the cpu chip's run in the foreground, its output live; the sim run, the
+# Two lanes, side by side (neither writes what the other reads; the sanitizer job builds and
+# tests a copy of the tree of its own): the cpu chip's run in the foreground, its output live; the sim run, the
 # opencl run (the chip-dependent tests again on PoCL's OpenCL CPU device; skipped, and said so,
-# where the opencl adapter was not built), then the AddressSanitizer and UndefinedBehaviorSanitizer
-# jobs in the background, their output printed whole at the end. Each run lists its slowest tests:
+# where the opencl adapter was not built), then the sanitizer job (AddressSanitizer and
+# UndefinedBehaviorSanitizer in one build) in the background, their output printed whole at the end. Each run lists its slowest tests:
 # what to look at when the suite grows slow.
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
@@ -33,15 +33,14 @@ trap 'rm -rf "$logs"' EXIT
     else
         echo "opencl run skipped: the opencl adapter was not built (scripts/setup.sh installs PoCL)"
     fi
-    bash tests/sanitizers/run.sh address
-    bash tests/sanitizers/run.sh undefined
+    bash tests/sanitizers/run.sh address,undefined
 ) >"$logs/sim-and-sanitizers" 2>&1 &
 second_lane=$!
 cpu_status=0
 "$PYTHON" -m pytest -q --durations=15 tests "$@" || cpu_status=$?
 second_status=0
 wait "$second_lane" || second_status=$?
-echo "== sim and opencl runs, AddressSanitizer and UndefinedBehaviorSanitizer jobs (exit $second_status)"
+echo "== sim and opencl runs, sanitizer job (ASan + UBSan) (exit $second_status)"
 cat "$logs/sim-and-sanitizers"
-echo "== cpu run exit $cpu_status, sim and opencl runs and sanitizer jobs exit $second_status"
+echo "== cpu run exit $cpu_status, sim and opencl runs and sanitizer job exit $second_status"
 [ "$cpu_status" -eq 0 ] && [ "$second_status" -eq 0 ]

@@ -199,8 +199,11 @@ def test_uthash_include_variable_is_searched_first(tmp_path):
 
 
 @pytest.mark.parametrize("value,expected", [
-    ("address", "-fsanitize=address"),
+    ("address", "-fsanitize=address'"),
+    ("undefined", "-fno-wrapv"),
+    ("address,undefined", "['-fsanitize=address,undefined', '-fno-sanitize-recover=undefined'"),
     ("thread", "FLAGOS_SANITIZE='thread' is not supported; use 'address'"),
+    ("address,address", "FLAGOS_SANITIZE='address,address' is not supported"),
     ("", "([], [])"),
 ])
 def test_sanitize_variable(value, expected):
