@@ -1,11 +1,14 @@
 """What the chip profiles decide without the hardware: the order `auto` tries chips in, the
 mode of chips whose plugin owns PrivateUse1, and the device count of a one-device chip."""
+import dataclasses
 import os
+import sys
 
 import pytest
 
 from flagos import _activation, chips
 from flagos.chips import mps
+from flagos.chips.base import TorchChip
 from flagos.chips.adapter import AdapterChip
 from flagos.errors import ConfigError
 
@@ -49,3 +52,41 @@ def test_mps_has_one_device_when_present_and_none_otherwise(monkeypatch):
     assert mps.CHIP.device_count() == 1
     monkeypatch.setattr(mps.CHIP, "detect", lambda: False)
     assert mps.CHIP.device_count() == 0
+
+
+def test_detect_imports_the_vendor_plugin_and_says_why_a_chip_is_missing(tmp_path, monkeypatch):
+    """A vendor plugin registers its device module with torch when imported (as torch_npu
+    does), so detect() imports it first; why_unavailable() tells a missing plugin from a
+    broken one, with the broken one's own error."""
+    (tmp_path / "flagos_fake_plugin.py").write_text(
+        "import sys, types\n"
+        "mod = types.ModuleType('torch.flagosfake')\n"
+        "mod.is_available = lambda: True\n"
+        "mod.device_count = lambda: 2\n"
+        "sys.modules['torch.flagosfake'] = mod\n")
+    (tmp_path / "flagos_broken_plugin.py").write_text("raise RuntimeError('driver 9.1, needs 9.2')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def chip(plugin):
+        return TorchChip(name="fake", torch_type="flagosfake", vendor="Fake", collective_backend="gloo",
+                         plugin=plugin)
+    try:
+        assert chip("flagos_fake_plugin").detect() and chip("flagos_fake_plugin").device_count() == 2
+    finally:
+        for name in ("flagos_fake_plugin", "torch.flagosfake"):
+            sys.modules.pop(name, None)
+    broken = chip("flagos_broken_plugin")
+    assert not broken.detect()
+    assert broken.why_unavailable() == ("flagos_broken_plugin is installed but fails to import "
+                                        "(RuntimeError: driver 9.1, needs 9.2)")
+    assert chip("flagos_no_such_plugin").why_unavailable() == "flagos_no_such_plugin is not installed"
+    assert not chip("flagos_no_such_plugin").detect()
+
+
+def test_device_rows_are_values():
+    """`flagos.list_devices()` rows can be kept in sets and dict keys, and nobody edits one
+    behind the report's back."""
+    row = _activation.list_devices(include_unavailable=True)[0]
+    assert {row, dataclasses.replace(row)} == {row}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        row.index = 7

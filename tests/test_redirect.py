@@ -541,6 +541,8 @@ def test_native_mode_entry_points_and_deactivate():
             assert (torch.ones(2, 2, device="cuda") @ torch.ones(2, 2)).dtype == torch.bfloat16
         assert torch.amp.GradScaler("cuda")._device == "cpu"
         assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+        # detection asks PyTorch's own torch.cuda, never the redirect standing in for it
+        assert not flagos.chips.profile("cuda").detect()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(); end.record(); end.synchronize()
         assert start.elapsed_time(end) >= 0
