@@ -17,17 +17,23 @@ case "$SEED" in
 esac
 export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -p randomly --randomly-seed=$SEED"
 echo "test order: --randomly-seed=$SEED (repeat it with FLAGOS_TEST_SEED=$SEED bash scripts/test.sh)"
+# Each file runs once per chip: the files the sanitizer job runs (tests/sanitizers/selection.sh)
+# run there, in the instrumented build, and not again in the plain runs of the same chip.
+. tests/sanitizers/selection.sh
+CPU_RUN="tests $(for f in $SANITIZED_CPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)"
+sanitized_on_sim=" $(echo $SANITIZED_SIM_TESTS) "
+SIM_RUN=$(for f in $CHIP_TESTS; do case "$sanitized_on_sim" in *" $f "*) ;; *) printf '%s ' "$f" ;; esac; done)
 # Two lanes, side by side (neither writes what the other reads; the sanitizer job builds and
-# tests a copy of the tree of its own): the cpu chip's run in the foreground, its output live; the sim run, the
-# opencl run (the chip-dependent tests again on PoCL's OpenCL CPU device; skipped, and said so,
-# where the opencl adapter was not built), then the sanitizer job (AddressSanitizer and
-# UndefinedBehaviorSanitizer in one build) in the background, their output printed whole at the end. Each run lists its slowest tests:
-# what to look at when the suite grows slow.
+# tests a copy of the tree of its own): the cpu chip's run in the foreground, its output live;
+# in the background the sim run, the opencl run (the chip-dependent tests again on PoCL's OpenCL
+# CPU device; skipped, and said so, where the opencl adapter was not built) and the sanitizer
+# job (AddressSanitizer and UndefinedBehaviorSanitizer in one build), their output printed whole
+# at the end. Each run lists its slowest tests: what to look at when the suite grows slow.
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 (
     set -e
-    FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q --durations=15 $CHIP_TESTS "$@"
+    FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q --durations=15 $SIM_RUN "$@"
     if ls flagos/adapters/libflagos_opencl_adapter*.so >/dev/null 2>&1; then
         FLAGOS_TEST_CHIP=opencl "$PYTHON" -m pytest -q --durations=15 $CHIP_TESTS "$@"
     else
@@ -37,7 +43,7 @@ trap 'rm -rf "$logs"' EXIT
 ) >"$logs/sim-and-sanitizers" 2>&1 &
 second_lane=$!
 cpu_status=0
-"$PYTHON" -m pytest -q --durations=15 tests "$@" || cpu_status=$?
+"$PYTHON" -m pytest -q --durations=15 $CPU_RUN "$@" || cpu_status=$?
 second_status=0
 wait "$second_lane" || second_status=$?
 echo "== sim and opencl runs, sanitizer job (ASan + UBSan) (exit $second_status)"

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Sanitizer job: build flagos._C and the sim adapter with a sanitizer in a scratch copy of the
-# tree and run the tests that drive the C router (unwrap, routes, fallback, report, errors, ops
-# in several threads while the table changes), the adapter loader (broken adapters and ABI
-# 1.0/1.1 tables included), sim and its streams, and the C hot path of adapter ops and their C
-# host round trip against them.
+# tree and run the tests that drive the C router, the adapter loader and sim against them
+# (the list, and why the plain runs leave those files out: selection.sh).
 #   tests/sanitizers/run.sh address     AddressSanitizer (leak checking off: CPython and torch
 #                                       keep allocations alive until exit by design)
 #   tests/sanitizers/run.sh undefined   UndefinedBehaviorSanitizer (every finding fatal, and
@@ -49,9 +47,7 @@ if [ "$kind" != address ]; then
 fi
 export PYTHONPATH="$work"
 "$PYTHON" -c "import flagos._C as c, sys; assert c.__file__.startswith('$work'), c.__file__"
-"$PYTHON" -m pytest -q -p no:cacheprovider tests/test_device.py tests/test_routes.py \
-    tests/test_errors.py tests/test_native_mode.py tests/test_adapters.py tests/test_sim.py \
-    tests/test_sim_fidelity.py tests/test_adapter_loader.py tests/test_streams.py \
-    tests/test_threads.py tests/test_sim_fast_path.py tests/test_sim_fallback_c.py "$@"
-FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_device.py \
-    tests/test_routes.py tests/test_errors.py tests/test_streams.py "$@"
+# shellcheck source=selection.sh
+. "$root/tests/sanitizers/selection.sh"
+"$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 $SANITIZED_CPU_TESTS "$@"
+FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q -p no:cacheprovider --durations=5 $SANITIZED_SIM_TESTS "$@"
