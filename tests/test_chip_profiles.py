@@ -8,8 +8,8 @@ import pytest
 
 from flagos import _activation, chips
 from flagos.chips import mps
-from flagos.chips.base import TorchChip
 from flagos.chips.adapter import AdapterChip
+from flagos.chips.base import TorchChip
 from flagos.errors import ConfigError
 
 VENDOR_PLUGINS = {"npu": ("torch_npu", "hccl"), "mlu": ("torch_mlu", "cncl"), "musa": ("torch_musa", "mccl")}
