@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-CHIP_TESTS="tests/test_redirect.py tests/test_device.py tests/test_routes.py tests/test_errors.py tests/test_models.py tests/test_fidelity.py tests/test_ecosystem.py tests/test_autocast.py tests/test_policy.py tests/test_fallback_counters.py tests/test_fallback_staging.py tests/test_offload.py tests/test_accelerate.py tests/test_generators.py tests/test_streams.py tests/test_compile.py tests/test_cli_analyze.py tests/test_report_html.py tests/test_cli_compare.py tests/test_backward_errors.py tests/test_live_params.py tests/test_precision_policy.py tests/test_distributed.py tests/test_sharding.py"
+CHIP_TESTS="tests/test_redirect.py tests/test_device.py tests/test_routes.py tests/test_errors.py tests/test_models.py tests/test_fidelity.py tests/test_ecosystem.py tests/test_autocast.py tests/test_policy.py tests/test_fallback_counters.py tests/test_fallback_staging.py tests/test_offload.py tests/test_accelerate.py tests/test_generators.py tests/test_streams.py tests/test_compile.py tests/test_cli_analyze.py tests/test_report_html.py tests/test_cli_compare.py tests/test_backward_errors.py tests/test_live_params.py tests/test_precision_policy.py tests/test_distributed.py tests/test_sharding.py tests/test_examples.py"
 # Random test order (pytest-randomly), so a test that depends on another's leftovers fails; the
 # seed is printed first. FLAGOS_TEST_SEED picks it: an integer to repeat an
 # order, "random" for a new one each run. The default is an order the whole suite has passed in.
@@ -20,22 +20,33 @@ echo "test order: --randomly-seed=$SEED (repeat it with FLAGOS_TEST_SEED=$SEED b
 # Each file runs once per chip: the files the sanitizer job runs (tests/sanitizers/selection.sh)
 # run there, in the instrumented build, and not again in the plain runs of the same chip.
 . tests/sanitizers/selection.sh
-CPU_RUN="tests $(for f in $SANITIZED_CPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)"
+# tests/test_opencl.py (the opencl chip's own checks, from a cpu-chip pytest of their own)
+# runs in the second lane, beside the opencl run.
+CPU_RUN="tests --ignore=tests/test_opencl.py $(for f in $SANITIZED_CPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)"
+# The opencl run: what depends on the chip (its kernels, its memory, which is not the host's, its
+# errors and fork rules). The files whose subject is a mechanism the same on every chip of its
+# kind (errors inside backward, the CUDA redirect, the CLI tools and report pages, the process
+# group, compile's refusal on C-ABI chips) run on the cpu chip and on sim only.
+SAME_ON_EVERY_ADAPTER="tests/test_backward_errors.py tests/test_redirect.py tests/test_cli_analyze.py
+    tests/test_cli_compare.py tests/test_report_html.py tests/test_distributed.py tests/test_compile.py"
+same_on_every_adapter=" $(echo $SAME_ON_EVERY_ADAPTER) "
+OPENCL_RUN=$(for f in $CHIP_TESTS; do case "$same_on_every_adapter" in *" $f "*) ;; *) printf '%s ' "$f" ;; esac; done)
 sanitized_on_sim=" $(echo $SANITIZED_SIM_TESTS) "
 SIM_RUN=$(for f in $CHIP_TESTS; do case "$sanitized_on_sim" in *" $f "*) ;; *) printf '%s ' "$f" ;; esac; done)
 # Two lanes, side by side (neither writes what the other reads; the sanitizer job builds and
 # tests a copy of the tree of its own): the cpu chip's run in the foreground, its output live;
-# in the background the sim run, the opencl run (the chip-dependent tests again on PoCL's OpenCL
-# CPU device; skipped, and said so, where the opencl adapter was not built) and the sanitizer
-# job (AddressSanitizer and UndefinedBehaviorSanitizer in one build), their output printed whole
-# at the end. Each run lists its slowest tests: what to look at when the suite grows slow.
+# in the background the sim run, tests/test_opencl.py, the opencl run (the chip-dependent tests
+# again on PoCL's OpenCL CPU device; skipped, and said so, where the opencl adapter was not
+# built) and the sanitizer job (AddressSanitizer and UndefinedBehaviorSanitizer in one build),
+# their output printed whole at the end. Each run lists its slowest tests: what to look at when the suite grows slow.
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 (
     set -e
     FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q --durations=15 $SIM_RUN "$@"
+    "$PYTHON" -m pytest -q --durations=15 tests/test_opencl.py "$@"
     if ls flagos/adapters/libflagos_opencl_adapter*.so >/dev/null 2>&1; then
-        FLAGOS_TEST_CHIP=opencl "$PYTHON" -m pytest -q --durations=15 $CHIP_TESTS "$@"
+        FLAGOS_TEST_CHIP=opencl "$PYTHON" -m pytest -q --durations=15 $OPENCL_RUN "$@"
     else
         echo "opencl run skipped: the opencl adapter was not built (scripts/setup.sh installs PoCL)"
     fi

@@ -25,6 +25,10 @@ device_mode_only = pytest.mark.skipif(
 # that name their chips themselves: the cpu run has run them already.
 runs_once = pytest.mark.skipif(
     CHIP != "cpu", reason="names its chips itself: runs once, in the cpu run")
+# Tests in those files whose subject is not the chip (an import order, a library's cached
+# choice): the same on every chip, so they run once, in the cpu run.
+same_on_every_chip = pytest.mark.skipif(
+    CHIP != "cpu", reason="tests an import order, not the chip: runs once, in the cpu run")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -230,7 +230,7 @@ def test_error_paths_do_not_leak():
 # the same process, through backward() and through autograd.grad(); the caller must get the same
 # exception on both, and the clean step that follows must give CPU's gradients.
 
-HOOK_SCRIPT = """
+HOOK_HEADER = """
 import os, signal, time, torch, traceback, flagos
 # Python's own SIGINT handler even where the test runner was started with SIGINT ignored (a
 # background job of a non-interactive shell), which Python would otherwise keep
@@ -249,8 +249,11 @@ def interrupt(*args):
 def sigint(*args):
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.2)  # the signal lands while backward is still running
+"""
 
-def step(dev, entry):
+# One path: a step with the callable armed, then a clean step; its lines start with the path.
+HOOK_STEP = """
+def step_{name}(dev, entry):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     model.load_state_dict(MODEL.state_dict())
     model = model.to(dev)
@@ -279,14 +282,14 @@ def step(dev, entry):
     return got, [p.grad.cpu() for p in model.parameters()]
 
 for entry in ("backward", "grad"):
-    want, want_grads = step("cpu", entry)
-    got, grads = step(flagos.device(), entry)
-    print(entry, "CPU |", want)
-    print(entry, "FLAGOS |", got)
+    want, want_grads = step_{name}("cpu", entry)
+    got, grads = step_{name}(flagos.device(), entry)
+    print("{name}", entry, "CPU |", want)
+    print("{name}", entry, "FLAGOS |", got)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1.3e-6, atol=1e-5)
-    print(entry, "NEXT STEP OK")
-print("ALIVE")
+    print("{name}", entry, "NEXT STEP OK")
+print("{name} ALIVE")
 """
 
 FAILED = "ValueError: raised by the callable"
@@ -341,22 +344,32 @@ def _indent(code: str) -> str:
     return "\n".join("    " + line for line in code.splitlines())
 
 
-@pytest.mark.parametrize("path", HOOK_PATHS)
-def test_python_errors_inside_backward_reach_the_caller(path):
-    case = HOOK_PATHS[path]
-    code = HOOK_SCRIPT.format(chip=CHIP, before=_indent(case.get("before", "")),
-                              after=_indent(case.get("after", "")))
+@pytest.fixture(scope="module")
+def hook_paths_run():
+    """Every path, one after the other, in one process on the chip under test: each must leave
+    the process as it found it for the next (and the process starts once, not once a path)."""
+    code = HOOK_HEADER.format(chip=CHIP) + "".join(
+        HOOK_STEP.format(name=name, before=_indent(case.get("before", "")),
+                         after=_indent(case.get("after", "")))
+        for name, case in HOOK_PATHS.items())
     proc = run_python(code, env={"FLAGOS_FALLBACK": "allow"}, check=False)
+    return proc
+
+
+@pytest.mark.parametrize("path", HOOK_PATHS)
+def test_python_errors_inside_backward_reach_the_caller(path, hook_paths_run):
+    case = HOOK_PATHS[path]
+    proc = hook_paths_run
     out = proc.stdout
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out}\n{proc.stderr[-3000:]}"
+    assert f"{path} ALIVE" in out, f"exit {proc.returncode}:\n{out}\n{proc.stderr[-3000:]}"
     on_flagos = case.get("on_flagos", (None, None))
     for entry, expect, flagos_outcome in zip(("backward", "grad"), case["expect"], on_flagos):
-        want = out.split(f"{entry} CPU | ", 1)[1].split("\n", 1)[0]
-        got = out.split(f"{entry} FLAGOS | ", 1)[1].split("\n", 1)[0]
+        want = out.split(f"{path} {entry} CPU | ", 1)[1].split("\n", 1)[0]
+        got = out.split(f"{path} {entry} FLAGOS | ", 1)[1].split("\n", 1)[0]
         assert want.startswith(expect), (entry, want)   # the case fails on CPU as intended
         assert got == (flagos_outcome or want), (entry, got, want)
-        assert f"{entry} NEXT STEP OK" in out, out
-    assert out.rstrip().endswith("ALIVE"), out
+        assert f"{path} {entry} NEXT STEP OK" in out, out
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out}\n{proc.stderr[-3000:]}"
 
 
 def test_each_error_reaches_its_own_backward_pass():

@@ -1,9 +1,12 @@
 """The README's main job and the quickstart run as documented, on the cpu chip, on sim and (the
-main job) on the opencl chip where it is built."""
+main job) on the opencl chip where it is built.
+
+Each example runs as its own process on the chip it names; scripts/test.sh runs this file once
+per chip, and each case runs in the run of its chip, so the chips' cases share the two lanes."""
 import pathlib
 
 import pytest
-from conftest import DEVICE_MODE, device_mode_only, run_python
+from conftest import CHIP, DEVICE_MODE, device_mode_only, run_python, runs_once
 
 import flagos
 
@@ -11,6 +14,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPENCL = flagos.chips.profile("opencl")
 on_opencl = pytest.mark.skipif(not OPENCL.detect(), reason="no opencl chip here: " + (
     "" if OPENCL.detect() else OPENCL.why_unavailable()))
+
+
+def on(chip: str, *values: str):
+    """A case of the example on `chip`: it runs in the suite's run of that chip."""
+    marks = [pytest.mark.skipif(CHIP != chip, reason=f"an example on {chip}: runs in the {chip} run")]
+    if chip != "cpu":
+        marks.append(device_mode_only)
+    if chip == "opencl":
+        marks.append(on_opencl)
+    return pytest.param(chip, *values, marks=marks)
 
 
 def run_example(script: str, *argv: str, env: dict | None = None):
@@ -22,8 +35,7 @@ def run_example(script: str, *argv: str, env: dict | None = None):
     """, env={"FLAGOS_FALLBACK": "allow", **(env or {})})
 
 
-@pytest.mark.parametrize("chip", ["cpu", pytest.param("sim", marks=device_mode_only),
-                                  pytest.param("opencl", marks=[device_mode_only, on_opencl])])
+@pytest.mark.parametrize("chip", [on("cpu"), on("sim"), on("opencl")])
 def test_diffusers_pipeline_example(tmp_path, chip):
     image = tmp_path / "ddpm.png"
     proc = run_example("diffusers_pipeline.py", "--device", chip, "--steps", "3",
@@ -36,6 +48,7 @@ def test_diffusers_pipeline_example(tmp_path, chip):
 
 
 @device_mode_only
+@runs_once
 def test_diffusers_pool_example():
     """Two workers on the cpu chip: every image equals the one process's for its seed (the
     example exits non-zero otherwise)."""
@@ -45,6 +58,7 @@ def test_diffusers_pool_example():
     assert "every image matches the one process's image for its seed" in proc.stdout
 
 
+@runs_once
 def test_quickstart_example():
     proc = run_example("quickstart.py", env={"FLAGOS_DEVICE": "cpu"})
     gelu = [l for l in proc.stdout.splitlines() if l.startswith("aten::gelu ")]
@@ -53,6 +67,7 @@ def test_quickstart_example():
 
 
 @device_mode_only
+@runs_once
 def test_log_level_shows_activation_and_routes():
     proc = run_python("""
         import torch, flagos
@@ -66,7 +81,7 @@ def test_log_level_shows_activation_and_routes():
 
 
 @device_mode_only
-@pytest.mark.parametrize("chip,dtype", [("cpu", "float16"), ("sim", "float16"), ("sim", "bfloat16")])
+@pytest.mark.parametrize("chip,dtype", [on("cpu", "float16"), on("sim", "float16"), on("sim", "bfloat16")])
 def test_diffusers_pipeline_example_under_autocast(tmp_path, chip, dtype):
     """The main job under autocast matches the same run under CPU autocast (the example exits
     non-zero past the dtype's tolerance)."""
@@ -79,7 +94,7 @@ def test_diffusers_pipeline_example_under_autocast(tmp_path, chip, dtype):
 
 
 @device_mode_only
-@pytest.mark.parametrize("chip", ["cpu", "sim"])
+@pytest.mark.parametrize("chip", [on("cpu"), on("sim")])
 def test_transformers_generate_example(chip):
     """generate() + tokenizer.decode match plain CPU; fp16 autocast + GradScaler training steps
     match CPU within fp16 tolerance (the example exits non-zero otherwise)."""
@@ -90,7 +105,7 @@ def test_transformers_generate_example(chip):
 
 
 @device_mode_only
-@pytest.mark.parametrize("chip,offload", [("cpu", "model"), ("sim", "sequential"), ("cpu", "group")])
+@pytest.mark.parametrize("chip,offload", [on("cpu", "model"), on("sim", "sequential"), on("cpu", "group")])
 def test_diffusers_pipeline_example_with_offload(tmp_path, chip, offload):
     """The main job with its weights offloaded to the host matches plain CPU (the example exits
     non-zero otherwise), and the report shows the UNet's ops ran on flagos."""

@@ -6,7 +6,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from conftest import CHIP, device_mode_only, run_python
+from conftest import CHIP, device_mode_only, run_python, same_on_every_chip
 from models import ddpm_pipeline, run_ddpm
 
 pytestmark = device_mode_only
@@ -331,6 +331,7 @@ print("accelerator", get_device())
 """
 
 
+@same_on_every_chip  # the offload itself runs on every chip: the test above
 @pytest.mark.parametrize("order", ["diffusers-first", "autoload"])
 def test_enable_model_cpu_offload_finds_flagos_when_diffusers_came_first(order):
     """Diffusers caches its accelerator when `diffusers.pipelines` is imported: imported before
