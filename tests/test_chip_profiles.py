@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from flagos import _activation, chips
 from flagos.chips import mps
@@ -90,3 +91,83 @@ def test_device_rows_are_values():
     assert {row, dataclasses.replace(row)} == {row}
     with pytest.raises(dataclasses.FrozenInstanceError):
         row.index = 7
+
+
+class VendorModule:
+    """A vendor's `torch.<type>` module as a torch-native chip profile reads it (the torch.cuda
+    API that torch_npu, torch_mlu and torch_musa mirror), recording what it was asked."""
+
+    def __init__(self, **answers):
+        self.calls = []
+        for name, answer in answers.items():
+            setattr(self, name, self._recording(name, answer))
+
+    def _recording(self, name, answer):
+        def call(*args):
+            self.calls.append((name, *args))
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer(*args) if callable(answer) else answer
+        return call
+
+
+def vendor_chip(monkeypatch, module) -> TorchChip:
+    monkeypatch.setitem(sys.modules, "torch.flagosfake", module)
+    return TorchChip(name="fake", torch_type="flagosfake", vendor="Fake", collective_backend="gloo")
+
+
+def test_a_torch_native_profile_reads_the_vendor_module(monkeypatch):
+    """Names, memory, compute capabilities, seeds and out-of-memory errors of a torch-native chip
+    come from its vendor module, with the stated answer where the module lacks a function."""
+    props = type("Props", (), {"total_memory": 80 << 30})
+    mod = VendorModule(device_count=2, get_device_name=lambda i: f"Fake X{i}",
+                       get_device_properties=lambda i: props, memory_allocated=lambda i: 10 + i,
+                       max_memory_allocated=lambda i: 20 + i, memory_reserved=lambda i: 30 + i,
+                       reset_peak_memory_stats=None, empty_cache=None, mem_get_info=(5.0, 9.0),
+                       get_device_capability=lambda i: (8 + i, 0), manual_seed=None,
+                       manual_seed_all=None, get_rng_state=lambda i: torch.tensor([i]),
+                       set_rng_state=None, set_device=None, synchronize=None)
+    chip = vendor_chip(monkeypatch, mod)
+    assert chip.device_count() == 2 and chip.device_name(1) == "Fake X1"
+    assert chip.total_memory(0) == 80 << 30
+    assert (chip.memory_allocated(1), chip.max_memory_allocated(1), chip.memory_reserved(1)) == (11, 21, 31)
+    assert chip.mem_get_info(0) == (5, 9) and all(type(x) is int for x in chip.mem_get_info(0))
+    assert chip.architecture() == "sm80+sm90"
+    chip.reset_peak_memory_stats(1)
+    chip.empty_cache()
+    chip.manual_seed(3)
+    chip.manual_seed_all(4)
+    chip.set_rng_state(torch.tensor([7]), 1)
+    chip.set_device(1)
+    chip.synchronize(0)
+    assert chip.get_rng_state(1).tolist() == [1]
+    asked = [c for c in mod.calls if c[0] not in ("device_count", "get_device_capability")]
+    assert [c[:2] for c in asked[-8:]] == [
+        ("reset_peak_memory_stats", 1), ("empty_cache",), ("manual_seed", 3), ("manual_seed_all", 4),
+        ("set_rng_state", asked[-4][1]), ("set_device", 1), ("synchronize", 0), ("get_rng_state", 1)]
+    assert asked[-4][2] == 1  # the state went to the device it names
+    assert not chip.payload_is_host
+    assert chip.is_out_of_memory(torch.OutOfMemoryError("x"))
+    assert chip.is_out_of_memory(RuntimeError("FAKE: Out Of Memory on device 0"))
+    assert not chip.is_out_of_memory(RuntimeError("device-side assert"))
+
+
+def test_a_vendor_module_without_the_optional_functions(monkeypatch):
+    """Without get_device_name the name is the device's; without get_device_properties the
+    total memory comes from mem_get_info; missing memory counters read 0; without compute
+    capabilities, or with ones that do not answer like torch.cuda's, the architecture is
+    "unknown"; a capability that is not a pair is kept as its text."""
+    mod = VendorModule(device_count=1, mem_get_info=(1, 64), get_device_properties=AttributeError("no"))
+    chip = vendor_chip(monkeypatch, mod)
+    assert chip.device_name(0) == "flagosfake:0"
+    assert chip.total_memory(0) == 64
+    assert (chip.memory_allocated(0), chip.max_memory_allocated(0), chip.memory_reserved(0)) == (0, 0, 0)
+    chip.reset_peak_memory_stats(0)
+    chip.empty_cache()  # nothing to call: no error
+    assert chip.architecture() == "unknown"
+    mod.get_device_capability = mod._recording("get_device_capability", RuntimeError("not like cuda"))
+    assert chip.architecture() == "unknown"
+    mod.get_device_capability = mod._recording("get_device_capability", "gfx90a")
+    assert chip.architecture() == "gfx90a"
+    mod.device_count = mod._recording("device_count", 0)
+    assert chip.architecture() == "unknown"
