@@ -169,5 +169,7 @@ def test_a_vendor_module_without_the_optional_functions(monkeypatch):
     assert chip.architecture() == "unknown"
     mod.get_device_capability = mod._recording("get_device_capability", "gfx90a")
     assert chip.architecture() == "gfx90a"
+    mod.get_device_capability = mod._recording("get_device_capability", (9, 4, 2))
+    assert chip.architecture() == "(9, 4, 2)"  # only a (major, minor) pair is an sm name
     mod.device_count = mod._recording("device_count", 0)
     assert chip.architecture() == "unknown"
