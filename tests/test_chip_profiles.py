@@ -1,6 +1,7 @@
 """What the chip profiles decide without the hardware: the order `auto` tries chips in, the
 mode of chips whose plugin owns PrivateUse1, and the device count of a one-device chip."""
 import dataclasses
+import io
 import os
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from flagos import _activation, chips
-from flagos.chips import mps
+from flagos.chips import base, mps
 from flagos.chips.adapter import AdapterChip
 from flagos.chips.base import TorchChip
 from flagos.errors import ConfigError
@@ -173,3 +174,22 @@ def test_a_vendor_module_without_the_optional_functions(monkeypatch):
     assert chip.architecture() == "(9, 4, 2)"  # only a (major, minor) pair is an sm name
     mod.device_count = mod._recording("device_count", 0)
     assert chip.architecture() == "unknown"
+
+
+def test_host_memory_reads_the_kernels_figures(monkeypatch):
+    """(free, total) bytes of the host: /proc/meminfo's MemAvailable (MemFree on kernels without
+    it) and MemTotal, in bytes; the page counts of sysconf where /proc cannot be read."""
+    free, total = base.host_memory()
+    assert total == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # the same figure
+    assert 0 < free <= total
+    meminfo = "MemTotal:       16384 kB\nMemFree:         4096 kB\nBuffers:          512 kB\n"
+    monkeypatch.setattr(base, "open", lambda path: io.StringIO(meminfo), raising=False)
+    assert base.host_memory() == (4096 * 1024, 16384 * 1024)
+    meminfo = "MemTotal:       16384 kB\n"  # nothing said about free memory: none counted
+    assert base.host_memory() == (0, 16384 * 1024)
+
+    def unreadable(path):
+        raise PermissionError(path)
+    monkeypatch.setattr(base, "open", unreadable, raising=False)
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert base.host_memory() == (pages, pages)
