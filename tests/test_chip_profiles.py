@@ -187,6 +187,8 @@ def test_host_memory_reads_the_kernels_figures(monkeypatch):
     assert base.host_memory() == (4096 * 1024, 16384 * 1024)
     meminfo = "MemTotal:       16384 kB\n"  # nothing said about free memory: none counted
     assert base.host_memory() == (0, 16384 * 1024)
+    meminfo = "MemFree:         4096 kB\n"  # nor about the total
+    assert base.host_memory() == (4096 * 1024, 0)
 
     def unreadable(path):
         raise PermissionError(path)
