@@ -4,6 +4,7 @@ import dataclasses
 import io
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -195,3 +196,5 @@ def test_host_memory_reads_the_kernels_figures(monkeypatch):
     monkeypatch.setattr(base, "open", unreadable, raising=False)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert base.host_memory() == (pages, pages)
+    monkeypatch.setattr(base, "os", types.SimpleNamespace())  # no sysconf either: nothing known
+    assert base.host_memory() == (0, 0)
