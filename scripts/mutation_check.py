@@ -352,6 +352,13 @@ MUTATIONS = [
     M("cpu_chip_any_index", "the cpu chip's own index check accepts flagos:1", "flagos/chips/cpu.py",
       "        if index != 0:", "        if index == 0:",
       cpu("tests/test_device_module.py", k="index_itself")),
+    M("detect_skips_the_vendor_plugin", "a torch-native chip's detect() never imports its vendor "
+      "plugin (the plugin registers the device module)", "flagos/chips/base.py",
+      "        try:\n            if self.plugin:", "        try:\n            if not self.plugin:",
+      cpu("tests/test_chip_profiles.py", k="detect_imports")),
+    M("host_memory_in_kib", "host memory read from /proc/meminfo in KiB, not bytes", "flagos/chips/base.py",
+      "int(line.split()[1]) * 1024", "int(line.split()[1])",
+      cpu("tests/test_chip_profiles.py", k="host_memory")),
     # survivors of the C pass (scripts/mutation_c.py), 2026-12-03
     M("adapter_never_shut_down", "an Adapter object that goes never calls the adapter's shutdown()",
       "csrc/adapter_load.c", "    if (self->api != NULL && self->api->shutdown != NULL)\n        self->api->shutdown();",
