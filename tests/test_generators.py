@@ -78,6 +78,10 @@ def test_generators_of_every_device(dev):
     assert torch.equal(out.cpu(), torch.randn(4, generator=seeded("cpu", 5)))
     with pytest.raises(ValueError, match=rf"flagos:{last + 1} does not exist"):
         torch.Generator(device=f"flagos:{last + 1}")
+    # every other way to name a device still gets PyTorch's own generator for it
+    for other in ("cpu", torch.device("cpu"), None):
+        g = torch.Generator() if other is None else torch.Generator(device=other)
+        assert g.device == torch.device("cpu") and type(g) is torch._C.Generator, other
 
 
 def test_diffusers_randn_tensor_with_a_flagos_generator(dev):
