@@ -40,13 +40,13 @@ def sanitizer_flags():
     if unknown or len(set(kinds)) != len(kinds):
         sys.exit(f"flagos build: FLAGOS_SANITIZE={which!r} is not supported; use 'address', "
                  "'undefined' or 'address,undefined'.")
-    compile_flags = [f"-fsanitize={','.join(kinds)}"]
+    sanitize = f"-fsanitize={','.join(kinds)}"
+    compile_flags = [sanitize]
     if "undefined" in kinds:
         # Python's own CFLAGS carry -fwrapv, which defines signed overflow and so hides it from
         # the sanitizer; -fno-wrapv comes later on the command line and wins for our sources.
         compile_flags += ["-fno-sanitize-recover=undefined", "-fno-wrapv"]
-    return ([*compile_flags, "-fno-omit-frame-pointer", "-O1", "-g"],
-            [f"-fsanitize={','.join(kinds)}"])
+    return [*compile_flags, "-fno-omit-frame-pointer", "-O1", "-g"], [sanitize]
 
 
 san_compile, san_link = sanitizer_flags()

@@ -29,16 +29,20 @@ CPU_RUN="tests --ignore=tests/test_opencl.py $(for f in $SANITIZED_CPU_TESTS; do
 # group, compile's refusal on C-ABI chips) run on the cpu chip and on sim only.
 SAME_ON_EVERY_ADAPTER="tests/test_backward_errors.py tests/test_redirect.py tests/test_cli_analyze.py
     tests/test_cli_compare.py tests/test_report_html.py tests/test_distributed.py tests/test_compile.py"
-same_on_every_adapter=" $(echo $SAME_ON_EVERY_ADAPTER) "
-OPENCL_RUN=$(for f in $CHIP_TESTS; do case "$same_on_every_adapter" in *" $f "*) ;; *) printf '%s ' "$f" ;; esac; done)
-sanitized_on_sim=" $(echo $SANITIZED_SIM_TESTS) "
-SIM_RUN=$(for f in $CHIP_TESTS; do case "$sanitized_on_sim" in *" $f "*) ;; *) printf '%s ' "$f" ;; esac; done)
+# The files of list $1 that list $2 does not name.
+without() {
+    local skip=" $(echo $2) " f
+    for f in $1; do case "$skip" in *" $f "*) ;; *) printf '%s ' "$f" ;; esac; done
+}
+OPENCL_RUN=$(without "$CHIP_TESTS" "$SAME_ON_EVERY_ADAPTER")
+SIM_RUN=$(without "$CHIP_TESTS" "$SANITIZED_SIM_TESTS")
 # Two lanes, side by side (neither writes what the other reads; the sanitizer job builds and
 # tests a copy of the tree of its own): the cpu chip's run in the foreground, its output live;
 # in the background the sim run, tests/test_opencl.py, the opencl run (the chip-dependent tests
 # again on PoCL's OpenCL CPU device; skipped, and said so, where the opencl adapter was not
 # built) and the sanitizer job (AddressSanitizer and UndefinedBehaviorSanitizer in one build),
-# their output printed whole at the end. Each run lists its slowest tests: what to look at when the suite grows slow.
+# their output printed whole at the end. Each run lists its slowest tests: what to look at when
+# the suite grows slow.
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 (
