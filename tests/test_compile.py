@@ -190,51 +190,18 @@ def test_compile_logs_print_traced_flagos_tensors(dev):
     assert flagos.fallback_report().compiled_calls == 1  # compiled, not run eagerly
 
 
-def llama_in_a_process(vocab: int, hidden: int) -> str:
-    """A program that compiles a Llama of the given sizes on flagos and checks its logits
-    against plain PyTorch eager on the CPU."""
+def mlp_in_a_process(width: int) -> str:
+    """A program that compiles a small MLP of the given width twice, first on plain CPU tensors,
+    then on flagos, checks the flagos result against plain PyTorch eager, and prints how many
+    compiled calls flagos counted and how many graphs AOTAutograd took from its cache."""
     return f"""
-        import torch, flagos
-        from torch.testing import assert_close
-        from transformers import LlamaConfig, LlamaForCausalLM
-        flagos.activate("cpu")
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size={vocab}, hidden_size={hidden}, intermediate_size={2 * hidden},
-                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=32)
-        ref = LlamaForCausalLM(config).eval()
-        ids = torch.randint(0, {vocab}, (2, 8), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            expected = ref(ids).logits
-            out = torch.compile(ref.to(flagos.device()))(ids.to(flagos.device())).logits
-        assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
-    """
-
-
-@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
-def test_processes_sharing_a_cache_keep_their_shapes_apart(tmp_path):
-    """Two programs with one Inductor cache directory (by default every program of a user
-    shares one) compile the same model code at two sizes: the second must not be handed the
-    first one's graphs, whose code checks the sizes it was made for."""
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
-    run_python(llama_in_a_process(vocab=500, hidden=64), env=env)
-    run_python(llama_in_a_process(vocab=128, hidden=32), env=env)
-
-
-@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
-def test_cached_graphs_are_reused_and_counted(tmp_path):
-    """The cache stays useful: a second program with the same model and sizes loads the graph
-    AOTAutograd cached, and its calls are counted. A plain CPU graph compiled first, identical
-    to the flagos one once flagos tensors are seen as their payloads, does not stand in for it
-    (its code would not count the calls)."""
-    code = """
         import copy, json, torch, flagos
         from torch._dynamo.utils import counters
         from torch.testing import assert_close
         flagos.activate("cpu")
         torch.set_grad_enabled(False)  # inference graphs: AOTAutograd caches them at once
         torch.manual_seed(0)
-        ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        ref = torch.nn.Sequential(torch.nn.Linear(8, {width}), torch.nn.GELU(), torch.nn.Linear({width}, 4))
         x = torch.randn(5, 8)
         assert_close(torch.compile(ref)(x), ref(x))  # the plain CPU graph
         torch._dynamo.reset()
@@ -244,14 +211,27 @@ def test_cached_graphs_are_reused_and_counted(tmp_path):
         compiled(x.to(flagos.device()))
         assert isinstance(out, flagos.FlagosTensor)
         assert_close(out.cpu(), ref(x))
-        print(json.dumps({"calls": flagos.fallback_report().compiled_calls,
-                          "hits": counters["aot_autograd"]["autograd_cache_hit"]}))
+        print(json.dumps({{"calls": flagos.fallback_report().compiled_calls,
+                          "hits": counters["aot_autograd"]["autograd_cache_hit"]}}))
     """
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_processes_sharing_a_cache_reuse_graphs_of_their_own_shapes_only(tmp_path):
+    """Programs share one Inductor cache directory (by default every program of a user shares
+    one). A second program with the same model code at another width must not be handed the
+    first one's graphs, whose code checks the sizes it was made for. A third, at the first
+    width, loads the graphs AOTAutograd cached, and its calls are counted. A plain CPU graph
+    compiled first, identical to the flagos one once flagos tensors are seen as their
+    payloads, does not stand in for the flagos graph (its code would not count the calls)."""
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
-    first = json.loads(run_python(code, env=env).stdout.strip().splitlines()[-1])
-    second = json.loads(run_python(code, env=env).stdout.strip().splitlines()[-1])
-    assert first == {"calls": 2, "hits": 0}
-    assert second == {"calls": 2, "hits": 2}  # the plain graph and the flagos graph, both loaded
+
+    def run(width):
+        return json.loads(run_python(mlp_in_a_process(width), env=env).stdout.strip().splitlines()[-1])
+
+    assert run(16) == {"calls": 2, "hits": 0}
+    assert run(32) == {"calls": 2, "hits": 0}  # nothing of width 16 served
+    assert run(16) == {"calls": 2, "hits": 2}  # the plain graph and the flagos graph, both loaded
 
 
 @pytest.mark.skipif(COMPILES, reason="only C-ABI chips refuse compilation")
@@ -484,3 +464,38 @@ def test_reduce_overhead_mode(dev):
     assert flagos.fallback_report().compiled_calls == (3 if COMPILES else 0)
     if COMPILES:  # Inductor said it skipped them, as for a plain CPU graph
         assert counters["inductor"]["cudagraph_skips"] >= 1
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+@pytest.mark.parametrize("grouped", [False, True], ids=["heads", "grouped_key_value_heads"])
+def test_attention_compiles_to_the_ops_of_plain_pytorch(dev, grouped):
+    """Attention as Llama calls it (causal, grouped key/value heads): the graph flagos hands
+    Inductor holds the ops plain PyTorch's graph holds, the CPU's fused kernel included, not
+    the math decomposition (a dozen more ops to compile and run)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                enable_gqa=grouped)
+
+    def ops_compiled(*inputs):
+        seen = []
+
+        def capture(gm, example_inputs):
+            seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return make_boxed_func(gm.forward)
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out = torch.compile(attend, backend=aot_autograd(fw_compiler=capture))(*inputs)
+        return sorted(seen), out
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 8, 16, generator=g)
+    k, v = (torch.randn(2, 2 if grouped else 4, 8, 16, generator=g) for _ in range(2))
+    native_ops, expected = ops_compiled(q, k, v)
+    flagos_ops, out = ops_compiled(q.to(dev), k.to(dev), v.to(dev))
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in native_ops
+    assert flagos_ops == native_ops
+    assert_close(out.cpu(), expected, rtol=0, atol=0)
