@@ -15,6 +15,20 @@ def run_sim(code: str, **env):
                                  "FLAGOS_SIM_DTYPES": "float32,float16,bfloat16", **env})
 
 
+# fail_allocation(n): sim's nth allocation from now fails (backends/sim/sim.c), as
+# FLAGOS_SIM_FAIL_ALLOC_AT's does, so one process checks several failures. oom_text(e): the
+# error's text with the program's allocation number as #N.
+FAIL_ALLOCATION = """
+        import ctypes, re, torch, flagos
+        from flagos.core import _state
+        _sim = ctypes.CDLL(_state.active().chip.adapter.path)
+        _sim.flagos_sim_fail_allocation.argtypes = (ctypes.c_uint64,)
+        _sim.flagos_sim_fail_allocation.restype = None
+        fail_allocation = _sim.flagos_sim_fail_allocation
+        def oom_text(e):
+            return re.sub(r"allocation #[0-9]+", "allocation #N", str(e))
+"""
+
 # Counts the ops the Python runner is asked to run (the router calls Runner.__call__ through the
 # type, so patching the class sees every call).
 SPY = """
@@ -137,24 +151,25 @@ def test_counters_of_calls_run_in_c():
 
 
 def test_an_allocation_failure_raises_what_the_runner_raises():
-    """The third allocation of the program is the result's: the C path (contiguous operands)
-    and the runner (a transposed operand) fail it with the same error."""
-    code = """
-        import torch, flagos
+    """The result's allocation fails: the C path (contiguous operands) and the runner (a
+    transposed operand) fail it with the same error, and the process goes on."""
+    proc = run_sim(FAIL_ALLOCATION + """
         a = torch.ones(2, 2, device="flagos")
         b = torch.ones(2, 2, device="flagos")
-        try:
-            a + ({})
-            print("RAN")
-        except torch.OutOfMemoryError as e:
-            print("OOM", e)
-        print("AFTER", (a + b).cpu().tolist())
-    """
-    fast = run_sim(code.format("b"), FLAGOS_SIM_FAIL_ALLOC_AT="3").stdout
-    slow = run_sim(code.format("b.t()"), FLAGOS_SIM_FAIL_ALLOC_AT="3").stdout
-    assert "injected failure of allocation #3" in fast and "RAN" not in fast
-    assert fast == slow
-    assert "AFTER [[2.0, 2.0], [2.0, 2.0]]" in fast
+        for other in (b, b.t()):
+            fail_allocation(1)                          # the result's
+            try:
+                a + other
+                print("RAN")
+            except torch.OutOfMemoryError as e:
+                print("OOM", oom_text(e))
+            print("AFTER", (a + b).cpu().tolist())
+    """)
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("OOM")]
+    assert "RAN" not in proc.stdout and len(errors) == 2, proc.stdout
+    assert "injected failure of allocation #N (flagos_sim_fail_allocation)" in errors[0]
+    assert errors[0] == errors[1]  # the same request, the same free memory
+    assert proc.stdout.count("AFTER [[2.0, 2.0], [2.0, 2.0]]") == 2
 
 
 def test_out_of_memory_in_c_names_the_request():
@@ -370,37 +385,41 @@ def test_sum_and_layer_norm_run_in_c():
 
 def test_allocation_failures_of_the_new_cases():
     """sum's and layer_norm's results fail as the runner's do; an in-place op, which needs no
-    device memory of its own, still runs when its scratch buffer cannot be had."""
-    code = """
-        import torch, flagos
+    device memory of its own, still runs when its scratch buffer cannot be had. One process:
+    each failure must leave it working for the next."""
+    proc = run_sim(FAIL_ALLOCATION + SPY.replace("import torch, flagos", "") + """
         F = torch.nn.functional
-        a = torch.ones(2, 2, device="flagos")               # allocation 1
-        try:
-            print("RAN", {}.sum().item())
-        except torch.OutOfMemoryError as e:
-            print("OOM", e)
-        print("AFTER", a.sum().item())
-    """
-    for fast, slow, at in (("a", "a.t()", "2"), ("F.layer_norm(a, (2,))", "F.layer_norm(a.t(), (2,))", "3")):
-        # the runner's path (a transposed operand for sum does not change it: any strides run
-        # in C; layer_norm's outputs are allocated in the same order by both)
-        got = run_sim(code.format(fast), FLAGOS_SIM_FAIL_ALLOC_AT=at).stdout
-        assert "injected failure of allocation #" + at in got and "RAN" not in got, got
-        assert "AFTER 4.0" in got
-        assert got == run_sim(code.format(slow), FLAGOS_SIM_FAIL_ALLOC_AT=at).stdout
-    proc = run_sim(SPY + """
         a = torch.ones(2, 2, device="flagos")
+        # the C path, then the runner's (a transposed operand for sum does not change it: any
+        # strides run in C; layer_norm's outputs are allocated in the same order by both)
+        for case, (fast, slow, nth) in enumerate((("a", "a.t()", 1),
+                                                  ("F.layer_norm(a, (2,))", "F.layer_norm(a.t(), (2,))", 2))):
+            for code in (fast, slow):
+                fail_allocation(nth)
+                try:
+                    print("RAN", eval(code).sum().item())
+                except torch.OutOfMemoryError as e:
+                    print("OOM", case, oom_text(e))
+                print("AFTER", a.sum().item())
         b = torch.ones(2, 2, device="flagos")
         flagos.reset_report()
-        a.add_(b)                                         # allocation 3 (the scratch) fails
+        fail_allocation(1)                                # the in-place op's scratch
+        a.add_(b)
         calls = flagos.fallback_report().op("aten::add_.Tensor")["calls"]
         print("IN-PLACE", a.cpu().tolist(), calls["native"], calls["fallback"])
         a.add_(b)
         print("AGAIN", a.cpu().tolist())
-    """, FLAGOS_SIM_FAIL_ALLOC_AT="3")
+    """)
+    out = proc.stdout
+    errors = [line for line in out.splitlines() if line.startswith("OOM")]
+    assert "RAN" not in out and len(errors) == 4, out
+    for fast, slow in (errors[:2], errors[2:]):
+        assert "injected failure of allocation #N (flagos_sim_fail_allocation)" in fast
+        assert fast == slow  # the C path fails as the runner does
+    assert out.count("AFTER 4.0") == 4
     # the host round trip (csrc/adapter_fallback.c) took it
-    assert "IN-PLACE [[2.0, 2.0], [2.0, 2.0]] 0 1" in proc.stdout, proc.stdout
-    assert "AGAIN [[3.0, 3.0], [3.0, 3.0]]" in proc.stdout
+    assert "IN-PLACE [[2.0, 2.0], [2.0, 2.0]] 0 1" in out
+    assert "AGAIN [[3.0, 3.0], [3.0, 3.0]]" in out
 
 
 def test_the_adapter_counts_kernel_calls_from_both_paths_and_none_for_a_fallback():

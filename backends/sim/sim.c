@@ -84,6 +84,7 @@ static struct {
     uint64_t alloc_calls;   /* allocations counted for FLAGOS_SIM_FAIL_ALLOC_AT */
     int counting_allocs;    /* flagos_sim_count_allocations() was called */
     uint64_t fail_alloc_at; /* 0: never */
+    const char *fail_alloc_by; /* what armed it, for the error text */
     uint64_t native_dtypes;
     sim_object *objects;
     uint64_t calls[N_COUNTED];
@@ -278,6 +279,7 @@ static int32_t read_config(flagos_status *status)
         sim.devices[i].failed = (physical[i] == fail_device);
     }
     sim.fail_alloc_at = (uint64_t)fail_at;
+    sim.fail_alloc_by = "FLAGOS_SIM_FAIL_ALLOC_AT";
     sim.native_dtypes = dtypes;
     return sim_ok(status);
 }
@@ -381,8 +383,8 @@ static int32_t sim_alloc(int32_t device, uint64_t nbytes, flagos_buffer *buffer,
         sim.alloc_calls++;
     if (sim.counting_allocs && sim.fail_alloc_at != 0 && sim.alloc_calls == sim.fail_alloc_at) {
         rc = sim_fail(status, SIM_ERROR_OUT_OF_MEMORY,
-                      "injected failure of allocation #%llu (FLAGOS_SIM_FAIL_ALLOC_AT)",
-                      (unsigned long long)sim.alloc_calls);
+                      "injected failure of allocation #%llu (%s)",
+                      (unsigned long long)sim.alloc_calls, sim.fail_alloc_by);
         goto done;
     }
     if (nbytes > d->capacity - d->allocated) {
@@ -811,6 +813,18 @@ void flagos_sim_count_allocations(void)
 {
     pthread_mutex_lock(&sim.lock);
     sim.counting_allocs = 1;
+    pthread_mutex_unlock(&sim.lock);
+}
+
+/* For tests (ctypes): the nth allocation from now fails as FLAGOS_SIM_FAIL_ALLOC_AT's does
+ * (n = 0 disarms). One process can then check several failures, each of which must leave it
+ * working, instead of starting a process per failure. */
+void flagos_sim_fail_allocation(uint64_t n)
+{
+    pthread_mutex_lock(&sim.lock);
+    sim.counting_allocs = 1;
+    sim.fail_alloc_at = n == 0 ? 0 : sim.alloc_calls + n;
+    sim.fail_alloc_by = "flagos_sim_fail_allocation";
     pthread_mutex_unlock(&sim.lock);
 }
 
