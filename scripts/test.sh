@@ -20,9 +20,10 @@ echo "test order: --randomly-seed=$SEED (repeat it with FLAGOS_TEST_SEED=$SEED b
 # Each file runs once per chip: the files the sanitizer job runs (tests/sanitizers/selection.sh)
 # run there, in the instrumented build, and not again in the plain runs of the same chip.
 . tests/sanitizers/selection.sh
-# tests/test_opencl.py (the opencl chip's own checks, from a cpu-chip pytest of their own)
-# runs in the second lane, beside the opencl run.
-CPU_RUN="tests --ignore=tests/test_opencl.py $(for f in $SANITIZED_CPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)"
+# Two cpu-chip files run in the second lane, to even out the lanes: tests/test_opencl.py (the
+# opencl chip's own checks, beside the opencl run) and tests/test_cache_dirs.py.
+SECOND_LANE_CPU_TESTS="tests/test_opencl.py tests/test_cache_dirs.py"
+CPU_RUN="tests $(for f in $SECOND_LANE_CPU_TESTS $SANITIZED_CPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)"
 # The opencl run: what depends on the chip (its kernels, its memory, which is not the host's, its
 # errors and fork rules). The files whose subject is a mechanism the same on every chip of its
 # kind (errors inside backward, the CUDA redirect, the CLI tools and report pages, the process
@@ -53,7 +54,7 @@ trap 'rm -rf "$logs"' EXIT
 (
     set -e
     FLAGOS_TEST_CHIP=sim "$PYTHON" -m pytest -q --durations=15 $SIM_RUN "$@"
-    "$PYTHON" -m pytest -q --durations=15 tests/test_opencl.py "$@"
+    "$PYTHON" -m pytest -q --durations=15 $SECOND_LANE_CPU_TESTS "$@"
     if ls flagos/adapters/libflagos_opencl_adapter*.so >/dev/null 2>&1; then
         FLAGOS_TEST_CHIP=opencl "$PYTHON" -m pytest -q --durations=15 $OPENCL_RUN "$@"
     else

@@ -21,8 +21,9 @@ DEVICE_MODE = flagos.runtime._registration.device_mode_supported()
 # (2.9) only the tests that start their own native-mode processes run.
 device_mode_only = pytest.mark.skipif(
     not DEVICE_MODE, reason=f"device mode needs torch._C._acc (PyTorch > 2.9); this is {torch.__version__}")
-# Tests in the chip-dependent files (scripts/test.sh runs them again with FLAGOS_TEST_CHIP=sim)
-# that name their chips themselves: the cpu run has run them already.
+# Tests in the chip-dependent files (scripts/test.sh runs them again on sim and opencl) that do
+# not use the run's chip: their own process names its chips itself, or none (run_python leaves
+# the run's FLAGOS_ variables out). The same in every run, so they run once, in the cpu run.
 runs_once = pytest.mark.skipif(
     CHIP != "cpu", reason="names its chips itself: runs once, in the cpu run")
 # Tests in those files whose subject is not the chip (an import order, a library's cached

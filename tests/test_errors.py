@@ -1,7 +1,7 @@
 """Bad input gets a clear error that names the fix, and loses nothing."""
 import pytest
 import torch
-from conftest import CHIP, device_mode_only, run_python
+from conftest import CHIP, device_mode_only, run_python, runs_once
 
 import flagos
 from flagos.chips import opencl as opencl_chip
@@ -56,6 +56,7 @@ def test_nonexistent_device_index(dev):
         flagos.device(2)
 
 
+@runs_once
 @pytest.mark.parametrize("var,value,expected", [
     ("FLAGOS_FALLBACK", "maybe", r"FLAGOS_FALLBACK='maybe' is not valid; use one of: allow, warn, error"),
     ("FLAGOS_ROUTE", "aten::mm:fallback", r"FLAGOS_ROUTE entry 'aten::mm:fallback' is not 'op=route'"),
@@ -92,6 +93,7 @@ def test_opencl_adapter_not_built_names_the_packages(monkeypatch):
     assert "ocl-icd-opencl-dev" in chip.why_unavailable()
 
 
+@runs_once
 def test_slot_taken_by_another_plugin():
     proc = run_python("""
         import torch, flagos
@@ -111,6 +113,7 @@ def test_wrapped_tensor_without_payload():
         t + 1
 
 
+@runs_once
 def test_backward_before_activation_is_explained():
     """PyTorch's autograd engine sizes its device queues at the first backward() of a process;
     one that ran before activation leaves flagos without a queue. Activation says so."""
@@ -190,6 +193,7 @@ FORKED_CHILD = """
 """
 
 
+@runs_once
 @pytest.mark.parametrize("chip", ["opencl", "sim"])
 def test_a_forked_child_uses_the_chip_only_where_its_driver_survives_fork(chip):
     """OpenCL drivers run threads that a fork leaves in the parent: in a forked child (a

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import device_mode_only, run_python
+from conftest import device_mode_only, run_python, runs_once
 
 import flagos
 
@@ -238,6 +238,7 @@ def test_sparse_tensors_get_a_clear_error(dev):
 
 # ---- one table row per op across threads -------------------------------------------------
 
+@runs_once
 def test_first_calls_from_many_threads_make_one_row_per_op():
     proc = run_python("""
         import sys, threading, warnings, torch, flagos

@@ -7,7 +7,7 @@ import pickle
 import models
 import pytest
 import torch
-from conftest import CHIP, device_mode_only, run_python
+from conftest import CHIP, device_mode_only, run_python, runs_once
 
 pytestmark = device_mode_only
 
@@ -107,6 +107,7 @@ def test_ddpm_pipeline_seeded_with_a_flagos_generator_matches_cpu(dev):
     assert abs(out - expected).max() <= (0 if CHIP == "cpu" else 1e-5)
 
 
+@runs_once
 def test_release_gives_torch_generator_back():
     proc = run_python("""
         import torch, flagos

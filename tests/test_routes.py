@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import CHIP, assert_close, device_mode_only, run_python
+from conftest import CHIP, assert_close, device_mode_only, run_python, runs_once
 
 import flagos
 
@@ -207,6 +207,7 @@ def test_track_counts_only_the_bytes_moved_in_its_scope(dev):
     assert flagos.fallback_report().op("aten::mm")["bytes_to_device"] == 2 * 4 * 3 * 4
 
 
+@runs_once
 def test_report_written_at_exit(tmp_path):
     path = tmp_path / "report.json"
     run_python("""
@@ -221,6 +222,7 @@ def test_report_written_at_exit(tmp_path):
     assert mm["calls"]["fallback"] == 1 and mm["bytes_to_host"] == 2 * 8 * 8 * 4
 
 
+@runs_once
 def test_unwritable_report_path_warns_and_keeps_the_run(tmp_path):
     bad = tmp_path / "missing-dir" / "r.json"
     proc = run_python("""

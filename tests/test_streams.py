@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import CHIP, assert_close, device_mode_only, run_python
+from conftest import CHIP, assert_close, device_mode_only, run_python, runs_once
 
 import flagos
 
@@ -226,6 +226,7 @@ def test_diffusers_group_offloading_accepts_flagos_streams(dev):
     assert isinstance(stream, torch.flagos.Stream) and stream.device == dev
 
 
+@runs_once
 def test_release_gives_torch_accelerator_back():
     proc = run_python("""
         import torch, flagos
