@@ -8,7 +8,9 @@ process: once over plain CPU tensors, once over flagos tensors. Inputs are on th
 before timing, so a call is the compiled graph alone: entering it (guards, unwrapping the
 flagos inputs) and leaving it (wrapping the outputs, counting the call) is what flagos adds.
 The two sides alternate, run by run, and the figures are medians. The script also prints what
-Dynamo did on each side (graphs, recompilations, graph breaks), which must be the same.
+Dynamo did on each side (graphs, recompilations, graph breaks), which must be the same, and
+what the first call cost on each side: tracing and compiling the graph, each side with an empty
+Inductor cache of its own (one compilation, so a single figure, not a median).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import sys
 import time
 
 import torch
+from torch._inductor.utils import fresh_cache
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
@@ -78,6 +81,15 @@ def timed(fn, args, kwargs, number: int) -> float:
     return (time.perf_counter() - start) / number * 1e3
 
 
+def first_call(fn, args, kwargs) -> float:
+    """Seconds of the first call (trace and compile), with an empty Inductor cache: neither
+    side may load what the other compiled."""
+    with fresh_cache():
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        return time.perf_counter() - start
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chip", default="cpu")
@@ -105,11 +117,14 @@ def main() -> None:
           f"{args.repeat} runs of {args.number} calls, native and flagos alternating")
     print("bert-tiny: hidden 32, 2 layers, batch 2 x 12 tokens; unet: the DDPM test UNet, 1 x 3 x "
           "16 x 16; llama block: one decoder layer (hidden 64, 4 heads, 2 kv heads), 1 x 8 tokens")
-    print("ratio: of the medians; paired: the median of each run's flagos/native")
-    print(f"{'model':<14}{'native ms':>11}{'flagos ms':>11}{'ratio':>8}{'paired':>8}   "
-          f"dynamo native | flagos")
+    print("ratio: of the medians; paired: the median of each run's flagos/native; compile: the "
+          "first call's seconds, native / flagos")
+    print(f"{'model':<14}{'native ms':>11}{'flagos ms':>11}{'ratio':>8}{'paired':>8}"
+          f"{'compile s':>14}   dynamo native | flagos")
     figures = {}
     with torch.no_grad():
+        # Compilation's one-time imports and set-up, so the first model's native side does not pay them.
+        first_call(torch.compile(lambda x: x * 2 + 1, mode=mode), (torch.ones(4),), {})
         for name, (make, inputs, kwargs) in cases(dev).items():
             if args.only and not any(o in name for o in args.only):
                 continue
@@ -118,10 +133,12 @@ def main() -> None:
             f_inputs = tuple(t.to(dev) for t in inputs)
             f_kwargs = {k: v.to(dev) for k, v in kwargs.items()}
             before = dynamo_counts()
-            for _ in range(3):  # compile, then the calls that settle (recompilations show here)
+            native_compile = first_call(native_net, inputs, kwargs)
+            for _ in range(2):  # the calls that settle (recompilations show here)
                 native_net(*inputs, **kwargs)
             mid = dynamo_counts()
-            for _ in range(3):
+            flagos_compile = first_call(flagos_net, f_inputs, f_kwargs)
+            for _ in range(2):
                 flagos_net(*f_inputs, **f_kwargs)
             after = dynamo_counts()
             native_counts, flagos_counts = diff(mid, before), diff(after, mid)
@@ -132,11 +149,13 @@ def main() -> None:
             settled = diff(dynamo_counts(), after)  # nothing may compile while timing
             n, f = statistics.median(ns), statistics.median(fs)
             paired = statistics.median(b / a for a, b in zip(ns, fs))
-            print(f"{name:<14}{n:>11.3f}{f:>11.3f}{f / n:>8.2f}{paired:>8.2f}   "
+            compile_text = f"{native_compile:.1f} / {flagos_compile:.1f}"
+            print(f"{name:<14}{n:>11.3f}{f:>11.3f}{f / n:>8.2f}{paired:>8.2f}{compile_text:>14}   "
                   f"{native_counts} | {flagos_counts}"
                   + (f"; while timing: {settled}" if any(settled.values()) else ""))
             figures[name] = {"native_ms": n, "flagos_ms": f, "ratio": f / n, "paired_ratio": paired,
                              "ratios": sorted(b / a for a, b in zip(ns, fs)),
+                             "compile_s": {"native": native_compile, "flagos": flagos_compile},
                              "dynamo_native": native_counts, "dynamo_flagos": flagos_counts,
                              "compiled_while_timing": settled}
     print(f"load average after: {list(os.getloadavg())}")
