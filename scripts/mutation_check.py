@@ -359,6 +359,10 @@ MUTATIONS = [
     M("host_memory_in_kib", "host memory read from /proc/meminfo in KiB, not bytes", "flagos/chips/base.py",
       "int(line.split()[1]) * 1024", "int(line.split()[1])",
       cpu("tests/test_chip_profiles.py", k="host_memory")),
+    M("attention_groups_heads_unasked", "attention groups key/value heads the caller did not ask to group",
+      "flagos/runtime/_attention.py", "is_causal=False, scale=None, enable_gqa=False):",
+      "is_causal=False, scale=None, enable_gqa=True):",
+      cpu("tests/test_models.py", k="fewer_key_value")),
     # survivors of the C pass (scripts/mutation_c.py), 2026-12-03
     M("adapter_never_shut_down", "an Adapter object that goes never calls the adapter's shutdown()",
       "csrc/adapter_load.c", "    if (self->api != NULL && self->api->shutdown != NULL)\n        self->api->shutdown();",

@@ -499,3 +499,25 @@ def test_attention_compiles_to_the_ops_of_plain_pytorch(dev, grouped):
     assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in native_ops
     assert flagos_ops == native_ops
     assert_close(out.cpu(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_attention_over_a_length_known_only_at_run_time(dev):
+    """A sequence length read from a tensor inside the graph (an unbacked size: no value while
+    tracing) cannot ask the CPU's attention choice; the graph keeps the math decomposition and
+    the result matches plain PyTorch eager."""
+    def attend(q, k, v, n):
+        m = n.item()
+        torch._check(m >= 2)
+        torch._check(m <= q.shape[2])
+        return torch.nn.functional.scaled_dot_product_attention(q[:, :, :m], k[:, :, :m], v[:, :, :m],
+                                                                is_causal=True)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    n = torch.tensor(5)
+    with torch.no_grad(), torch._dynamo.config.patch(capture_scalar_outputs=True):
+        expected = attend(q, k, v, n)
+        out = torch.compile(attend, fullgraph=True)(q.to(dev), k.to(dev), v.to(dev), n.to(dev))
+    assert out.shape == (1, 2, 5, 16)
+    assert_close(out.cpu(), expected, rtol=1.3e-6, atol=1e-5)

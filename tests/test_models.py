@@ -130,3 +130,14 @@ def test_torch_compile_matches_plain_cpu(dev):
     assert_close(out, ref(x), atol=1e-5)
     out2 = compiled(x.to(dev) * 2)  # second call reuses the compiled graph
     assert_close(out2, ref(x * 2), atol=1e-5)
+
+
+def test_attention_with_fewer_key_value_heads_needs_enable_gqa_as_on_cpu(dev):
+    """Grouped key/value heads without `enable_gqa=True` are an error on the CPU; flagos raises
+    the same error instead of grouping them."""
+    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
+    with pytest.raises(RuntimeError) as on_cpu:
+        torch.nn.functional.scaled_dot_product_attention(q, k, k)
+    with pytest.raises(RuntimeError) as on_flagos:
+        torch.nn.functional.scaled_dot_product_attention(q.to(dev), k.to(dev), k.to(dev))
+    assert str(on_flagos.value).splitlines()[0] == str(on_cpu.value).splitlines()[0]
