@@ -4,7 +4,10 @@ import copy
 
 import pytest
 import torch
-from conftest import CHIP, device_mode_only
+from conftest import CHIP, device_mode_only, runs_once
+
+import flagos
+from flagos.runtime._autocast import payload_autocast_key
 
 pytestmark = device_mode_only
 
@@ -94,3 +97,13 @@ def test_float32_policy_ops_upcast_both_low_precision_dtypes(dev, dtype):
     assert loss.dtype == product.dtype == torch.float32
     torch.testing.assert_close(loss, ref_loss, rtol=1.3e-6, atol=1e-5)
     torch.testing.assert_close(product, ref_product, rtol=1.3e-6, atol=1e-5)
+
+
+@runs_once
+def test_each_chip_follows_the_casting_policy_of_its_payload_device():
+    """The policy a chip's flagos tensors follow under autocast is that of the device their
+    payloads live on: PyTorch's own accelerators keep theirs, a host payload or a C-ABI chip's
+    buffer follows the CPU's."""
+    expected = {"cpu": "AutocastCPU", "sim": "AutocastCPU", "opencl": "AutocastCPU",
+                "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS"}
+    assert {chip: payload_autocast_key(flagos.chips.profile(chip)) for chip in expected} == expected
