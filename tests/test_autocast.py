@@ -107,3 +107,22 @@ def test_each_chip_follows_the_casting_policy_of_its_payload_device():
     expected = {"cpu": "AutocastCPU", "sim": "AutocastCPU", "opencl": "AutocastCPU",
                 "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS"}
     assert {chip: payload_autocast_key(flagos.chips.profile(chip)) for chip in expected} == expected
+
+
+def test_widest_type_ops_cast_as_cpu_autocast_does(dev):
+    """The ops CPU autocast runs in the widest input type: a float32 tensor takes float16
+    rows (index_copy refuses mixed types without the cast), an integer index does not count
+    as a type to widen to, and float64 is left out of autocast as on the CPU."""
+    def run(device):
+        idx = torch.tensor([0, 2], device=device)
+        half = torch.arange(4.0).reshape(2, 2).half().to(device)
+        with torch.autocast(torch.device(device).type, dtype=torch.float16):
+            return [t.cpu() for t in (
+                torch.zeros(3, 2, device=device).index_copy(0, idx, half),
+                torch.zeros(3, 2, device=device, dtype=torch.float16).index_copy(0, idx, half),
+                torch.cat([torch.ones(2, device=device, dtype=torch.float64), torch.ones(2, device=device)]),
+                torch.stack([torch.ones(2, device=device, dtype=torch.float64), half[0]]))]
+
+    for got, expected in zip(run(dev), run("cpu")):
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
