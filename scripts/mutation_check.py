@@ -363,6 +363,10 @@ MUTATIONS = [
       "flagos/runtime/_attention.py", "is_causal=False, scale=None, enable_gqa=False):",
       "is_causal=False, scale=None, enable_gqa=True):",
       cpu("tests/test_models.py", k="fewer_key_value")),
+    M("autocast_widens_to_an_index_type", "autocast's widest-type policy counts an integer index as a type to widen to",
+      "flagos/runtime/_autocast.py", "if isinstance(t, torch.Tensor) and _eligible(t)]",
+      "if isinstance(t, torch.Tensor) or _eligible(t)]",
+      cpu("tests/test_autocast.py", k="widest_type")),
     # survivors of the C pass (scripts/mutation_c.py), 2026-12-03
     M("adapter_never_shut_down", "an Adapter object that goes never calls the adapter's shutdown()",
       "csrc/adapter_load.c", "    if (self->api != NULL && self->api->shutdown != NULL)\n        self->api->shutdown();",
