@@ -27,7 +27,16 @@ from .errors import (
 )
 from .integrations import _backward_errors, _caches, _compile, _distributed, _libraries, _offload, _redirect
 from .report import _report
-from .runtime import _adapter_ops, _autocast, _device_module, _math_keys, _native_mode, _pinned, _registration
+from .runtime import (
+    _adapter_ops,
+    _autocast,
+    _device_module,
+    _math_keys,
+    _native_mode,
+    _payload_rules,
+    _pinned,
+    _registration,
+)
 from .runtime._tensor import FlagosTensor, set_metadata
 
 MODES = ("device", "native")
@@ -242,6 +251,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
             _registration.claim(_device_module)
             _autocast.register(chip)
             _pinned.register(chip)
+            _payload_rules.register(chip)
             if not isinstance(chip, AdapterChip):  # torch.compile (C-ABI chips run eagerly)
                 _compile.install(_device_module)
             devices = tuple(torch.device("flagos", i) for i in range(count))

@@ -1,5 +1,6 @@
 """What the chip profiles decide without the hardware: the order `auto` tries chips in, the
 mode of chips whose plugin owns PrivateUse1, and the device count of a one-device chip."""
+import copy
 import dataclasses
 import io
 import os
@@ -8,12 +9,15 @@ import types
 
 import pytest
 import torch
+from conftest import assert_close, device_mode_only
 
+import flagos
 from flagos import _activation, chips
 from flagos.chips import base, mps
 from flagos.chips.adapter import AdapterChip
 from flagos.chips.base import TorchChip
 from flagos.errors import ConfigError
+from flagos.runtime import _payload_rules
 
 VENDOR_PLUGINS = {"npu": ("torch_npu", "hccl"), "mlu": ("torch_mlu", "cncl"), "musa": ("torch_musa", "mccl")}
 
@@ -198,3 +202,34 @@ def test_host_memory_reads_the_kernels_figures(monkeypatch):
     assert base.host_memory() == (pages, pages)
     monkeypatch.setattr(base, "os", types.SimpleNamespace())  # no sysconf either: nothing known
     assert base.host_memory() == (0, 0)
+
+
+def test_payload_rules_apply_to_chips_whose_payloads_are_not_host_tensors():
+    assert _payload_rules.needed(chips.profile("cuda")) and _payload_rules.needed(chips.profile("npu"))
+    assert not _payload_rules.needed(chips.profile("cpu"))
+    assert not _payload_rules.needed(chips.profile("sim")), "adapter chips have kernels of their own"
+
+
+@device_mode_only
+def test_channels_last_group_norm_through_the_payload_rules_matches_cpu():
+    """The cuda chip's group-norm kernels, run here on CPU payloads: a channels_last input (as a
+    UNet's attention hands on) gives plain PyTorch's values and gradients."""
+    for op, fn in _payload_rules.KERNELS.items():
+        flagos.register_kernel(op, fn, chip="cpu")
+    torch.manual_seed(0)
+    norm = torch.nn.GroupNorm(4, 8)
+    x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last).requires_grad_()
+    grad = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    norm(x).backward(grad)
+    routed_norm = copy.deepcopy(norm).to(flagos.device())
+    routed_x = x.detach().to(flagos.device()).requires_grad_()
+    assert routed_x.is_contiguous(memory_format=torch.channels_last)
+    out = routed_norm(routed_x)
+    out.backward(grad.to(flagos.device()))
+    calls = flagos.fallback_report().op("aten::native_group_norm")["calls"]
+    assert calls["override"] == 1 and calls["native"] == 0
+    assert flagos.fallback_report().op("aten::native_group_norm_backward")["calls"]["override"] == 1
+    assert_close(out, norm(x))
+    assert_close(routed_x.grad, x.grad)
+    assert_close(routed_norm.weight.grad, norm.weight.grad)
+    assert_close(routed_norm.bias.grad, norm.bias.grad)

@@ -1,0 +1,47 @@
+"""Kernels that bridge PyTorch composites written for PrivateUse1 to payloads of another device.
+
+Some of PyTorch's composite operators choose a branch by the device of their input, and a flagos
+tensor is a PrivateUse1 tensor whatever its payload. `aten::group_norm` keeps a channels_last
+input as it is on CPU and PrivateUse1 (`input.device().is_cpu() || input.device().is_privateuseone()`)
+and makes it contiguous elsewhere, because the CUDA kernel of `native_group_norm` takes
+contiguous inputs only (`TORCH_CHECK(X.is_contiguous(memory_format))` with Contiguous off the CPU).
+So a Diffusers UNet whose attention hands a channels_last tensor to a GroupNorm fails on the cuda
+chip unless the payload is made contiguous first. The forward and the backward get that here, as
+override kernels of the chip, on torch-native chips whose payloads are not host tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core import _routes
+
+_aten = torch.ops.aten
+
+
+def _contiguous(t):
+    return t.contiguous() if isinstance(t, torch.Tensor) and not t.is_contiguous() else t
+
+
+def group_norm(x, weight, bias, n, c, hw, group, eps):
+    return _aten.native_group_norm.default(_contiguous(x), weight, bias, n, c, hw, group, eps)
+
+
+def group_norm_backward(grad, x, mean, rstd, weight, n, c, hw, group, mask):
+    return _aten.native_group_norm_backward.default(_contiguous(grad), _contiguous(x), mean, rstd,
+                                                    weight, n, c, hw, group, mask)
+
+
+KERNELS = {"aten::native_group_norm": group_norm,
+           "aten::native_group_norm_backward": group_norm_backward}
+
+
+def needed(chip) -> bool:
+    """Torch-native chips whose payloads live on a device of their own (cuda, npu, ...)."""
+    return getattr(chip, "torch_type", None) is not None and not chip.payload_is_host
+
+
+def register(chip) -> None:
+    """At device-mode activation (which lasts for the process)."""
+    if needed(chip):
+        for op, fn in KERNELS.items():
+            _routes.register_kernel(op, fn, chip=chip.name)
