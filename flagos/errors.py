@@ -47,3 +47,8 @@ class DeviceError(RuntimeError):
 class NoEngineQueueError(RuntimeError):
     """backward() over flagos tensors that autograd's engine cannot schedule: a backward ran
     before activation, or the tensors are on flagos:1 and above (the message says which)."""
+
+
+class AcceleratorBackwardError(RuntimeError):
+    """backward() over tensors of PyTorch's own accelerator (plain cuda tensors, say) in a process
+    where flagos holds the PrivateUse1 device: PyTorch's autograd engine cannot run it there."""

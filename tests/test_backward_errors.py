@@ -7,7 +7,10 @@ Each case runs in its own process, so a regression (an abort) is a failed test, 
 import json
 
 import pytest
+import torch
 from conftest import CHIP, device_mode_only, run_python, runs_once
+
+import flagos
 
 pytestmark = device_mode_only
 
@@ -611,3 +614,23 @@ drain("FREE")
     # the first drain's pass, still queued when it gave up, runs first; then the second one's
     assert lines[1] in ("FREE True ['flagos:0']", "FREE True ['flagos:0', 'flagos:0']"), proc.stdout
     assert "autograd's engine thread was still busy 0 s after the program ended" in proc.stderr
+
+
+@runs_once
+def test_pytorchs_assert_on_another_accelerators_backward_names_the_way_out(monkeypatch):
+    """A plain cuda backward in a device-mode process meets PyTorch's stream assert
+    (pytorch/pytorch#161129); the engine's answer is replaced here, as no GPU is at hand."""
+    class Engine:
+        def run_backward(self, *args, **kwargs):
+            raise RuntimeError("opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED at "
+                               "\"engine.cpp\":1084, please report a bug to PyTorch.")
+
+    x = torch.ones(3, requires_grad=True)
+    loss = (x * 2).sum()
+    monkeypatch.setattr(torch.autograd.graph.Variable, "_execution_engine", Engine())
+    with pytest.raises(flagos.AcceleratorBackwardError, match="FLAGOS_MODE=native") as raised:
+        loss.backward()
+    assert "161129" in str(raised.value) and "INTERNAL ASSERT" in str(raised.value.__cause__)
+    monkeypatch.undo()
+    (x * 3).sum().backward()  # the process goes on
+    assert x.grad.tolist() == [3.0, 3.0, 3.0]

@@ -39,6 +39,19 @@ ENGINE_QUEUE = "device_ready_queues_"
 
 
 NoEngineQueueError = errors.NoEngineQueueError
+AcceleratorBackwardError = errors.AcceleratorBackwardError
+# PyTorch's assert when a backward meets tensors of an accelerator other than the one it takes
+# for the process's: once PrivateUse1 is registered it takes PrivateUse1 (pytorch/pytorch#161129,
+# docs/design.md).
+STREAM_ASSERT = "opt_ready_stream && opt_parent_stream"
+ACCELERATOR_BACKWARD = (
+    "backward() over tensors of another accelerator (plain cuda tensors, say) cannot run in a "
+    "process where flagos holds PyTorch's PrivateUse1 device (device mode): PyTorch's autograd "
+    "engine then takes flagos for the process's accelerator and asserts on the other device's "
+    "streams (pytorch/pytorch#161129). Put the model and its inputs on flagos.device() (their "
+    "memory stays the chip's), or use native mode (FLAGOS_MODE=native, or "
+    "flagos.activate(mode=\"native\")), where they stay cuda tensors and flagos routes their ops "
+    "all the same.")
 
 
 def engine_queue_message() -> str:
@@ -85,9 +98,13 @@ def _install_engine_check() -> None:
             if not kept:
                 raise
         except RuntimeError as e:
-            if ENGINE_QUEUE not in str(e) or isinstance(e, NoEngineQueueError):
+            if isinstance(e, (NoEngineQueueError, AcceleratorBackwardError)):
                 raise
-            raise NoEngineQueueError(engine_queue_message()) from None
+            if ENGINE_QUEUE in str(e):
+                raise NoEngineQueueError(engine_queue_message()) from None
+            if STREAM_ASSERT in str(e) and _state.active_or_none() is not None:
+                raise AcceleratorBackwardError(ACCELERATOR_BACKWARD) from e
+            raise
         finally:
             if outer is not None or _forget_tls is None:
                 torch._C._stash_obj_in_tls(KEPT, outer)  # outer: a backward inside a hook
