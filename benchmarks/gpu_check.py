@@ -18,7 +18,10 @@ that same process:
 Each check first runs both sides once from the same weights and inputs and compares the results
 (tolerances in TOLERANCES, float32 with TF32 off), then times them interleaved (native, flagos,
 native, ...) and reports medians and the flagos/native ratio; compile also reports each side's
-first-call (compilation) time. "routed ops" counts the aten calls flagos routed in the flagos
+first-call (compilation) time. In device mode the train check's native side runs in a process of
+its own, before the flagos one (not interleaved): once PrivateUse1 is registered, PyTorch's
+autograd cannot run a backward over plain cuda tensors in that process (pytorch/pytorch#161129;
+flagos says so with AcceleratorBackwardError). "routed ops" counts the aten calls flagos routed in the flagos
 side's first run (a compiled graph's calls are counted as graphs, not ops). In native mode the native side runs with flagos deactivated and
 the flagos side with it activated (activation is outside the timed region). The whole run takes
 well under 5 minutes on a current GPU (`--quick`: fewer iterations and steps).
@@ -50,6 +53,8 @@ CHECKS = ("ddpm", "bert", "train", "compile")
 # (rtol, atol) per check, float32 with TF32 off on both sides
 TOLERANCES = {"ddpm": (1e-3, 1e-3), "bert": (1e-4, 1e-4), "train": (1e-4, 1e-5), "compile": (1e-4, 1e-4)}
 EXIT_OK, EXIT_FAILED, EXIT_NO_GPU = 0, 1, 2
+# (mode, check) whose native side runs in a reference process without flagos (see the docstring)
+NATIVE_ELSEWHERE = {("device", "train")}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -74,10 +79,12 @@ class Sides:
 
     def __init__(self, mode: str, chip: str, native_device):
         import torch
-
+        self.torch, self.mode, self.chip, self.native = torch, mode, chip, native_device
+        if mode == "reference":  # plain PyTorch only: flagos is not even imported
+            self.flagos, self.info, self.device = None, {}, native_device
+            return
         import flagos
-        self.torch, self.flagos = torch, flagos
-        self.mode, self.chip, self.native = mode, chip, native_device
+        self.flagos = flagos
         if mode == "device":
             self.info = flagos.activate(chip, mode="device")
             self.device = flagos.device()
@@ -90,7 +97,7 @@ class Sides:
     def on(self):
         """The flagos side: nothing to do in device mode (its tensors are flagos tensors);
         activated around the call in native mode."""
-        if self.mode == "native":
+        if self.mode == "native" and self.flagos is not None:
             self.flagos.activate(self.chip, mode="native")
             try:
                 yield
@@ -267,13 +274,31 @@ def _nothing():
     yield
 
 
-def run_check(sides: Sides, name: str, s: dict) -> dict:
+def run_check(sides: Sides, name: str, s: dict, reference: str | None) -> dict:
+    """One check in this process. `reference`: the folder where the reference process leaves
+    (and this process finds) the native side of the NATIVE_ELSEWHERE checks."""
+    import torch
     row = {"mode": sides.mode, "check": name, "rtol": TOLERANCES[name][0], "atol": TOLERANCES[name][1]}
+    saved = os.path.join(reference or "", f"{name}.pt")
+    native_here = sides.mode == "reference" or (sides.mode, name) not in NATIVE_ELSEWHERE
     try:
         native_fn, flagos_fn, what = BUILDERS[name](sides, s)
         row["what"] = what
+        if sides.mode == "reference":  # the native side alone, kept for the flagos process
+            first_native, out_native = _timed(sides, native_fn, False)
+            out_native = _to_cpu(out_native)  # a copy: train's further steps update the weights
+            native_ms = [_timed(sides, native_fn, False)[0] for _ in range(s["iters"])]
+            torch.save({"out": out_native, "first_ms": first_native,
+                        "median_ms": statistics.median(native_ms)}, saved)
+            return row
         graphs = _graphs_compiled()
-        first_native, out_native = _timed(sides, native_fn, False)
+        if native_here:
+            first_native, out_native = _timed(sides, native_fn, False)
+        else:
+            kept = torch.load(saved)
+            first_native, out_native = kept["first_ms"], kept["out"]
+            row["native_ms"] = kept["median_ms"]
+            row["native_elsewhere"] = True
         native_graphs = _graphs_compiled() - graphs
         sides.flagos.reset_report()
         with sides.on():
@@ -288,9 +313,12 @@ def run_check(sides: Sides, name: str, s: dict) -> dict:
         row["first_call_ms"] = {"native": first_native, "flagos": first_flagos}
         native_ms, flagos_ms = [], []
         for _ in range(s["iters"]):  # interleaved
-            native_ms.append(_timed(sides, native_fn, False)[0])
+            if native_here:
+                native_ms.append(_timed(sides, native_fn, False)[0])
             flagos_ms.append(_timed(sides, flagos_fn, True)[0])
-        row["native_ms"], row["flagos_ms"] = statistics.median(native_ms), statistics.median(flagos_ms)
+        if native_here:
+            row["native_ms"] = statistics.median(native_ms)
+        row["flagos_ms"] = statistics.median(flagos_ms)
         row["ratio"] = row["flagos_ms"] / row["native_ms"] if row["native_ms"] > 0 else None
     except Exception as e:  # one check's failure is reported, the others still run
         import traceback
@@ -299,7 +327,17 @@ def run_check(sides: Sides, name: str, s: dict) -> dict:
     return row
 
 
-def child_main(mode: str, chip: str, dry_run: bool, quick: bool, checks: list[str], out: str) -> int:
+def _to_cpu(value):
+    import torch
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, (list, tuple)):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+def child_main(mode: str, chip: str, dry_run: bool, quick: bool, checks: list[str], out: str,
+               reference: str | None) -> int:
     os.environ.setdefault("FLAGOS_FALLBACK", "allow")  # fallbacks are counted in the rows
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -313,7 +351,7 @@ def child_main(mode: str, chip: str, dry_run: bool, quick: bool, checks: list[st
                 for c in checks]
         info = {}
     else:
-        rows = [run_check(sides, c, s) for c in checks]
+        rows = [run_check(sides, c, s, reference) for c in checks]
         info = {k: sides.info.get(k) for k in ("chip", "vendor", "mode", "device", "devices", "caches")}
     with open(out, "w") as f:
         json.dump({"rows": rows, "info": info}, f, default=str)
@@ -324,23 +362,30 @@ def child_main(mode: str, chip: str, dry_run: bool, quick: bool, checks: list[st
 
 def _run_child(mode: str, args, checks: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--child-out", out,
-               "--checks", ",".join(checks)] + (["--quick"] if args.quick else []) + \
-              (["--dry-run"] if args.dry_run else [])
-        env = dict(os.environ)
-        env.pop("FLAGOS_DEVICE", None)  # the child activates itself, its own way
-        env.pop("FLAGOS_DEVICE_BACKEND", None)
-        env.pop("FLAGOS_MODE", None)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-        proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL)
-        if os.path.exists(out):
-            with open(out) as f:
-                return json.load(f)
-        return {"rows": [{"mode": mode, "check": c, "ok": False,
-                          "detail": f"the {mode}-mode process exited with code {proc.returncode} "
-                                    f"before answering (its messages are above)"} for c in checks],
-                "info": {}}
+        elsewhere = [c for c in checks if (mode, c) in NATIVE_ELSEWHERE]
+        if elsewhere:
+            _child_process("reference", args, elsewhere, tmp)
+        return _child_process(mode, args, checks, tmp)
+
+
+def _child_process(mode: str, args, checks: list[str], tmp: str) -> dict:
+    out = os.path.join(tmp, f"{mode}.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--child-out", out,
+           "--reference", tmp, "--checks", ",".join(checks)] + (["--quick"] if args.quick else []) + \
+          (["--dry-run"] if args.dry_run else [])
+    env = dict(os.environ)
+    env.pop("FLAGOS_DEVICE", None)  # the child activates itself, its own way
+    env.pop("FLAGOS_DEVICE_BACKEND", None)
+    env.pop("FLAGOS_MODE", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL)
+    if os.path.exists(out):
+        with open(out) as f:
+            return json.load(f)
+    return {"rows": [{"mode": mode, "check": c, "ok": False,
+                      "detail": f"the {mode}-mode process exited with code {proc.returncode} "
+                                f"before answering (its messages are above)"} for c in checks],
+            "info": {}}
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -355,6 +400,8 @@ def format_table(rows: list[dict]) -> str:
         result = "ok" if r.get("ok") else f"FAIL {r.get('detail', '')}".strip()
         if r.get("fallback_ops"):
             result += f" ({len(r['fallback_ops'])} ops fell back)"
+        if r.get("native_elsewhere"):
+            result += " (native side: a process of its own)"
         body.append([r["mode"], r["check"], _fmt(r.get("native_ms")), _fmt(r.get("flagos_ms")),
                      _fmt(r.get("ratio")), _fmt(r.get("max_abs_diff"), ".2e"),
                      _fmt(r.get("flagos_op_calls"), "d"), result, r.get("what", "")])
@@ -392,7 +439,8 @@ def parse_args(argv=None):
                    help="checks to run (default: ddpm,bert,train,compile)")
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU: the cpu chip against plain PyTorch on the CPU, small sizes, one iteration")
-    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=MODES + ("reference",), help=argparse.SUPPRESS)
+    p.add_argument("--reference", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -401,7 +449,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     chip = "cpu" if args.dry_run else "cuda"
     if args.child:
-        return child_main(args.child, chip, args.dry_run, args.quick, args.checks, args.child_out)
+        return child_main(args.child, chip, args.dry_run, args.quick, args.checks, args.child_out,
+                          args.reference)
     import torch
     if not args.dry_run and not torch.cuda.is_available():
         print(f"no NVIDIA GPU: torch.cuda.is_available() is False (torch {torch.__version__}, CUDA build "

@@ -6,12 +6,14 @@
 
 The UNet is built from a small config with seeded random weights (no downloads), so the image
 is noise-shaped; what matters is that the same script runs on every chip and the report says
-which aten ops ran where. The run is compared with plain PyTorch on CPU; with --dtype float16 or
+which aten ops ran where. The run is compared with plain PyTorch on the chip's own PyTorch device
+where it has one (cuda on the cuda chip: the same kernels and the same random numbers), else on
+the CPU; with --dtype float16 or
 bfloat16 both runs use autocast (torch.autocast("flagos") follows the payload device's policy).
 With --offload the weights rest on the host and Diffusers moves them to flagos as they are
 needed: a whole model at a time (model), each layer's weights for its own forward (sequential),
 or one block of layers at a time (group). The noise comes from a seeded
-torch.Generator(flagos.device()), which draws what the same CPU generator draws. Without
+torch.Generator(flagos.device()), which draws what the same generator of that device draws. Without
 --offload the pipeline is then saved with save_pretrained, loaded back with from_pretrained onto
 flagos and run again: the image must not change.
 """
@@ -80,7 +82,16 @@ def save_and_reload(pipe: DDPMPipeline, device: torch.device, folder: str) -> DD
     return back
 
 
-# How far flagos may be from plain CPU: float32 is exact in practice; half precision gets the
+def reference_device(chip: str) -> torch.device:
+    """Plain PyTorch's device to compare with: the chip's own (cuda, npu, ...) where PyTorch has
+    one here, else the CPU (the cpu chip, and C-ABI chips such as sim, whose random numbers are
+    the CPU's)."""
+    own = getattr(torch, chip, None) if chip != "cpu" else None
+    available = getattr(own, "is_available", None)
+    return torch.device(chip, 0) if callable(available) and available() else torch.device("cpu")
+
+
+# How far flagos may be from plain PyTorch: float32 is exact in practice; half precision gets the
 # FlagGems tolerances (the two runs use the same casting policy, so they agree far closer).
 OFFLOAD_MODES = ("model", "sequential", "group")
 TOLERANCE = {"float32": 1e-3, "float16": 1e-3 * 10, "bfloat16": 1.6e-2 * 10}
@@ -103,7 +114,8 @@ def main() -> None:
     print(f"flagos {info['version']} on chip {info['chip']} ({info['mode']} mode, "
           f"{info['devices'][0]}), torch {info['torch']}")
 
-    reference, ref_s = generate(build_pipeline(args.seed), torch.device("cpu"), args.steps, args.seed, dtype)
+    plain = reference_device(info["chip"])
+    reference, ref_s = generate(build_pipeline(args.seed).to(plain), plain, args.steps, args.seed, dtype)
     flagos.reset_report()
     pipe = place(build_pipeline(args.seed), flagos.device(), args.offload)
     images, run_s = generate(pipe, flagos.device(), args.steps, args.seed, dtype)
@@ -111,11 +123,11 @@ def main() -> None:
     Image.fromarray((images[0] * 255).round().astype("uint8")).save(args.out)
     diff = float(np.abs(images - reference).max())
     offload = f", {args.offload} offload" if args.offload else ""
-    print(f"{args.steps} steps on {flagos.device()} ({args.dtype}{offload}): {run_s:.2f} s (plain CPU: {ref_s:.2f} s); "
-          f"max |flagos - cpu| = {diff:.2e}; image saved to {args.out}")
+    print(f"{args.steps} steps on {flagos.device()} ({args.dtype}{offload}): {run_s:.2f} s (plain {plain.type}: {ref_s:.2f} s); "
+          f"max |flagos - {plain.type}| = {diff:.2e}; image saved to {args.out}")
     print(flagos.fallback_report())
     if diff > TOLERANCE[args.dtype]:
-        raise SystemExit(f"flagos output differs from plain CPU by {diff}")
+        raise SystemExit(f"flagos output differs from plain {plain.type} by {diff}")
     if args.offload is None:
         with tempfile.TemporaryDirectory() as folder:
             again, _ = generate(save_and_reload(pipe, flagos.device(), folder), flagos.device(),
