@@ -16,7 +16,9 @@ from conftest import CHIP, device_mode_only, run_python
 from torch._dynamo import output_graph
 from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd import graph_compile
+from torch._guards import TracingContext, tracing
 from torch._inductor.utils import fresh_cache
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing import assert_close
 
 import flagos
@@ -521,3 +523,17 @@ def test_attention_over_a_length_known_only_at_run_time(dev):
         out = torch.compile(attend, fullgraph=True)(q.to(dev), k.to(dev), v.to(dev), n.to(dev))
     assert out.shape == (1, 2, 5, 16)
     assert_close(out.cpu(), expected, rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.skipif(not COMPILES, reason="C-ABI chips' tensors are not traced")
+def test_a_tracer_fakes_a_flagos_tensor_from_its_own_storage(dev):
+    """Dynamo fakes every input inside its tracing context, where `is_compiling()` still answers
+    False on PyTorch 2.11: the wrapper must describe its own storage there, not its payload's
+    (else PyTorch's meta converter takes the two for aliases and refuses the result)."""
+    t = torch.randn(4, 4, device=dev)
+    assert t.untyped_storage().data_ptr() == t._payload.untyped_storage().data_ptr()  # eager
+    mode = FakeTensorMode()
+    with tracing(TracingContext(mode)):
+        assert t.untyped_storage().device == dev  # the wrapper's own
+        fake = mode.from_tensor(t)
+    assert isinstance(fake, FlagosTensor) and fake.device == dev and fake.shape == (4, 4)

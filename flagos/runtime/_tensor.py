@@ -72,7 +72,7 @@ class FlagosTensor(torch.Tensor):
         # read to find tensors that share memory, e.g. tied weights).
         # While torch.compile traces, the wrapper's own storage is what its fake tensors describe.
         payload = self._payload
-        if torch.compiler.is_compiling():
+        if _tracing.compiling():
             return torch.Tensor.untyped_storage(self)
         if isinstance(payload, torch.Tensor):
             return payload.untyped_storage()
@@ -89,7 +89,7 @@ class FlagosTensor(torch.Tensor):
         # flagos tensor for the same one. The address is the payload's (an adapter buffer's
         # handle on C-ABI chips), as a CUDA tensor's is its device address.
         payload = self._payload
-        if torch.compiler.is_compiling():
+        if _tracing.compiling():
             return torch.Tensor.data_ptr(self)
         if isinstance(payload, torch.Tensor):
             return payload.data_ptr()

@@ -35,7 +35,7 @@ def flatten(tensor):
     payload = tensor._payload
     if "torch._dynamo" not in sys.modules:
         return ["_payload"], None
-    if not _compiling():
+    if not compiling():
         # A library, not a compilation, asks for the inner tensors (huggingface_hub's storage
         # ids when saving): nothing of Inductor to register for it, which costs seconds.
         if not isinstance(payload, torch.Tensor):
@@ -52,11 +52,13 @@ def unflattened(payload) -> None:
     the fake copy of every flagos input this way before it traces anything, so this is where
     a compilation first meets flagos (the guards' `__tensor_flatten__` calls, on real
     tensors, stay a type check)."""
-    if "torch._dynamo" in sys.modules and _compiling():
+    if "torch._dynamo" in sys.modules and compiling():
         _meet_compilation()
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
+    """Whether a compiler traces now. Dynamo's tracing context is there from the first fake copy
+    of an input on; `is_compiling()` alone answers False there on PyTorch 2.11."""
     return torch._guards.TracingContext.try_get() is not None or torch.compiler.is_compiling()
 
 
