@@ -68,6 +68,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_native_mode.py": [cpu(NATIVE)],
     "flagos/integrations/_redirect.py": [cpu(T + "redirect.py"), sim(T + "redirect.py")],
     "flagos/integrations/_offload.py": [cpu(OFFLOAD), sim(OFFLOAD)],
+    "flagos/runtime/_payload_rules.py": [cpu(CHIP_PROFILES, k="payload_rules")],
     "flagos/runtime/_pinned.py": [cpu(ECOSYSTEM, k="pin"), sim(ECOSYSTEM, k="pin")],
     "flagos/runtime/_registration.py": [cpu(DEVICE, ERRORS, NATIVE)],
     "flagos/report/_report.py": [cpu(ROUTES, COUNTERS, HTML)],
