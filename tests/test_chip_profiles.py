@@ -233,3 +233,37 @@ def test_channels_last_group_norm_through_the_payload_rules_matches_cpu():
     assert_close(routed_x.grad, x.grad)
     assert_close(routed_norm.weight.grad, norm.weight.grad)
     assert_close(routed_norm.bias.grad, norm.bias.grad)
+
+
+def test_payload_rules_hand_the_kernels_contiguous_payloads(monkeypatch):
+    seen = []
+
+    class Op:
+        def __init__(self, op):
+            self.op = op
+
+        def default(self, *args):
+            seen.append([a.is_contiguous() for a in args if isinstance(a, torch.Tensor)])
+            return self.op.default(*args)
+
+    monkeypatch.setattr(_payload_rules, "_aten", types.SimpleNamespace(
+        native_group_norm=Op(torch.ops.aten.native_group_norm),
+        native_group_norm_backward=Op(torch.ops.aten.native_group_norm_backward)))
+    x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    weight, bias = torch.ones(8), torch.zeros(8)
+    out, mean, rstd = _payload_rules.group_norm(x, weight, bias, 2, 8, 25, 4, 1e-5)
+    grad = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    grads = _payload_rules.group_norm_backward(grad, x, mean, rstd, weight, 2, 8, 25, 4, [True, True, True])
+    assert seen == [[True] * 3, [True] * 5]
+    assert_close(out, torch.ops.aten.native_group_norm(x, weight, bias, 2, 8, 25, 4, 1e-5)[0])
+    assert_close(grads[0], torch.ops.aten.native_group_norm_backward(
+        grad, x, mean, rstd, weight, 2, 8, 25, 4, [True, True, True])[0])
+
+
+@device_mode_only
+def test_payload_rules_register_for_the_chips_that_need_them():
+    overrides = flagos.core._routes._overrides
+    _payload_rules.register(chips.profile("cpu"))
+    assert not any(chip == "cpu" for _, chip in overrides)
+    _payload_rules.register(chips.profile("cuda"))
+    assert {op for op, chip in overrides if chip == "cuda"} == set(_payload_rules.KERNELS)

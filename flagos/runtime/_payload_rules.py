@@ -19,7 +19,7 @@ _aten = torch.ops.aten
 
 
 def _contiguous(t):
-    return t.contiguous() if isinstance(t, torch.Tensor) and not t.is_contiguous() else t
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def group_norm(x, weight, bias, n, c, hw, group, eps):
