@@ -233,6 +233,9 @@ def test_sparse_tensors_get_a_clear_error(dev):
         torch.ones(3, device=dev).to_sparse()
     with pytest.raises(RuntimeError, match=r"sparse tensors are not supported on flagos"):
         torch.eye(3).to_sparse_csr().to(dev)
+    for layout in (torch.sparse_coo, torch.sparse_csr):  # factories that reach the sparse keys
+        with pytest.raises(RuntimeError, match=r"sparse tensors are not supported on flagos"):
+            torch.empty((2, 2), layout=layout, device=dev)
     assert (torch.ones(3, device=dev) + 1).sum().item() == 6.0  # nothing else is affected
 
 
