@@ -133,9 +133,18 @@ def test_torch_accelerator_streams_and_devices(dev):
     assert torch.flagos.current_device() == 0
     torch.accelerator.set_device_index(last)
     assert torch.accelerator.current_device_index() == last
+    with torch.accelerator.device_index(0):  # back to the first device, and out again
+        assert torch.flagos.current_device() == 0
+    assert torch.flagos.current_device() == last
+    torch.accelerator.set_device_index(-1)  # "no device", as on CUDA: nothing changes
+    with torch.accelerator.device_index(-1):
+        assert torch.flagos.current_device() == last
+    assert torch.flagos.current_device() == last
     torch.accelerator.set_device_index(0)
+    assert torch.accelerator.current_device_index() == 0
+    # every dtype a flagos tensor holds, also those a C-ABI chip leaves to the CPU fallback
     caps = torch.accelerator.get_device_capability()
-    assert torch.float32 in caps["supported_dtypes"]
+    assert {torch.float32, torch.float16, torch.int64, torch.bool} <= caps["supported_dtypes"]
 
 
 def test_torch_accelerator_memory_matches_torch_flagos(dev):
