@@ -31,7 +31,8 @@ _EXPORTS = {
     "FlagosTensor": "runtime._tensor", "DeviceInfo": "chips.base",
     "ConfigError": "errors", "ChipNotFoundError": "errors", "DeviceError": "errors",
     "DeviceMismatchError": "errors", "FallbackError": "errors", "FallbackWarning": "errors",
-    "AdapterError": "errors", "NoEngineQueueError": "errors", "AcceleratorBackwardError": "errors", "DowncastWarning": "errors",
+    "AdapterError": "errors", "NoEngineQueueError": "errors", "DowncastWarning": "errors",
+    "AcceleratorBackwardError": "errors",
     "compare": "tools._compare", "dist_backend": "integrations._distributed",
 }
 
