@@ -45,6 +45,22 @@ def dev():
     return flagos.device()
 
 
+def reference_device(index: int = 0) -> torch.device:
+    """Plain PyTorch's device a test compares the run's chip with: the payload device of a
+    torch-native chip whose payloads are not host tensors (cuda, npu, ...), whose random
+    numbers, autocast policy and kernels flagos tensors get there; the CPU otherwise (the cpu
+    chip, and C-ABI chips, whose random numbers and autocast are the CPU's)."""
+    chip = flagos.core._state.active_or_none().chip
+    if chip.torch_type and not chip.payload_is_host:
+        return chip.torch_device(index)
+    return torch.device("cpu")
+
+
+@pytest.fixture
+def ref():
+    return reference_device()
+
+
 @pytest.fixture(autouse=True)
 def clean_routes():
     """Every test starts with automatic routes and empty counters."""

@@ -1,13 +1,14 @@
 """Per-device generators: torch.Generator(device=flagos.device()) draws exactly what the same
-seeded CPU generator draws (random ops of the cpu chip and of adapter chips run on the host),
-and Diffusers pipelines seeded with one reproduce the plain CPU run."""
+seeded generator of the payload device draws (the CPU's on the cpu chip and on adapter chips,
+whose random ops run on the host; CUDA's on the cuda chip), and Diffusers pipelines seeded with
+one reproduce the plain run there."""
 import copy
 import pickle
 
 import models
 import pytest
 import torch
-from conftest import CHIP, device_mode_only, run_python, runs_once
+from conftest import CHIP, device_mode_only, reference_device, run_python, runs_once
 
 pytestmark = device_mode_only
 
@@ -39,27 +40,27 @@ def test_generator_on_the_flagos_device(dev):
     lambda d, g: torch.full((50,), 0.3, device=d).bernoulli(generator=g),
     lambda d, g: torch.multinomial(torch.tensor([0.1, 0.2, 0.7], device=d), 8, True, generator=g),
 ], ids=["randn", "rand", "randint", "randperm", "normal_", "uniform_", "bernoulli", "multinomial"])
-def test_random_ops_match_the_seeded_cpu_generator(dev, draw):
-    g, ref = seeded(dev), seeded("cpu")
+def test_random_ops_match_the_seeded_reference_generator(dev, ref, draw):
+    g, ref_g = seeded(dev), seeded(ref)
     for _ in range(2):  # the second draw continues from the generator's advanced state
-        out, expected = draw(dev, g), draw("cpu", ref)
+        out, expected = draw(dev, g), draw(ref, ref_g)
         assert out.device == dev
-        assert torch.equal(out.cpu(), expected)
+        assert torch.equal(out.cpu(), expected.cpu())
 
 
-def test_dropout_uses_the_devices_default_generator(dev):
+def test_dropout_uses_the_devices_default_generator(dev, ref):
     x = torch.ones(64, 8)
     torch.manual_seed(3)
-    expected = torch.nn.functional.dropout(x, 0.5, training=True)
+    expected = torch.nn.functional.dropout(x.to(ref), 0.5, training=True).cpu()
     torch.flagos.manual_seed(3)
     out = torch.nn.functional.dropout(x.to(dev), 0.5, training=True)
     assert torch.equal(out.cpu(), expected)
 
 
-def test_state_round_trip_and_copies(dev):
+def test_state_round_trip_and_copies(dev, ref):
     g = seeded(dev, 11)
     state = g.get_state()
-    assert torch.equal(state, seeded("cpu", 11).get_state())
+    assert torch.equal(state, seeded(ref, 11).get_state())
     first = torch.randn(8, device=dev, generator=g).cpu()
     g.set_state(state)
     assert torch.equal(torch.randn(8, device=dev, generator=g).cpu(), first)
@@ -75,7 +76,8 @@ def test_generators_of_every_device(dev):
     assert g.device == torch.device("flagos", last)
     out = torch.randn(4, device=f"flagos:{last}", generator=g)
     assert out.device == torch.device("flagos", last)
-    assert torch.equal(out.cpu(), torch.randn(4, generator=seeded("cpu", 5)))
+    plain = reference_device(last)
+    assert torch.equal(out.cpu(), torch.randn(4, device=plain, generator=seeded(plain, 5)).cpu())
     with pytest.raises(ValueError, match=rf"flagos:{last + 1} does not exist"):
         torch.Generator(device=f"flagos:{last + 1}")
     # every other way to name a device still gets PyTorch's own generator for it
@@ -84,20 +86,20 @@ def test_generators_of_every_device(dev):
         assert g.device == torch.device("cpu") and type(g) is torch._C.Generator, other
 
 
-def test_diffusers_randn_tensor_with_a_flagos_generator(dev):
+def test_diffusers_randn_tensor_with_a_flagos_generator(dev, ref):
     randn_tensor = pytest.importorskip("diffusers.utils.torch_utils").randn_tensor
     out = randn_tensor((2, 3, 4), generator=seeded(dev), device=dev)
     assert out.device == dev
-    assert torch.equal(out.cpu(), randn_tensor((2, 3, 4), generator=seeded("cpu")))
+    assert torch.equal(out.cpu(), randn_tensor((2, 3, 4), generator=seeded(ref), device=ref).cpu())
     per_sample = randn_tensor((2, 3), generator=[seeded(dev, 1), seeded(dev, 2)], device=dev)
-    expected = randn_tensor((2, 3), generator=[seeded("cpu", 1), seeded("cpu", 2)])
-    assert torch.equal(per_sample.cpu(), expected)
+    expected = randn_tensor((2, 3), generator=[seeded(ref, 1), seeded(ref, 2)], device=ref)
+    assert torch.equal(per_sample.cpu(), expected.cpu())
 
 
-def test_ddpm_pipeline_seeded_with_a_flagos_generator_matches_cpu(dev):
+def test_ddpm_pipeline_seeded_with_a_flagos_generator_matches_plain_pytorch(dev, ref):
     pytest.importorskip("diffusers")
-    ref = models.ddpm_pipeline()
-    expected = ref(batch_size=1, generator=seeded("cpu"), num_inference_steps=4, output_type="np").images
+    plain = models.ddpm_pipeline().to(ref)
+    expected = plain(batch_size=1, generator=seeded(ref), num_inference_steps=4, output_type="np").images
     pipe = models.ddpm_pipeline().to(dev)
     torch.manual_seed(1234)  # the global generators differ from the reference run: only the
     torch.flagos.manual_seed(1234)  # pipeline's generator can make the images equal
@@ -137,7 +139,8 @@ def test_generator_without_an_index_is_on_the_current_device():
             assert g.device == torch.device("flagos", last)
             out = torch.randn(4, device=g.device, generator=g.manual_seed(5))
             assert out.device == torch.device("flagos", last)
-            assert torch.equal(out.cpu(), torch.randn(4, generator=seeded("cpu", 5)))
+            plain = reference_device(last)
+            assert torch.equal(out.cpu(), torch.randn(4, device=plain, generator=seeded(plain, 5)).cpu())
     finally:
         torch.flagos.set_device(0)
     assert torch.Generator("flagos").device == torch.device("flagos", 0)
