@@ -14,6 +14,11 @@ pays, measured in the same run: a trivial wrapper subclass whose `__torch_dispat
 beside flagos's; its median is taken over the one-output ops, as flagos's "same ops" figure,
 and the layer_norm / add ratio is printed for both, since three wrappers cost the floor too.
 
+The native side runs where the chip's payloads live: on the CPU for the cpu chip and C-ABI
+chips, on the chip's own device for a torch-native accelerator (`--chip cuda`: plain CUDA
+tensors, synchronized at the end of each run as the flagos side is), and the floor wraps
+tensors there too.
+
 On a C-ABI chip (sim, opencl) the time inside the adapter's kernels is counted by the adapter
 object (`Adapter.kernel_times()`) and printed apart, per op call ("kernel µs"), with the
 overhead less that time: the cost of the path to the kernel, not of sim's plain C loops. On an
@@ -64,6 +69,15 @@ REALISTIC = {
 }
 
 
+def plain_device(chip_name: str) -> torch.device:
+    """Where plain PyTorch runs the native side: the payload device of a torch-native chip
+    whose payloads are not host tensors, else the CPU."""
+    chip = flagos.chips.profile(chip_name) if chip_name in flagos.chips.known() else None
+    if chip is not None and chip.torch_type and not chip.payload_is_host:
+        return chip.torch_device(0)
+    return torch.device("cpu")
+
+
 def kernel_clock(chip):
     """Seconds spent inside the adapter's kernels so far (0 on a chip without an adapter)."""
     if not isinstance(chip, AdapterChip) or not hasattr(chip.adapter, "kernel_times"):
@@ -88,18 +102,22 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    base = torch.randn(8, 8), torch.randn(8, 8)
-    native = {name: median_us(lambda f=f: f(*base), args.number, args.repeat) for name, f in OPS.items()}
+    plain = plain_device(args.chip)
+    plain_sync = None if plain.type == "cpu" else getattr(torch, plain.type).synchronize
+    host = torch.randn(8, 8), torch.randn(8, 8)
+    base = tuple(t.to(plain) for t in host)
+    native = {name: median_us(lambda f=f: f(*base), args.number, args.repeat, plain_sync)
+              for name, f in OPS.items()}
     floor = {}
     if args.floor and floor_available():
         wrapped = tuple(floor_tensor(t) for t in base)
-        floor = {name: median_us(lambda f=f: f(*wrapped), args.number, args.repeat)
+        floor = {name: median_us(lambda f=f: f(*wrapped), args.number, args.repeat, plain_sync)
                  for name, f in OPS.items()}
     info = flagos.activate(args.chip, mode=args.mode)
     os.environ["FLAGOS_FALLBACK"] = "allow"
     dev = flagos.device()
     sync = getattr(torch, dev.type).synchronize  # torch.flagos (device mode) or the chip's module
-    on_chip = tuple(t.to(dev) for t in base)
+    on_chip = tuple(t.to(dev) for t in host)
     kernel_seconds = kernel_clock(_state.active().chip)
     routed, kernel = {}, {}
     for name, f in OPS.items():
@@ -109,15 +127,17 @@ def main() -> None:
     real = {}
     for name, (inputs, f) in REALISTIC.items():
         moved = tuple(t.to(dev) for t in inputs)
+        inputs = tuple(t.to(plain) for t in inputs)
         number = max(args.number // 20, 20)
         # interleaved: native and flagos alternate, so a load change hits both
-        pairs = [(median_us(lambda f=f, inputs=inputs: f(*inputs), number, 1),
+        pairs = [(median_us(lambda f=f, inputs=inputs: f(*inputs), number, 1, plain_sync),
                   median_us(lambda f=f, moved=moved: f(*moved), number, 1, sync))
                  for _ in range(args.repeat)]
         real[name] = tuple(sorted(p[i] for p in pairs)[len(pairs) // 2] for i in (0, 1))
 
     print(f"machine: {machine()}")
-    print(f"chip {info['chip']}, {info['mode']} mode; 8x8 float32; median of {args.repeat} x {args.number} calls")
+    print(f"chip {info['chip']}, {info['mode']} mode; native on {plain.type}; 8x8 float32; "
+          f"median of {args.repeat} x {args.number} calls")
     has_kernels = any(kernel.values())
     print(f"{'op':<12}{'native µs':>11}{'flagos µs':>11}{'overhead µs':>13}{'ratio':>8}"
           + (f"{'floor over µs':>15}" if floor else "")
@@ -147,7 +167,7 @@ def main() -> None:
     for name, (n, f) in real.items():
         print(f"{name:<22}{n:>11.1f}{f:>11.1f}{f - n:>13.1f}{f / n:>8.2f}")
     write_json(args.json, "dispatch_overhead", {
-        "chip": info["chip"], "mode": info["mode"], "number": args.number, "repeat": args.repeat,
+        "chip": info["chip"], "mode": info["mode"], "native_device": plain.type, "number": args.number, "repeat": args.repeat,
         "small_ops": {name: {"native_us": native[name], "flagos_us": routed[name],
                              "floor_us": floor.get(name), "kernel_us": kernel[name]}
                       for name in OPS},
