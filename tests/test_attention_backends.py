@@ -1,0 +1,148 @@
+"""scaled_dot_product_attention on an accelerator's payloads (runtime/_attention.py): the fused
+backend PyTorch would choose for the payloads (flash, memory-efficient, cuDNN) gets the same
+preparation PyTorch's own composite gives it. Those kernels exist only on the accelerators, so
+here each backend's op is stood in for by the math decomposition, called with what flagos hands
+the kernel: the answer and the gradients must be plain CPU attention's, and the arguments what
+the kernel requires (a head dimension padded to a multiple of 8 with the scale of the original,
+a bias aligned to 8 elements and expanded to (batch, heads, L, S), the log-sum-exp asked for only
+when a backward will need it)."""
+import math
+import types
+
+import pytest
+import torch
+from conftest import assert_close, device_mode_only
+
+from flagos.runtime import _attention
+
+pytestmark = device_mode_only
+F = torch.nn.functional
+
+
+class KernelStandIn:
+    """The fused ops' names, recording their arguments and answering with the math
+    decomposition of the same call (on the same flagos tensors, so autograd sees it)."""
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _math(q, k, v, bias, dropout_p, is_causal, scale):
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, bias, dropout_p, is_causal, scale=scale)[0]
+
+    def _scaled_dot_product_flash_attention(self, q, k, v, dropout_p, is_causal, debug_mask, scale=None):
+        self.calls.append(dict(op="flash", head=q.shape[-1], heads=(k.shape[-1], v.shape[-1]),
+                               scale=scale, debug_mask=debug_mask))
+        return (self._math(q, k, v, None, dropout_p, is_causal, scale),)
+
+    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, log_sumexp, dropout_p, is_causal, scale=None):
+        self.calls.append(dict(op="efficient", bias=bias, log_sumexp=log_sumexp))
+        return (self._math(q, k, v, bias, dropout_p, is_causal, scale),)
+
+    def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, log_sumexp, dropout_p, is_causal,
+                                            debug_mask, scale=None):
+        self.calls.append(dict(op="cudnn", bias=bias, log_sumexp=log_sumexp))
+        return (self._math(q, k, v, bias, dropout_p, is_causal, scale),)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    stand_in = KernelStandIn()
+    namespace = types.SimpleNamespace(**{name: getattr(stand_in, name) for name in dir(stand_in)
+                                         if name.startswith("_scaled")})
+    monkeypatch.setattr(_attention, "aten", namespace)
+    return stand_in
+
+
+def inputs(dev, head=16, kv_length=8, requires_grad=True):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, head, requires_grad=requires_grad)
+    k, v = (torch.randn(2, 4, kv_length, head, requires_grad=requires_grad) for _ in range(2))
+    on_dev = tuple(t.detach().to(dev).requires_grad_(requires_grad) for t in (q, k, v))
+    return (q, k, v), on_dev
+
+
+def check_against_cpu(plain, routed, out, ref):
+    assert_close(out, ref, atol=1e-6)
+    if plain[0].requires_grad:
+        ref.sum().backward()
+        out.sum().backward()
+        for mine, theirs in zip(routed, plain):
+            assert_close(mine.grad, theirs.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, {"is_causal": True}, {"scale": 0.3}], ids=["plain", "causal", "scale"])
+def test_flash_pads_the_head_dimension_and_keeps_the_original_scale(dev, kernels, options):
+    plain, routed = inputs(dev, head=12)   # not a multiple of 8
+    ref = F.scaled_dot_product_attention(*plain, **options)
+    out = _attention._flash(*routed, None, 0.0, options.get("is_causal", False), options.get("scale"))
+    (call,) = kernels.calls
+    assert call["head"] == 16 and call["heads"] == (16, 16) and call["debug_mask"] is False
+    assert call["scale"] == pytest.approx(options.get("scale", 1 / math.sqrt(12)), rel=1e-12)
+    assert out.shape == ref.shape      # sliced back to the original head dimension
+    check_against_cpu(plain, routed, out, ref)
+
+
+def test_flash_leaves_an_aligned_head_dimension_as_it_is(dev, kernels):
+    plain, routed = inputs(dev, head=16)
+    out = _attention._flash(*routed, None, 0.0, False, None)
+    assert kernels.calls[0]["head"] == 16
+    check_against_cpu(plain, routed, out, F.scaled_dot_product_attention(*plain))
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_efficient_gets_an_aligned_expanded_additive_bias(dev, kernels, mask_kind):
+    plain, routed = inputs(dev, kv_length=5)   # a bias row of 5 elements: not aligned to 8
+    torch.manual_seed(1)
+    mask = torch.rand(8, 5) > 0.3 if mask_kind == "bool" else torch.randn(8, 5)
+    ref = F.scaled_dot_product_attention(*plain, attn_mask=mask)
+    out = _attention._efficient(*routed, mask.to(dev), 0.0, False, None)
+    (call,) = kernels.calls
+    bias = call["bias"]
+    assert bias.dtype == torch.float32 and tuple(bias.shape) == (2, 4, 8, 5)
+    assert bias.stride(-1) == 1 and all(s % 8 == 0 for s in bias.stride()[:-1])
+    assert call["log_sumexp"] is True
+    check_against_cpu(plain, routed, out, ref)
+
+
+def test_efficient_asks_no_log_sumexp_without_a_backward(dev, kernels):
+    plain, routed = inputs(dev)
+    with torch.no_grad():
+        out = _attention._efficient(*routed, None, 0.0, False, None)
+    _, routed_no_grad = inputs(dev, requires_grad=False)
+    _attention._efficient(*routed_no_grad, None, 0.0, False, None)
+    assert [c["log_sumexp"] for c in kernels.calls] == [False, False]
+    assert [c["bias"] for c in kernels.calls] == [None, None]
+    assert_close(out, F.scaled_dot_product_attention(*plain).detach(), atol=1e-6)
+
+
+def test_cudnn_takes_a_finite_bias_for_a_boolean_mask(dev, kernels):
+    plain, routed = inputs(dev)
+    torch.manual_seed(2)
+    mask = torch.rand(8, 8) > 0.3
+    ref = F.scaled_dot_product_attention(*plain, attn_mask=mask)
+    out = _attention._cudnn(*routed, mask.to(dev), 0.0, False, None)
+    (call,) = kernels.calls
+    assert call["log_sumexp"] is True
+    assert call["bias"].min().item() == -65504.0 and torch.isfinite(call["bias"].cpu()).all()
+    check_against_cpu(plain, routed, out, ref)
+
+
+def test_a_device_without_a_choice_function_gets_the_math_decomposition(monkeypatch):
+    def no_choice(*args, **kwargs):
+        raise NotImplementedError("Could not run 'aten::_fused_sdp_choice' with arguments from the 'MPS' backend")
+
+    q = torch.randn(1, 2, 4, 8)
+    monkeypatch.setattr(_attention, "aten", types.SimpleNamespace(_fused_sdp_choice=no_choice))
+    assert _attention._accelerator_choice(q, q, q, None, 0.0, False, None, False) == _attention._MATH
+
+
+def test_the_choice_is_the_payload_devices_own():
+    """On plain tensors the choice is PyTorch's for their device: here the CPU's (flash for
+    these shapes, math where a backend is switched off)."""
+    q = torch.randn(1, 2, 64, 16)
+    assert _attention._accelerator_choice(q, q, q, None, 0.0, False, None, False) == \
+        int(torch.ops.aten._fused_sdp_choice(q, q, q))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        assert _attention._accelerator_choice(q, q, q, None, 0.0, False, None, False) == _attention._MATH
