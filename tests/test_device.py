@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from conftest import CHIP, assert_close, device_mode_only
+from conftest import CHIP, assert_close, device_mode_only, reference_device
 
 import flagos
 
@@ -29,7 +29,7 @@ def test_factories_on_flagos(dev):
     torch.manual_seed(3)
     a = torch.randn(2, 3, device="flagos")
     torch.manual_seed(3)
-    b = torch.randn(2, 3)
+    b = torch.randn(2, 3, device=reference_device())   # the payload device's random numbers
     assert a.device == dev
     assert_close(a, b, atol=0, rtol=0)
     assert torch.equal(torch.ones(2, device=dev).cpu(), torch.ones(2))
