@@ -49,11 +49,14 @@ def test_supports_dtype_and_preferred_dtype_follow_the_chip():
     assert flagos.supports_dtype(torch.float32) and flagos.supports_dtype("float32")
     assert flagos.supports_dtype(torch.bfloat16) == ("bfloat16" in native)
     assert flagos.supports_dtype(torch.float16) == ("float16" in native)
-    # opencl: float16 where the device has cl_khr_fp16 (PoCL's CPU device has not)
+    # opencl: float16 where the device has cl_khr_fp16 (PoCL's CPU device has not); a
+    # torch-native accelerator: bfloat16 where its devices have it (cuda from Ampere on)
     opencl = torch.float16 if "float16" in native else torch.float32
-    expected = {"cpu": torch.bfloat16, "sim": torch.float16, "opencl": opencl}[CHIP]
+    accelerator = torch.bfloat16 if "bfloat16" in native else torch.float16
+    expected = {"cpu": torch.bfloat16, "sim": torch.float16, "opencl": opencl}.get(CHIP, accelerator)
     assert flagos.preferred_dtype() == expected
-    assert flagos.supports_dtype(torch.bfloat16) == (CHIP == "cpu")  # sim's bf16 is not native
+    if CHIP in ("cpu", "sim"):
+        assert flagos.supports_dtype(torch.bfloat16) == (CHIP == "cpu")  # sim's bf16 is not native
     with pytest.raises(flagos.ConfigError, match="not a torch dtype"):
         flagos.supports_dtype("bf17")
 
