@@ -23,6 +23,9 @@ class KernelStandIn:
     """The fused ops' names, recording their arguments and answering with the math
     decomposition of the same call (on the same flagos tensors, so autograd sees it)."""
 
+    # the math decomposition itself is PyTorch's, not stood in for
+    _scaled_dot_product_attention_math = staticmethod(torch.ops.aten._scaled_dot_product_attention_math)
+
     def __init__(self):
         self.calls = []
 
@@ -146,3 +149,40 @@ def test_the_choice_is_the_payload_devices_own():
         int(torch.ops.aten._fused_sdp_choice(q, q, q))
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         assert _attention._accelerator_choice(q, q, q, None, 0.0, False, None, False) == _attention._MATH
+
+
+@pytest.mark.parametrize("backend", ["_FLASH", "_EFFICIENT", "_CUDNN", "_MATH"])
+def test_an_accelerators_choice_runs_that_backend(dev, kernels, monkeypatch, backend):
+    """The path of a payload that is not on the CPU: the payload device's choice, asked with
+    the wrappers' requires_grad (their payloads carry none and are left so), picks the op."""
+    asked = []
+
+    def choice(q, k, v, mask, *args):
+        asked.append([t.requires_grad for t in (q, k, v)])
+        return getattr(_attention, backend)
+
+    monkeypatch.setattr(_attention, "_accelerator_choice", choice)
+    plain, routed = inputs(dev, head=12)
+    routed[1].requires_grad_(False)       # the key alone needs no gradient
+    plain[1].requires_grad_(False)
+    ref = F.scaled_dot_product_attention(*plain, is_causal=True)
+    out = _attention._accelerator_attention(*routed, None, 0.0, True, None, False)
+    assert asked == [[True, False, True]]
+    assert not any(t._payload.requires_grad for t in routed)
+    expected_op = {"_FLASH": "flash", "_EFFICIENT": "efficient", "_CUDNN": "cudnn", "_MATH": None}[backend]
+    assert [c["op"] for c in kernels.calls] == ([expected_op] if expected_op else [])
+    assert_close(out, ref, atol=1e-6)
+    ref.sum().backward()
+    out.sum().backward()
+    for mine, theirs in ((routed[0], plain[0]), (routed[2], plain[2])):
+        assert_close(mine.grad, theirs.grad, atol=1e-5)
+
+
+def test_no_backward_asks_with_the_payloads_as_they_are(dev, monkeypatch):
+    asked = []
+    monkeypatch.setattr(_attention, "_accelerator_choice",
+                        lambda q, k, v, *a: asked.append((q, k, v)) or _attention._MATH)
+    _, routed = inputs(dev)
+    with torch.no_grad():
+        _attention._accelerator_attention(*routed, None, 0.0, False, None, False)
+    assert all(a is t._payload for a, t in zip(asked[0], routed))

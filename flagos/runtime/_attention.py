@@ -143,21 +143,37 @@ def _accelerator_choice(query, key, value, mask, dropout_p, is_causal, scale, en
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     q = _payload(query)
-    if isinstance(q, torch.Tensor) and q.device.type == "cpu":
-        mask = _float_mask(attn_mask, query.dtype)
-        choice = _backend_choice(q, _payload(key), _payload(value), _payload(mask), dropout_p,
-                                 is_causal, scale, enable_gqa)
-        # The CPU flash kernel takes grouped key/value heads as they are, as PyTorch calls it.
-        if choice == _FLASH:
-            return aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
-        return _math(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa)
-    if isinstance(q, torch.Tensor):
-        choice = _accelerator_choice(q, _payload(key), _payload(value), _payload(attn_mask),
-                                     dropout_p, is_causal, scale, enable_gqa)
-        fused = _ACCELERATOR_BACKENDS.get(choice)
-        if fused is not None:
-            return fused(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    if not isinstance(q, torch.Tensor):   # a C-ABI chip's buffer: no backend choice
+        return _math(query, key, value, _float_mask(attn_mask, query.dtype), dropout_p,
+                     is_causal, scale, enable_gqa)
+    attention = _cpu_attention if q.device.type == "cpu" else _accelerator_attention
+    return attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _cpu_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    mask = _float_mask(attn_mask, query.dtype)
+    choice = _backend_choice(_payload(query), _payload(key), _payload(value), _payload(mask),
+                             dropout_p, is_causal, scale, enable_gqa)
+    # The CPU flash kernel takes grouped key/value heads as they are, as PyTorch calls it.
+    if choice == _FLASH:
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
+    return _math(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _accelerator_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    payloads = [_payload(t) for t in (query, key, value)]
+    if _needs_logsumexp(query, key, value):
+        # the choice leaves out backends whose backward cannot take these inputs (flash with a
+        # head dimension over 192 on sm86/89, ...): it reads requires_grad, which the wrappers
+        # carry and their payloads do not
+        payloads = [p.detach().requires_grad_(t.requires_grad)
+                    for p, t in zip(payloads, (query, key, value))]
+    choice = _accelerator_choice(*payloads, _payload(attn_mask), dropout_p, is_causal, scale,
+                                 enable_gqa)
+    fused = _ACCELERATOR_BACKENDS.get(choice)
+    if fused is not None:
+        return fused(query, key, value, attn_mask, dropout_p, is_causal, scale)
     return _math(query, key, value, _float_mask(attn_mask, query.dtype), dropout_p, is_causal,
                  scale, enable_gqa)
 
