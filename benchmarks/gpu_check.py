@@ -1,11 +1,11 @@
 """The cuda chip end to end on an NVIDIA GPU, against plain CUDA: results checked, times compared.
 
     python benchmarks/gpu_check.py [--quick] [--json PATH] [--modes device,native]
-                                   [--checks ddpm,bert,train,compile] [--dry-run]
+                                   [--checks ddpm,bert,train,compile,attention] [--dry-run]
 
 For each flagos mode (device: tensors on `flagos:0` with CUDA payloads; native: tensors stay
 `cuda:0` and flagos routes every op through its dispatch mode), in a child process of its own
-(a process activates flagos one way only), four checks run against plain PyTorch on CUDA in
+(a process activates flagos one way only), five checks run against plain PyTorch on CUDA in
 that same process:
 
     ddpm     a Diffusers DDPM pipeline (the small UNet of examples/diffusers_pipeline.py, seeded
@@ -14,6 +14,12 @@ that same process:
     train    one training step of BERT-base with a classification head (forward, cross-entropy,
              backward, SGD with momentum; dropout 0 so both sides compute the same thing)
     compile  torch.compile of a transformer MLP block (Linear, GELU, Linear, LayerNorm)
+    attention scaled_dot_product_attention alone, causal, float16 (an LLM's prefill shape), where
+             PyTorch picks a fused kernel (flash attention on current GPUs)
+
+Every row also names the attention ops the flagos side ran (`attention_ops`): a fused kernel
+(`_scaled_dot_product_flash_attention`, `..._efficient_attention`, `..._cudnn_attention`) or
+the math decomposition's absence of one.
 
 Each check first runs both sides once from the same weights and inputs and compares the results
 (tolerances in TOLERANCES, float32 with TF32 off), then times them interleaved (native, flagos,
@@ -49,9 +55,11 @@ import time
 from contextlib import contextmanager
 
 MODES = ("device", "native")
-CHECKS = ("ddpm", "bert", "train", "compile")
-# (rtol, atol) per check, float32 with TF32 off on both sides
-TOLERANCES = {"ddpm": (1e-3, 1e-3), "bert": (1e-4, 1e-4), "train": (1e-4, 1e-5), "compile": (1e-4, 1e-4)}
+CHECKS = ("ddpm", "bert", "train", "compile", "attention")
+# (rtol, atol) per check, float32 with TF32 off on both sides (attention: float16, the same
+# fused kernel on both sides)
+TOLERANCES = {"ddpm": (1e-3, 1e-3), "bert": (1e-4, 1e-4), "train": (1e-4, 1e-5), "compile": (1e-4, 1e-4),
+              "attention": (1e-3, 1e-3)}
 EXIT_OK, EXIT_FAILED, EXIT_NO_GPU = 0, 1, 2
 # (mode, check) whose native side runs in a reference process without flagos (see the docstring)
 NATIVE_ELSEWHERE = {("device", "train")}
@@ -63,12 +71,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def sizes(quick: bool, dry_run: bool) -> dict:
     if dry_run:  # the plumbing only, on a 2-core CPU
         return {"iters": 1, "ddpm_steps": 2, "bert_batch": 1, "bert_seq": 16, "train_batch": 1,
-                "train_seq": 16, "mlp_tokens": 8, "mlp_hidden": 64, "bert": "tiny"}
+                "train_seq": 16, "mlp_tokens": 8, "mlp_hidden": 64, "bert": "tiny",
+                "attention": (1, 2, 16, 8), "attention_dtype": "float32"}
     if quick:
         return {"iters": 5, "ddpm_steps": 10, "bert_batch": 8, "bert_seq": 128, "train_batch": 8,
-                "train_seq": 128, "mlp_tokens": 512, "mlp_hidden": 1024, "bert": "base"}
+                "train_seq": 128, "mlp_tokens": 512, "mlp_hidden": 1024, "bert": "base",
+                "attention": (2, 16, 1024, 64), "attention_dtype": "float16"}
     return {"iters": 15, "ddpm_steps": 25, "bert_batch": 16, "bert_seq": 128, "train_batch": 16,
-            "train_seq": 128, "mlp_tokens": 2048, "mlp_hidden": 1024, "bert": "base"}
+            "train_seq": 128, "mlp_tokens": 2048, "mlp_hidden": 1024, "bert": "base",
+            "attention": (4, 16, 2048, 64), "attention_dtype": "float16"}
 
 
 # ---- the child: one mode, every check ----------------------------------------------------
@@ -243,6 +254,22 @@ def check_compile(sides: Sides, s: dict):
     return make("native"), make("flagos"), f"{n} x {h}, hidden {4 * h}"
 
 
+def check_attention(sides: Sides, s: dict):
+    import torch
+    shape, dtype = s["attention"], getattr(torch, s["attention_dtype"])
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(*shape, generator=gen).to(dtype) for _ in range(3))
+    inputs = {"native": tuple(t.to(sides.native) for t in (q, k, v)),
+              "flagos": tuple(t.to(sides.device) for t in (q, k, v))}
+
+    def make(side):
+        def run():
+            with torch.no_grad():
+                return torch.nn.functional.scaled_dot_product_attention(*inputs[side], is_causal=True)
+        return run
+    return make("native"), make("flagos"), f"{' x '.join(map(str, shape))}, {s['attention_dtype']}, causal"
+
+
 def _own_forward(module):
     """`module` as an instance of a new subclass whose forward is a fresh code object."""
     namespace = {}
@@ -251,7 +278,8 @@ def _own_forward(module):
     return module
 
 
-BUILDERS = {"ddpm": check_ddpm, "bert": check_bert, "train": check_train, "compile": check_compile}
+BUILDERS = {"ddpm": check_ddpm, "bert": check_bert, "train": check_train, "compile": check_compile,
+            "attention": check_attention}
 
 
 def _graphs_compiled() -> int:
@@ -309,6 +337,7 @@ def run_check(sides: Sides, name: str, s: dict, reference: str | None) -> dict:
         row["flagos_op_calls"] = report.calls()  # the report is a snapshot
         row["fallback_ops"] = list(report.fallback_ops)
         row["compiled_calls"] = report.compiled_calls
+        row["attention_ops"] = sorted(r["op"] for r in report.rows if "attention" in r["op"])
         row.update(_compare(name, out_native, out_flagos))
         row["first_call_ms"] = {"native": first_native, "flagos": first_flagos}
         native_ms, flagos_ms = [], []
@@ -402,6 +431,8 @@ def format_table(rows: list[dict]) -> str:
             result += f" ({len(r['fallback_ops'])} ops fell back)"
         if r.get("native_elsewhere"):
             result += " (native side: a process of its own)"
+        if r.get("attention_ops"):
+            result += " [" + ", ".join(op.replace("aten::_scaled_dot_product_", "") for op in r["attention_ops"]) + "]"
         body.append([r["mode"], r["check"], _fmt(r.get("native_ms")), _fmt(r.get("flagos_ms")),
                      _fmt(r.get("ratio")), _fmt(r.get("max_abs_diff"), ".2e"),
                      _fmt(r.get("flagos_op_calls"), "d"), result, r.get("what", "")])

@@ -51,11 +51,16 @@ def test_dry_run_runs_every_check_in_both_modes(tmp_path):
     assert result["dry_run"] is True
     rows = result["results"]
     assert [(r["mode"], r["check"]) for r in rows] == [(m, c) for m in ("device", "native")
-                                                       for c in ("ddpm", "bert", "train", "compile")]
+                                                       for c in ("ddpm", "bert", "train", "compile", "attention")]
     for r in rows:
         assert r["ok"], r
         assert r["max_abs_diff"] <= r["atol"] + 1e-12, r
         assert r["native_ms"] > 0 and r["flagos_ms"] > 0 and r["ratio"] == pytest.approx(r["flagos_ms"] / r["native_ms"])
+    # the attention the flagos side ran, named per row: the CPU's fused kernel on the cpu chip
+    for r in rows:
+        if r["check"] in ("attention", "bert"):
+            assert r["attention_ops"] == ["aten::_scaled_dot_product_flash_attention_for_cpu"], r
+    assert "[flash_attention_for_cpu]" in proc.stdout
     for mode in ("device", "native"):
         assert result["flagos"][mode]["chip"] == "cpu" and result["flagos"][mode]["mode"] == mode
     # the flagos side did run through flagos: its ops were routed (device-mode compile: one
