@@ -186,3 +186,22 @@ def test_no_backward_asks_with_the_payloads_as_they_are(dev, monkeypatch):
     with torch.no_grad():
         _attention._accelerator_attention(*routed, None, 0.0, False, None, False)
     assert all(a is t._payload for a, t in zip(asked[0], routed))
+
+
+@pytest.mark.parametrize("needs_grad", ["query", "key", "value"])
+def test_any_one_input_that_needs_a_gradient_asks_for_the_log_sumexp(dev, kernels, needs_grad):
+    _, routed = inputs(dev, requires_grad=False)
+    routed[("query", "key", "value").index(needs_grad)].requires_grad_()
+    _attention._efficient(*routed, None, 0.0, False, None)
+    assert kernels.calls[0]["log_sumexp"] is True
+
+
+def test_an_aligned_bias_is_expanded_in_place_not_copied(dev, kernels):
+    """PyTorch pads a bias only where its rows are not aligned to 8 elements: an aligned one
+    (an 8 x 8 mask here) reaches the kernel as a view of the caller's tensor."""
+    _, routed = inputs(dev)
+    mask = torch.randn(8, 8).to(dev)
+    _attention._efficient(*routed, mask, 0.0, False, None)
+    bias = kernels.calls[0]["bias"]
+    assert tuple(bias.shape) == (2, 4, 8, 8) and bias.data_ptr() == mask.data_ptr()
+    assert bias.stride() == (0, 0, 8, 1)
