@@ -21,7 +21,9 @@ F = torch.nn.functional
 
 class KernelStandIn:
     """The fused ops' names, recording their arguments and answering with the math
-    decomposition of the same call (on the same flagos tensors, so autograd sees it)."""
+    decomposition of the same call (on the same flagos tensors, so autograd sees it) in the
+    first of as many outputs as the real op has (the others stand-ins too: a caller that takes
+    the wrong one gets no attention)."""
 
     # the math decomposition itself is PyTorch's, not stood in for
     _scaled_dot_product_attention_math = staticmethod(torch.ops.aten._scaled_dot_product_attention_math)
@@ -30,23 +32,29 @@ class KernelStandIn:
         self.calls = []
 
     @staticmethod
-    def _math(q, k, v, bias, dropout_p, is_causal, scale):
-        return torch.ops.aten._scaled_dot_product_attention_math(
+    def _answer(n_outputs, q, k, v, bias, dropout_p, is_causal, scale):
+        out = torch.ops.aten._scaled_dot_product_attention_math(
             q, k, v, bias, dropout_p, is_causal, scale=scale)[0]
+        return (out,) + tuple(f"output {i}" for i in range(1, n_outputs))
 
     def _scaled_dot_product_flash_attention(self, q, k, v, dropout_p, is_causal, debug_mask, scale=None):
         self.calls.append(dict(op="flash", head=q.shape[-1], heads=(k.shape[-1], v.shape[-1]),
                                scale=scale, debug_mask=debug_mask))
-        return (self._math(q, k, v, None, dropout_p, is_causal, scale),)
+        return self._answer(9, q, k, v, None, dropout_p, is_causal, scale)
 
     def _scaled_dot_product_efficient_attention(self, q, k, v, bias, log_sumexp, dropout_p, is_causal, scale=None):
         self.calls.append(dict(op="efficient", bias=bias, log_sumexp=log_sumexp))
-        return (self._math(q, k, v, bias, dropout_p, is_causal, scale),)
+        return self._answer(4, q, k, v, bias, dropout_p, is_causal, scale)
 
     def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, log_sumexp, dropout_p, is_causal,
                                             debug_mask, scale=None):
-        self.calls.append(dict(op="cudnn", bias=bias, log_sumexp=log_sumexp))
-        return (self._math(q, k, v, bias, dropout_p, is_causal, scale),)
+        self.calls.append(dict(op="cudnn", bias=bias, log_sumexp=log_sumexp, debug_mask=debug_mask))
+        return self._answer(9, q, k, v, bias, dropout_p, is_causal, scale)
+
+    def _scaled_dot_product_fused_attention_overrideable(self, q, k, v, bias, dropout_p, is_causal,
+                                                         debug_mask, scale=None):
+        self.calls.append(dict(op="overrideable", bias=bias, debug_mask=debug_mask))
+        return self._answer(9, q, k, v, bias, dropout_p, is_causal, scale)
 
 
 @pytest.fixture
@@ -94,11 +102,12 @@ def test_flash_leaves_an_aligned_head_dimension_as_it_is(dev, kernels):
     check_against_cpu(plain, routed, out, F.scaled_dot_product_attention(*plain))
 
 
-@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "float, per batch and head"])
 def test_efficient_gets_an_aligned_expanded_additive_bias(dev, kernels, mask_kind):
     plain, routed = inputs(dev, kv_length=5)   # a bias row of 5 elements: not aligned to 8
     torch.manual_seed(1)
-    mask = torch.rand(8, 5) > 0.3 if mask_kind == "bool" else torch.randn(8, 5)
+    mask = (torch.rand(8, 5) > 0.3 if mask_kind == "bool" else
+            torch.randn(8, 5) if mask_kind == "float" else torch.randn(2, 1, 8, 5))
     ref = F.scaled_dot_product_attention(*plain, attn_mask=mask)
     out = _attention._efficient(*routed, mask.to(dev), 0.0, False, None)
     (call,) = kernels.calls
@@ -127,8 +136,22 @@ def test_cudnn_takes_a_finite_bias_for_a_boolean_mask(dev, kernels):
     ref = F.scaled_dot_product_attention(*plain, attn_mask=mask)
     out = _attention._cudnn(*routed, mask.to(dev), 0.0, False, None)
     (call,) = kernels.calls
-    assert call["log_sumexp"] is True
+    assert call["log_sumexp"] is True and call["debug_mask"] is False
     assert call["bias"].min().item() == -65504.0 and torch.isfinite(call["bias"].cpu()).all()
+    check_against_cpu(plain, routed, out, ref)
+
+
+def test_overrideable_takes_an_additive_mask_as_pytorch_converts_it(dev, kernels):
+    """The backend a PrivateUse1-style accelerator (XPU) answers with: its op, the boolean mask
+    turned into -inf where it is False, no debug mask."""
+    plain, routed = inputs(dev)
+    torch.manual_seed(3)
+    mask = torch.rand(8, 8) > 0.3
+    ref = F.scaled_dot_product_attention(*plain, attn_mask=mask)
+    out = _attention._overrideable(*routed, mask.to(dev), 0.0, False, None)
+    (call,) = kernels.calls
+    assert call["debug_mask"] is False and call["bias"].dtype == torch.float32
+    assert call["bias"].min().item() == float("-inf")
     check_against_cpu(plain, routed, out, ref)
 
 
@@ -151,7 +174,7 @@ def test_the_choice_is_the_payload_devices_own():
         assert _attention._accelerator_choice(q, q, q, None, 0.0, False, None, False) == _attention._MATH
 
 
-@pytest.mark.parametrize("backend", ["_FLASH", "_EFFICIENT", "_CUDNN", "_MATH"])
+@pytest.mark.parametrize("backend", ["_FLASH", "_EFFICIENT", "_CUDNN", "_OVERRIDEABLE", "_MATH"])
 def test_an_accelerators_choice_runs_that_backend(dev, kernels, monkeypatch, backend):
     """The path of a payload that is not on the CPU: the payload device's choice, asked with
     the wrappers' requires_grad (their payloads carry none and are left so), picks the op."""
@@ -169,7 +192,8 @@ def test_an_accelerators_choice_runs_that_backend(dev, kernels, monkeypatch, bac
     out = _attention._accelerator_attention(*routed, None, 0.0, True, None, False)
     assert asked == [[True, False, True]]
     assert not any(t._payload.requires_grad for t in routed)
-    expected_op = {"_FLASH": "flash", "_EFFICIENT": "efficient", "_CUDNN": "cudnn", "_MATH": None}[backend]
+    expected_op = {"_FLASH": "flash", "_EFFICIENT": "efficient", "_CUDNN": "cudnn",
+                   "_OVERRIDEABLE": "overrideable", "_MATH": None}[backend]
     assert [c["op"] for c in kernels.calls] == ([expected_op] if expected_op else [])
     assert_close(out, ref, atol=1e-6)
     ref.sum().backward()
