@@ -1,26 +1,30 @@
-"""Real models on flagos, compared with plain PyTorch on CPU with the same seed."""
+"""Real models on flagos, compared with plain PyTorch with the same seed: on the CPU, or for
+inference on the chip's own device where it has one (cuda: the same kernels, so the CPU's
+rounding differences stay out of the comparison). Training is compared with the CPU on every
+chip: a plain CUDA backward cannot run in a process where flagos holds PrivateUse1
+(pytorch/pytorch#161129, docs/design.md)."""
 import copy
 
 import models
 import numpy as np
 import pytest
 import torch
-from conftest import CHIP, OpCounter, assert_close, device_mode_only
+from conftest import CHIP, OpCounter, assert_close, device_mode_only, reference_device
 
 import flagos
 
 pytestmark = device_mode_only
 
 
-def test_ddpm_pipeline_matches_cpu(dev):
-    ref = models.run_ddpm(models.ddpm_pipeline())
+def test_ddpm_pipeline_matches_plain_pytorch(dev, ref):
+    expected = models.run_ddpm(models.ddpm_pipeline().to(ref))
     pipe = models.ddpm_pipeline().to(dev)
     assert pipe.device == dev
     flagos.reset_report()
     with OpCounter() as counter:
         out = models.run_ddpm(pipe)
     assert out.shape == (1, 16, 16, 3)
-    assert np.abs(out - ref).max() <= 1e-5
+    assert np.abs(out - expected).max() <= 1e-5
     report = flagos.fallback_report()
     # the report counts exactly the ops the pipeline ran on flagos tensors, whatever their route
     counted = {r["op"]: sum(r["calls"].values()) for r in report.rows}
@@ -39,12 +43,12 @@ def test_ddpm_pipeline_matches_cpu(dev):
         assert conv["native"] > conv["fallback"], str(report)
 
 
-def test_ddpm_pipeline_with_fallback_ops_matches_cpu(dev):
-    ref = models.run_ddpm(models.ddpm_pipeline())
+def test_ddpm_pipeline_with_fallback_ops_matches_plain_pytorch(dev, ref):
+    expected = models.run_ddpm(models.ddpm_pipeline().to(ref))
     flagos.set_route("aten::silu", "fallback")
     flagos.set_route("aten::native_group_norm", "fallback")
     out = models.run_ddpm(models.ddpm_pipeline().to(dev))
-    assert np.abs(out - ref).max() <= 1e-5
+    assert np.abs(out - expected).max() <= 1e-5
     report = flagos.fallback_report()
     forced = {"aten::silu", "aten::native_group_norm"}
     assert forced <= set(report.fallback_ops)
@@ -55,6 +59,12 @@ def test_ddpm_pipeline_with_fallback_ops_matches_cpu(dev):
         row = report.op(op)
         assert row["calls"]["native"] == 0 and row["calls"]["fallback"] > 0
         assert row["bytes_to_host"] > 0 and row["bytes_to_device"] > 0
+
+
+def attention_tolerances():
+    """The CPU's kernels on a chip with host payloads; an accelerator's fused kernels sum in
+    another order than the CPU's (float32: about 1e-6 of the values here)."""
+    return (1e-6, 1e-5) if reference_device().type == "cpu" else (1e-5, 1e-4)
 
 
 @pytest.mark.parametrize("mask", [None, "bool", "float"])
@@ -69,9 +79,10 @@ def test_attention_matches_cpu_forward_and_backward(dev, mask):
     with flagos.track() as report:
         out = torch.nn.functional.scaled_dot_product_attention(fq, fk, fv, attn_mask=fm)
         out.sum().backward()
-    assert_close(out, ref, atol=1e-6)
+    out_tol, grad_tol = attention_tolerances()
+    assert_close(out, ref, atol=out_tol)
     for mine, theirs in ((fq, q), (fk, k), (fv, v)):
-        assert_close(mine.grad, theirs.grad, atol=1e-5)
+        assert_close(mine.grad, theirs.grad, atol=grad_tol)
     if CHIP == "cpu":  # the chip's fused kernel, not the math decomposition
         assert report.op("aten::_scaled_dot_product_flash_attention_for_cpu") is not None
         assert report.op("aten::bmm") is None
@@ -89,9 +100,10 @@ def test_attention_options_match_cpu(dev, options):
     fq, fk, fv = (t.detach().to(dev).requires_grad_() for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(fq, fk, fv, **options)
     out.sum().backward()
-    assert_close(out, ref, atol=1e-6)
+    out_tol, grad_tol = attention_tolerances()
+    assert_close(out, ref, atol=out_tol)
     for mine, theirs in ((fq, q), (fk, k), (fv, v)):
-        assert_close(mine.grad, theirs.grad, atol=1e-5)
+        assert_close(mine.grad, theirs.grad, atol=grad_tol)
 
 
 def test_bert_forward_and_training_step_match_cpu(dev):
