@@ -229,3 +229,16 @@ def test_an_aligned_bias_is_expanded_in_place_not_copied(dev, kernels):
     bias = kernels.calls[0]["bias"]
     assert tuple(bias.shape) == (2, 4, 8, 8) and bias.data_ptr() == mask.data_ptr()
     assert bias.stride() == (0, 0, 8, 1)
+
+
+def test_traced_accelerator_payloads_take_the_math_decomposition(monkeypatch):
+    """Payloads being traced (fake tensors, no data) cannot be asked: the choice function's Meta
+    kernel answers math whatever the shapes, and flagos says math itself, not the device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    monkeypatch.setattr(_attention, "aten", types.SimpleNamespace(
+        _fused_sdp_choice=lambda *args, **kwargs: _attention._FLASH))   # what a GPU would answer
+    q = torch.randn(1, 2, 64, 16)
+    assert _attention._accelerator_choice(q, q, q, None, 0.0, False, None, False) == _attention._FLASH
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(q)
+        assert _attention._accelerator_choice(fake, fake, fake, None, 0.0, False, None, False) == _attention._MATH
