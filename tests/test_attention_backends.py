@@ -104,15 +104,15 @@ def test_flash_leaves_an_aligned_head_dimension_as_it_is(dev, kernels):
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "float, per batch and head"])
 def test_efficient_gets_an_aligned_expanded_additive_bias(dev, kernels, mask_kind):
-    plain, routed = inputs(dev, kv_length=5)   # a bias row of 5 elements: not aligned to 8
+    plain, routed = inputs(dev, kv_length=13)   # a bias row of 13 elements: not aligned to 8
     torch.manual_seed(1)
-    mask = (torch.rand(8, 5) > 0.3 if mask_kind == "bool" else
-            torch.randn(8, 5) if mask_kind == "float" else torch.randn(2, 1, 8, 5))
+    mask = (torch.rand(8, 13) > 0.3 if mask_kind == "bool" else
+            torch.randn(8, 13) if mask_kind == "float" else torch.randn(2, 1, 8, 13))
     ref = F.scaled_dot_product_attention(*plain, attn_mask=mask)
     out = _attention._efficient(*routed, mask.to(dev), 0.0, False, None)
     (call,) = kernels.calls
     bias = call["bias"]
-    assert bias.dtype == torch.float32 and tuple(bias.shape) == (2, 4, 8, 5)
+    assert bias.dtype == torch.float32 and tuple(bias.shape) == (2, 4, 8, 13)
     assert bias.stride(-1) == 1 and all(s % 8 == 0 for s in bias.stride()[:-1])
     assert call["log_sumexp"] is True
     check_against_cpu(plain, routed, out, ref)
