@@ -220,15 +220,16 @@ def test_any_one_input_that_needs_a_gradient_asks_for_the_log_sumexp(dev, kernel
     assert kernels.calls[0]["log_sumexp"] is True
 
 
-def test_an_aligned_bias_is_expanded_in_place_not_copied(dev, kernels):
+@pytest.mark.parametrize("shape", [(8, 8), (2, 1, 8, 8)], ids=["one", "per batch"])
+def test_an_aligned_bias_is_expanded_in_place_not_copied(dev, kernels, shape):
     """PyTorch pads a bias only where its rows are not aligned to 8 elements: an aligned one
-    (an 8 x 8 mask here) reaches the kernel as a view of the caller's tensor."""
+    reaches the kernel as a view of the caller's tensor."""
     _, routed = inputs(dev)
-    mask = torch.randn(8, 8).to(dev)
+    mask = torch.randn(shape).to(dev)
     _attention._efficient(*routed, mask, 0.0, False, None)
     bias = kernels.calls[0]["bias"]
     assert tuple(bias.shape) == (2, 4, 8, 8) and bias.data_ptr() == mask.data_ptr()
-    assert bias.stride() == (0, 0, 8, 1)
+    assert bias.stride() == ((0, 0, 8, 1) if len(shape) == 2 else (64, 0, 8, 1))
 
 
 def test_traced_accelerator_payloads_take_the_math_decomposition(monkeypatch):
