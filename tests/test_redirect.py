@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import CHIP, device_mode_only, run_python
+from conftest import CHIP, device_mode_only, run_python, runs_once
 
 import flagos
 from flagos import chips
@@ -22,7 +22,9 @@ from flagos.core import _state
 from flagos.integrations import _redirect
 from flagos.report import _probe
 
-pytestmark = device_mode_only
+pytestmark = [device_mode_only, pytest.mark.skipif(
+    CHIP == "cuda", reason="on the cuda chip 'cuda' is the chip already: redirect_cuda does nothing "
+                           "there (test_the_cuda_chip_has_nothing_to_redirect)")]
 
 
 @pytest.fixture
@@ -557,3 +559,14 @@ def test_native_mode_entry_points_and_deactivate():
         print("ok")
     """)
     assert proc.stdout.strip().endswith("ok")
+
+
+@runs_once
+def test_the_cuda_chip_has_nothing_to_redirect():
+    """On the cuda chip (or a vendor's chip behind torch.cuda) install() changes nothing and
+    says so: `info()["redirect_cuda"]` stays False and torch's CUDA entry points stay PyTorch's."""
+    cuda_like = _state.Active(chip=chips.profile("cuda"), mode="device", device_count=1)
+    before = (torch.zeros, torch.Tensor.to, torch.Tensor.cuda, torch.cuda)
+    assert _redirect.install(cuda_like) is False
+    assert not _redirect.is_installed()
+    assert (torch.zeros, torch.Tensor.to, torch.Tensor.cuda, torch.cuda) == before
