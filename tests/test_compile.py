@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import CHIP, device_mode_only, reference_device, run_python
+from conftest import CHIP, device_mode_only, reference_device, run_python, runs_once
 from torch._dynamo import output_graph
 from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd import graph_compile
@@ -260,6 +260,22 @@ def test_adapter_chip_warns_once_and_runs_eagerly(dev):
         assert_close(p.grad.cpu(), q.grad, rtol=1.3e-6, atol=1e-5)
     report = flagos.fallback_report()
     assert report.calls() > 0 and report.compiled_calls == 0  # eager: every op routed
+
+
+@runs_once
+def test_a_fresh_process_on_an_adapter_chip_warns_at_its_first_compilation():
+    """The notice is once per process, and a new process has not given it yet (the test
+    above resets the flag itself, so it cannot see the flag's starting value)."""
+    proc = run_python("""
+        import warnings, torch, flagos
+        flagos.activate("sim")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                torch.compile(lambda t: t + 1)(torch.ones(2, device=flagos.device()))
+        print("NOTICES", sum("torch.compile cannot trace" in str(w.message) for w in caught))
+    """)
+    assert "NOTICES 1" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.skipif(COMPILES, reason="only C-ABI chips refuse compilation")
