@@ -278,6 +278,16 @@ def test_a_fresh_process_on_an_adapter_chip_warns_at_its_first_compilation():
     assert "NOTICES 1" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.skipif(COMPILES, reason="only C-ABI chips' tensors hold no torch tensor")
+def test_a_library_asking_an_adapter_tensor_for_its_inner_tensors_is_told_what_to_ask(dev):
+    """Outside a compilation (huggingface_hub's storage ids when saving ask this way) a C-ABI
+    chip's tensor has no inner tensor to give: a clear error names what to ask instead."""
+    import torch._dynamo  # noqa: F401 - the answer differs once Dynamo is imported
+    t = torch.ones(2, device=dev)
+    with pytest.raises(RuntimeError, match="hold adapter buffers, not torch tensors.*data_ptr"):
+        t.__tensor_flatten__()
+
+
 @pytest.mark.skipif(COMPILES, reason="only C-ABI chips refuse compilation")
 def test_adapter_chip_fullgraph_names_the_reason(dev):
     with warnings.catch_warnings():
