@@ -77,6 +77,25 @@ def test_factory_on_the_tensors_device(dev):
 
 
 @pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_a_graph_over_flagos_tensors_with_only_host_outputs_is_counted(dev):
+    """A graph that reads flagos tensors and hands back a host tensor has no flagos output to
+    tell it from a plain CPU graph: the tracer marks it when it meets the flagos inputs, so its
+    calls are counted in the report like any graph over flagos tensors."""
+    def total_on_the_host(x):
+        return (x * 2).sum(0).cpu()
+
+    x = torch.randn(3, 8)
+    compiled = torch.compile(total_on_the_host)
+    flagos.reset_report()
+    for _ in range(2):
+        out = compiled(x.to(dev))
+    assert type(out) is torch.Tensor and out.device.type == "cpu"
+    assert_close(out, total_on_the_host(x), rtol=1.3e-6, atol=1e-6)
+    assert flagos.fallback_report().compiled_calls == 2
+    assert_no_graph_break()
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
 def test_graph_without_flagos_inputs():
     """Every tensor of the graph is made in it, on flagos; its outputs are flagos tensors. In a
     fresh process: here Inductor meets flagos before any flagos tensor is traced."""
