@@ -96,6 +96,24 @@ def test_a_graph_over_flagos_tensors_with_only_host_outputs_is_counted(dev):
 
 
 @pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_the_cache_key_of_a_flagos_input_holds_the_chip(dev, monkeypatch):
+    """AOTAutograd's on-disk cache knows a flagos input only by this key: two inputs whose
+    compiled code differs must not share it, in a cache folder two chips share. The same
+    tensor on another chip gets another key; another shape or dtype too."""
+    import dataclasses
+
+    from flagos.core import _state as state_module
+    first = torch.arange(12.0).to(dev)
+    key = first._stable_hash_for_caching()
+    assert key == torch.arange(12.0).to(dev)._stable_hash_for_caching()   # a key, not an identity
+    assert first.view(3, 4)._stable_hash_for_caching() != key
+    assert first.double()._stable_hash_for_caching() != key
+    other_chip = dataclasses.replace(state_module.active(), chip=flagos.chips.profile("sim"))
+    monkeypatch.setattr(state_module, "active_or_none", lambda: other_chip)
+    assert first._stable_hash_for_caching() != key
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
 def test_graph_without_flagos_inputs():
     """Every tensor of the graph is made in it, on flagos; its outputs are flagos tensors. In a
     fresh process: here Inductor meets flagos before any flagos tensor is traced."""
