@@ -81,7 +81,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_streams.py": [sim(STREAMS), cpu(STREAMS)],
     "flagos/runtime/_tensor.py": [cpu(DEVICE, FIDELITY), sim(DEVICE, SIM_FIDELITY),
                                   cpu(COMPILE, k="flatten or cached_graphs or report_counts")],
-    "flagos/runtime/_tracing.py": [cpu(COMPILE), sim(COMPILE)],
+    "flagos/runtime/_tracing.py": [cpu(COMPILE), cpu(DEVICE, k="print"), sim(COMPILE)],
     "flagos/runtime/_guard_errors.py": [cpu(BACKWARD)],
     "flagos/core/_state.py": [cpu(DEVICE, MULTI, VERSIONS, AUTOLOAD), cpu(ERRORS, k="fork"), sim(MULTI)],
     "flagos/report/_sites.py": [cpu(HTML, ANALYZE, T + "report_sites.py")],

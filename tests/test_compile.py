@@ -290,7 +290,8 @@ def test_adapter_chip_warns_once_and_runs_eagerly(dev):
         torch.compile(lambda t: t + 1)(x.to(dev))
     notices = [w for w in caught if "torch.compile cannot trace" in str(w.message)]
     assert len(notices) == 1, [str(w.message) for w in caught]
-    assert "C-ABI adapter chip" in str(notices[0].message) and "eagerly" in str(notices[0].message)
+    message = str(notices[0].message)
+    assert f"chip '{CHIP}'" in message and "C-ABI adapter chip" in message and "eagerly" in message
     assert_close(out.cpu(), ref(x), rtol=1.3e-6, atol=1e-5)
     ref(x).sum().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -321,7 +322,7 @@ def test_a_library_asking_an_adapter_tensor_for_its_inner_tensors_is_told_what_t
     chip's tensor has no inner tensor to give: a clear error names what to ask instead."""
     import torch._dynamo  # noqa: F401 - the answer differs once Dynamo is imported
     t = torch.ones(2, device=dev)
-    with pytest.raises(RuntimeError, match="hold adapter buffers, not torch tensors.*data_ptr"):
+    with pytest.raises(RuntimeError, match=f"on chip '{CHIP}' hold adapter buffers, not torch tensors.*data_ptr"):
         t.__tensor_flatten__()
 
 
