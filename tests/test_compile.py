@@ -301,6 +301,25 @@ def test_adapter_chip_warns_once_and_runs_eagerly(dev):
 
 
 @runs_once
+def test_inductor_set_up_before_activation_still_learns_the_flagos_device():
+    """A process that compiled plain CPU code before activating flagos: Inductor asked for
+    PrivateUse1's code generators while the slot had no name, and does not ask again; the
+    first trace of a flagos tensor registers the device (the graph's calls are counted, its
+    output is a flagos tensor)."""
+    proc = run_python("""
+        import torch
+        torch.compile(lambda t: t + 1)(torch.ones(2))   # Inductor set up first
+        import flagos
+        flagos.activate("cpu")
+        x = torch.randn(3, 4)
+        out = torch.compile(lambda t: (t * 2).sum(0))(x.to(flagos.device()))
+        print("OUT", type(out).__name__, torch.allclose(out.cpu(), (x * 2).sum(0)),
+              flagos.fallback_report().compiled_calls)
+    """)
+    assert "OUT FlagosTensor True 1" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+@runs_once
 def test_a_fresh_process_on_an_adapter_chip_warns_at_its_first_compilation():
     """The notice is once per process, and a new process has not given it yet (the test
     above resets the flag itself, so it cannot see the flag's starting value)."""
