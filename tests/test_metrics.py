@@ -105,8 +105,11 @@ def test_bad_port_names_the_fix(exporter):
 def test_command_serves_every_device_until_terminated(tmp_path):
     env = command_env({"FLAGOS_RUNTIME_DIR": str(tmp_path), "FLAGOS_SIM_DEVICES": "3",
                        "FLAGOS_SIM_MEMORY": "32M"})
+    # SIGINT as a terminal gives it even where this runs as a background job (nohup, `&` in a
+    # script), which starts children with SIGINT ignored and Python then keeps it ignored
     proc = subprocess.Popen([sys.executable, "-m", "flagos", "metrics", "--port", "0"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = first_line(proc)
         assert line.startswith("flagos metrics: serving http://127.0.0.1:"), (line, proc.stderr.read())
@@ -128,8 +131,11 @@ def test_command_serves_every_device_until_terminated(tmp_path):
 
 def test_the_command_stops_quietly_on_ctrl_c(tmp_path):
     env = command_env({"FLAGOS_RUNTIME_DIR": str(tmp_path)})
+    # SIGINT as a terminal gives it even where this runs as a background job (nohup, `&` in a
+    # script), which starts children with SIGINT ignored and Python then keeps it ignored
     proc = subprocess.Popen([sys.executable, "-m", "flagos", "metrics", "--port", "0"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert first_line(proc).startswith("flagos metrics: serving http://127.0.0.1:")
     finally:

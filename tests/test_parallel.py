@@ -225,8 +225,11 @@ except KeyboardInterrupt:
     raise
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_")}
+    # SIGINT as a terminal gives it, even where the suite runs as a background job (which
+    # starts children with SIGINT ignored, and Python then keeps it ignored)
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         assert line.startswith("PIDS"), (line, proc.stderr.read() if proc.poll() is not None else "")
