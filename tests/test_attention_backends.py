@@ -129,29 +129,20 @@ def test_efficient_asks_no_log_sumexp_without_a_backward(dev, kernels):
     assert_close(out, F.scaled_dot_product_attention(*plain).detach(), atol=1e-6)
 
 
-def test_cudnn_takes_a_finite_bias_for_a_boolean_mask(dev, kernels):
+@pytest.mark.parametrize("backend, masked_value", [
+    ("cudnn", -65504.0),           # cuDNN: a finite bias, as PyTorch gives it
+    ("overrideable", float("-inf")),  # a PrivateUse1-style accelerator's (XPU's) own op
+])
+def test_a_boolean_mask_reaches_the_backend_as_pytorch_converts_it(dev, kernels, backend, masked_value):
     plain, routed = inputs(dev)
     torch.manual_seed(2)
     mask = torch.rand(8, 8) > 0.3
     ref = F.scaled_dot_product_attention(*plain, attn_mask=mask)
-    out = _attention._cudnn(*routed, mask.to(dev), 0.0, False, None)
+    out = getattr(_attention, f"_{backend}")(*routed, mask.to(dev), 0.0, False, None)
     (call,) = kernels.calls
-    assert call["log_sumexp"] is True and call["debug_mask"] is False
-    assert call["bias"].min().item() == -65504.0 and torch.isfinite(call["bias"].cpu()).all()
-    check_against_cpu(plain, routed, out, ref)
-
-
-def test_overrideable_takes_an_additive_mask_as_pytorch_converts_it(dev, kernels):
-    """The backend a PrivateUse1-style accelerator (XPU) answers with: its op, the boolean mask
-    turned into -inf where it is False, no debug mask."""
-    plain, routed = inputs(dev)
-    torch.manual_seed(3)
-    mask = torch.rand(8, 8) > 0.3
-    ref = F.scaled_dot_product_attention(*plain, attn_mask=mask)
-    out = _attention._overrideable(*routed, mask.to(dev), 0.0, False, None)
-    (call,) = kernels.calls
-    assert call["debug_mask"] is False and call["bias"].dtype == torch.float32
-    assert call["bias"].min().item() == float("-inf")
+    assert call["op"] == backend and call["debug_mask"] is False
+    assert call.get("log_sumexp", True) is True   # cuDNN's: a backward follows
+    assert call["bias"].dtype == torch.float32 and call["bias"].min().item() == masked_value
     check_against_cpu(plain, routed, out, ref)
 
 
