@@ -18,8 +18,8 @@ that same process:
              PyTorch picks a fused kernel (flash attention on current GPUs)
 
 Every row also names the attention ops the flagos side ran (`attention_ops`): a fused kernel
-(`_scaled_dot_product_flash_attention`, `..._efficient_attention`, `..._cudnn_attention`) or
-the math decomposition's absence of one.
+(`_scaled_dot_product_flash_attention`, `..._efficient_attention`, `..._cudnn_attention`), or
+none where attention ran as the math decomposition (matmuls and a softmax).
 
 Each check first runs both sides once from the same weights and inputs and compares the results
 (tolerances in TOLERANCES, float32 with TF32 off), then times them interleaved (native, flagos,
