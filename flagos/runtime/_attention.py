@@ -22,6 +22,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ._tensor import FlagosTensor
 
 aten = torch.ops.aten
+# The CPU path's two ops through torch's own bindings: the same aten ops, 2 µs less a call than
+# through torch.ops' objects (the accelerator backends stay on `aten`).
+_cpu_choice = torch._fused_sdp_choice
+_cpu_flash = torch._scaled_dot_product_flash_attention_for_cpu
+_PLAIN = torch.Tensor  # a payload with data (a traced one is a subclass: fake, functional)
 _MATH, _FLASH, _EFFICIENT, _CUDNN, _OVERRIDEABLE = (
     int(getattr(torch._C._SDPBackend, name))
     for name in ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "OVERRIDEABLE"))
@@ -43,11 +48,12 @@ def _backend_choice(query, key, value, mask, dropout_p, is_causal, scale, enable
     whatever its shapes (its Meta kernel), where PyTorch's own CPU path asks the CPU choice with
     the same fake tensors. For those, uninitialised CPU tensors of the same sizes and strides
     (their memory is never touched) get the CPU answer."""
-    payloads = (query, key, value, mask)
-    kwargs = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     # A plain tensor holds data: its exact type answers without is_fake's walk (2 µs a tensor).
-    if not any(type(p) is not torch.Tensor and is_fake(p) for p in payloads if p is not None):
-        return aten._fused_sdp_choice(query, key, value, attn_mask=mask, **kwargs)
+    payloads = (query, key, value, mask)
+    if not any(type(p) is not _PLAIN and is_fake(p) for p in payloads if p is not None):
+        return _cpu_choice(query, key, value, mask, dropout_p, is_causal, scale=scale,
+                           enable_gqa=enable_gqa)
+    kwargs = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     with _disable_current_modes():
         stand_ins = []
         for p in payloads:
@@ -57,7 +63,7 @@ def _backend_choice(query, key, value, mask, dropout_p, is_causal, scale, enable
                 return None
             stand_ins.append(None if p is None else
                              torch.empty_strided(sizes, strides, dtype=p.dtype, device="cpu"))
-        return aten._fused_sdp_choice(*stand_ins[:3], attn_mask=stand_ins[3], **kwargs)
+        return _cpu_choice(*stand_ins[:3], attn_mask=stand_ins[3], **kwargs)
 
 
 def _float_mask(mask, dtype, masked_value=float("-inf")):
@@ -156,7 +162,7 @@ def _cpu_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, en
                              dropout_p, is_causal, scale, enable_gqa)
     # The CPU flash kernel takes grouped key/value heads as they are, as PyTorch calls it.
     if choice == _FLASH:
-        return aten._scaled_dot_product_flash_attention_for_cpu(
+        return _cpu_flash(
             query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
     return _math(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa)
 
