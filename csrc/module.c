@@ -9,6 +9,7 @@
 #include "adapter.h"
 #include "adapter_fast.h"
 #include "guard.h"
+#include "payload.h"
 #include "staging.h"
 
 static flagos_state *flagos_get_state(PyObject *module)
@@ -202,6 +203,59 @@ static PyObject *fl_floor_dispatch(PyObject *module, PyObject *const *argv, Py_s
     }
     Py_DECREF(out);
     return wrapped;
+}
+
+/* wrap(payload, index=-1): the flagos tensor whose payload is `payload` (FlagosTensor's
+ * __tensor_unflatten__ makes every output of a compiled graph with it). */
+static PyObject *fl_wrap(PyObject *module, PyObject *const *argv, Py_ssize_t argc)
+{
+    if (argc < 1 || argc > 2 || (argc == 2 && !PyLong_Check(argv[1]))) {
+        PyErr_SetString(PyExc_TypeError, "wrap(payload, index: int = -1)");
+        return NULL;
+    }
+    flagos_state *st = flagos_get_state(module);
+    if (!st->configured) {
+        if (st->refusal != NULL)
+            PyErr_SetObject(PyExc_RuntimeError, st->refusal);
+        else
+            PyErr_SetString(PyExc_RuntimeError, "flagos is not active: call flagos.activate() (or "
+                            "set FLAGOS_DEVICE) before using the flagos device");
+        return NULL;
+    }
+    long index = argc == 2 ? PyLong_AsLong(argv[1]) : -1;
+    if (index == -1 && PyErr_Occurred())
+        return NULL;
+    if (index > INT_MAX) {
+        PyErr_Format(PyExc_RuntimeError, "chip device %ld has no flagos device", index);
+        return NULL;
+    }
+    return flagos_wrap_payload(st, argv[0], index < 0 ? -1 : (int)index);
+}
+
+/* The report's count of compiled-graph calls: each compiled flagos graph's generated code calls
+ * count_compiled_call() once per call, so it costs a C call, not a Python frame and a lock (the
+ * GIL orders the increments). compiled_calls(reset=False) reads it, and zeroes it when asked. */
+static PyObject *fl_count_compiled_call(PyObject *module, PyObject *unused)
+{
+    (void)unused;
+    flagos_get_state(module)->compiled_calls++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *fl_compiled_calls(PyObject *module, PyObject *const *argv, Py_ssize_t argc)
+{
+    if (argc > 1) {
+        PyErr_SetString(PyExc_TypeError, "compiled_calls(reset=False)");
+        return NULL;
+    }
+    int reset = argc == 1 ? PyObject_IsTrue(argv[0]) : 0;
+    if (reset < 0)
+        return NULL;
+    flagos_state *st = flagos_get_state(module);
+    PyObject *n = PyLong_FromUnsignedLongLong(st->compiled_calls);
+    if (n != NULL && reset)
+        st->compiled_calls = 0;
+    return n;
 }
 
 /* ---- configuration ---------------------------------------------------- */
@@ -410,6 +464,12 @@ static PyMethodDef fl_methods[] = {
      "PrivateUse1 fallback: route an op that reached the flagos key without flagos tensors."},
     {"floor_dispatch", (PyCFunction)(void (*)(void))fl_floor_dispatch, METH_FASTCALL,
      "Benchmark floor: a __torch_dispatch__ that unwraps, calls and wraps each tensor output."},
+    {"wrap", (PyCFunction)(void (*)(void))fl_wrap, METH_FASTCALL,
+     "wrap(payload, index=-1): the flagos tensor whose payload is payload (no copy)."},
+    {"count_compiled_call", fl_count_compiled_call, METH_NOARGS,
+     "Count one call of a compiled flagos graph (its generated code calls this)."},
+    {"compiled_calls", (PyCFunction)(void (*)(void))fl_compiled_calls, METH_FASTCALL,
+     "compiled_calls(reset=False): the calls counted so far; reset zeroes the count after reading it."},
     {"configure", (PyCFunction)(void (*)(void))fl_configure, METH_VARARGS | METH_KEYWORDS,
      "Set the active chip's configuration; clears the dispatch table."},
     {"deconfigure", fl_deconfigure, METH_NOARGS, "Refuse new calls and clear the table."},

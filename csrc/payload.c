@@ -445,6 +445,40 @@ done:
     return w;
 }
 
+PyObject *flagos_wrap_payload(flagos_state *st, PyObject *t, int index)
+{
+    if (!PyObject_TypeCheck(t, (PyTypeObject *)st->tensor_type) ||
+        PyObject_TypeCheck(t, (PyTypeObject *)st->wrapper_type)) {
+        PyErr_Format(PyExc_TypeError, "wrap: expected a chip tensor, got %.200s",
+                     Py_TYPE(t)->tp_name);
+        return NULL;
+    }
+    if (index < 0) { /* the payload's device; a host tensor stands for flagos:0 */
+        PyObject *d = PyObject_CallMethodNoArgs(t, fl_names.get_device);
+        if (d == NULL)
+            return NULL;
+        long v = PyLong_AsLong(d);
+        Py_DECREF(d);
+        if (v == -1 && PyErr_Occurred())
+            return NULL;
+        index = v < 0 ? 0 : (int)v;
+    }
+    PyObject *w = wrap_tensor(st, t, index);
+    if (w == NULL)
+        return NULL;
+    /* a payload that requires grad (a traced one) gives a leaf wrapper that does too */
+    PyObject *grad = PyObject_GetAttr(t, fl_names.requires_grad);
+    if (grad == NULL) {
+        Py_DECREF(w);
+        return NULL;
+    }
+    int rc = grad == Py_True ? PyObject_SetAttr(w, fl_names.requires_grad, Py_True) : 0;
+    Py_DECREF(grad);
+    if (rc < 0)
+        Py_CLEAR(w);
+    return w;
+}
+
 typedef struct wrap_ctx {
     flagos_state *st;
     int target;

@@ -34,6 +34,9 @@ int flagos_unwrap_call(flagos_state *st, op_entry *e, PyObject *args, PyObject *
 /* A new wrapper on flagos:index (its payload not set yet): the one way wrappers are made. */
 PyObject *flagos_new_wrapper(flagos_state *st, PyObject *shape, PyObject *stride, PyObject *offset,
                              PyObject *dtype, int index);
+/* New reference: payload t behind a new flagos tensor on flagos:index (index < 0: the payload's
+ * device, flagos:0 for a host tensor), requiring grad where t does. */
+PyObject *flagos_wrap_payload(flagos_state *st, PyObject *t, int index);
 /* New reference: the op's result as the caller must see it. out is stolen.
  * target: a PyLong holding a flagos index, TARGET_FOLLOW or TARGET_HOST. */
 PyObject *flagos_wrap_outputs(flagos_state *st, op_entry *e, PyObject *out, PyObject *target);

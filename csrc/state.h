@@ -79,6 +79,7 @@ typedef struct flagos_state {
     int chip_is_host;          /* the chip's payloads live in host memory (cpu chip) */
     int fallback_policy;       /* 0 allow, 1 warn, 2 error */
     int current_device;        /* the index a device without one means ("flagos": flagos:N) */
+    unsigned long long compiled_calls; /* calls of compiled flagos graphs (count_compiled_call) */
     PyObject *tensor_type;     /* torch.Tensor */
     PyObject *device_type;     /* torch.device */
     PyObject *wrapper_type;    /* flagos.FlagosTensor (device mode) */

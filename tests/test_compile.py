@@ -96,6 +96,43 @@ def test_a_graph_over_flagos_tensors_with_only_host_outputs_is_counted(dev):
 
 
 @pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_compiled_outputs_have_the_layout_and_bits_plain_pytorch_gives_them(dev):
+    """Every output of a compiled graph is wrapped on its way out (in C, as the router's are):
+    views of the inputs with their strides and offsets, a conjugate view with its bit, a new
+    tensor, each as the same graph compiled over plain tensors returns it."""
+    def outputs(x, z):
+        return x.t(), x[:, 1::2], z.conj(), x.sum(0) * 2
+
+    x = torch.randn(4, 6)
+    z = torch.randn(3, dtype=torch.complex64)
+    ref_x, ref_z = x.to(reference_device()), z.to(reference_device())
+    want = torch.compile(outputs)(ref_x, ref_z)
+    got = torch.compile(outputs)(x.to(dev), z.to(dev))
+    for g, w in zip(got, want):
+        assert isinstance(g, FlagosTensor) and g.device == dev
+        assert (g.shape, g.stride(), g.storage_offset()) == (w.shape, w.stride(), w.storage_offset())
+        assert (g.is_conj(), g.is_neg(), g.requires_grad) == (w.is_conj(), w.is_neg(), w.requires_grad)
+        assert_close(g.cpu(), w.cpu(), rtol=0, atol=0)
+    assert_no_graph_break()
+
+
+def test_wrapping_a_payload_before_activation_says_how_to_activate():
+    """The C wrap behind every compiled output, asked before flagos is active: an error that
+    names the fix, and the process goes on."""
+    proc = run_python("""
+        import torch
+        from flagos.runtime._tensor import wrap
+        try:
+            wrap(torch.ones(2))
+        except RuntimeError as e:
+            print("refused:", e)
+        print(torch.ones(2).sum().item())
+    """)
+    assert "refused: flagos is not active: call flagos.activate()" in proc.stdout
+    assert proc.stdout.strip().endswith("2.0")
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
 def test_the_cache_key_of_a_flagos_input_holds_the_chip(dev, monkeypatch):
     """AOTAutograd's on-disk cache knows a flagos input only by this key: two inputs whose
     compiled code differs must not share it, in a cache folder two chips share. The same

@@ -39,9 +39,7 @@ from ..core import _state
 from ..runtime import _tracing
 from ..runtime._tensor import FlagosTensor, wrap
 
-_lock = threading.Lock()                   # the call counter
 _registration_lock = threading.RLock()
-_calls = 0            # calls of compiled flagos graphs since the last reset_report()
 _ready = False        # Dynamo and Inductor know the flagos device
 
 
@@ -49,19 +47,15 @@ _ready = False        # Dynamo and Inductor know the flagos device
 
 def compiled_calls() -> int:
     """Calls of compiled graphs over flagos tensors since activation or `reset_report()`."""
-    return _calls
+    return _C.compiled_calls()
 
 
 def reset_compiled_calls() -> None:
-    global _calls
-    _calls = 0
+    _C.compiled_calls(True)
 
 
-def count_call() -> None:
-    """Run by each compiled flagos graph (the generated code calls it)."""
-    global _calls
-    with _lock:
-        _calls += 1
+# Run by each compiled flagos graph (its generated code calls it): a C counter, no Python frame.
+count_call = _C.count_compiled_call
 
 
 # ---- where torch.compile meets flagos ----------------------------------------------

@@ -17,7 +17,6 @@ import weakref
 import torch
 
 from .. import _C
-from ..core import _state
 from . import _tracing
 
 _META = torch.device("meta")
@@ -124,7 +123,7 @@ class FlagosTensor(torch.Tensor):
         payload = inner_tensors["_payload"]
         if type(payload) is not _PLAIN:  # fake or functional: a compilation is tracing
             _tracing.unflattened(payload)
-        return wrap(payload)
+        return _C.wrap(payload)  # wrap(payload) without its frame: every compiled output
 
     def _stable_hash_for_caching(self) -> str:
         return _tracing.cache_key(self)
@@ -162,17 +161,10 @@ def set_metadata(wrapper, size, stride, offset) -> None:
 
 
 def wrap(payload: torch.Tensor, index: int | None = None) -> FlagosTensor:
-    """The flagos tensor whose payload is `payload` (no copy)."""
-    if index is None:
-        index = max(payload.get_device(), 0)
-    out = torch.Tensor._make_wrapper_subclass(
-        FlagosTensor, payload.shape, strides=payload.stride(),
-        storage_offset=payload.storage_offset(), dtype=payload.dtype,
-        device=_state.flagos_device(index), requires_grad=payload.requires_grad,
-        storage_size=_C.WRAPPER_STORAGE_BYTES)
-    out._payload = payload
-    # PyTorch's conjugate/negative fallbacks act on the wrapper's bits (see router.c).
-    return copy_math_bits(payload, out)
+    """The flagos tensor whose payload is `payload` (no copy): on flagos:index, or on the flagos
+    device of the payload's own device (flagos:0 for a host tensor). Made in C, as the router
+    makes its outputs: every output of a compiled graph passes here."""
+    return _C.wrap(payload, -1 if index is None else index)
 
 
 def copy_math_bits(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
