@@ -70,10 +70,6 @@ def active() -> Active:
     return _active
 
 
-def flagos_device(index: int) -> torch.device:
-    return active().flagos_devices[index]
-
-
 def set_current(index: int) -> None:
     state = active()
     state.chip_index(index)
