@@ -27,6 +27,7 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import models  # noqa: E402
+from _floor import traced_floor_module, traced_floor_tensor  # noqa: E402
 from _timing import add_json_option, environment, write_json  # noqa: E402
 
 import flagos  # noqa: E402
@@ -103,6 +104,9 @@ def main() -> None:
                         "max-autotune-no-cudagraphs, ...)")
     p.add_argument("--only", action="append", metavar="NAME",
                    help="time only this model (bert, unet, llama); repeatable")
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the floor, a trivial traceable wrapper subclass compiled the "
+                        "same way (default: on)")
     add_json_option(p)
     args = p.parse_args()
 
@@ -117,10 +121,11 @@ def main() -> None:
           f"{args.repeat} runs of {args.number} calls, native and flagos alternating")
     print("bert-tiny: hidden 32, 2 layers, batch 2 x 12 tokens; unet: the DDPM test UNet, 1 x 3 x "
           "16 x 16; llama block: one decoder layer (hidden 64, 4 heads, 2 kv heads), 1 x 8 tokens")
-    print("ratio: of the medians; paired: the median of each run's flagos/native; compile: the "
-          "first call's seconds, native / flagos")
+    print("ratio: of the medians; paired: the median of each run's flagos/native; floor: the "
+          "paired ratio of a trivial traceable wrapper subclass; compile: the first call's "
+          "seconds, native / flagos")
     print(f"{'model':<14}{'native ms':>11}{'flagos ms':>11}{'ratio':>8}{'paired':>8}"
-          f"{'compile s':>14}   dynamo native | flagos")
+          + (f"{'floor':>8}" if args.floor else "") + f"{'compile s':>14}   dynamo native | flagos")
     figures = {}
     with torch.no_grad():
         # Compilation's one-time imports and set-up, so the first model's native side does not pay them.
@@ -142,18 +147,32 @@ def main() -> None:
                 flagos_net(*f_inputs, **f_kwargs)
             after = dynamo_counts()
             native_counts, flagos_counts = diff(mid, before), diff(after, mid)
-            ns, fs = [], []
+            floor_net = None
+            if args.floor:
+                floor_net = torch.compile(traced_floor_module(make()), mode=mode)
+                floor_inputs = tuple(traced_floor_tensor(t) for t in inputs)
+                floor_kwargs = {k: traced_floor_tensor(v) for k, v in kwargs.items()}
+                for _ in range(3):
+                    floor_net(*floor_inputs, **floor_kwargs)
+            settling = dynamo_counts()
+            ns, fs, ls = [], [], []
             for _ in range(args.repeat):
                 ns.append(timed(native_net, inputs, kwargs, args.number))
                 fs.append(timed(flagos_net, f_inputs, f_kwargs, args.number))
-            settled = diff(dynamo_counts(), after)  # nothing may compile while timing
+                if floor_net is not None:
+                    ls.append(timed(floor_net, floor_inputs, floor_kwargs, args.number))
+            settled = diff(dynamo_counts(), settling)  # nothing may compile while timing
             n, f = statistics.median(ns), statistics.median(fs)
             paired = statistics.median(b / a for a, b in zip(ns, fs))
+            floor_paired = statistics.median(b / a for a, b in zip(ns, ls)) if ls else None
             compile_text = f"{native_compile:.1f} / {flagos_compile:.1f}"
-            print(f"{name:<14}{n:>11.3f}{f:>11.3f}{f / n:>8.2f}{paired:>8.2f}{compile_text:>14}   "
+            print(f"{name:<14}{n:>11.3f}{f:>11.3f}{f / n:>8.2f}{paired:>8.2f}"
+                  + (f"{floor_paired:>8.2f}" if ls else "") + f"{compile_text:>14}   "
                   f"{native_counts} | {flagos_counts}"
                   + (f"; while timing: {settled}" if any(settled.values()) else ""))
             figures[name] = {"native_ms": n, "flagos_ms": f, "ratio": f / n, "paired_ratio": paired,
+                             "floor_ms": statistics.median(ls) if ls else None,
+                             "floor_paired_ratio": floor_paired,
                              "ratios": sorted(b / a for a, b in zip(ns, fs)),
                              "compile_s": {"native": native_compile, "flagos": flagos_compile},
                              "dynamo_native": native_counts, "dynamo_flagos": flagos_counts,

@@ -90,6 +90,11 @@ def _run(label: str, command: list[str], scratch: str) -> dict:
 
 # ---- the tables --------------------------------------------------------------------------
 
+def _with_floor(value: float, floor: float | None, fmt: str) -> str:
+    """A figure, and the floor's own figure for the same op beside it where it was measured."""
+    return fmt.format(value) + ("" if floor is None else f" ({fmt.format(floor)})")
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
             *("| " + " | ".join(r) + " |" for r in rows)]
@@ -106,7 +111,8 @@ def markdown(run: dict) -> str:
 
     dispatch = [e for e in ok if e["label"].startswith("dispatch_overhead")]
     if dispatch:
-        lines += ["### Per-op overhead (µs over native, median; floor = trivial C-dispatch wrapper)", ""]
+        lines += ["### Per-op overhead (µs over native, median; floor = trivial C-dispatch wrapper, "
+                  "in brackets the floor's figure for the same op)", ""]
         rows = []
         for e in dispatch:
             r = e["data"]["results"]
@@ -119,8 +125,11 @@ def markdown(run: dict) -> str:
                          f"{less_kernel:.2f}" if has_kernels and less_kernel is not None else "-",
                          "-" if floor is None else f"{floor:.2f}",
                          f"{small['add']['flagos_us'] - small['add']['native_us']:.2f}",
-                         f"{small['layer_norm']['flagos_us'] - small['layer_norm']['native_us']:.2f}",
-                         *(f"{v['flagos_us'] - v['native_us']:+.1f}" for v in real.values())])
+                         _with_floor(small["layer_norm"]["flagos_us"] - small["layer_norm"]["native_us"],
+                                     None if small["layer_norm"]["floor_us"] is None else
+                                     small["layer_norm"]["floor_us"] - small["layer_norm"]["native_us"], "{:.2f}"),
+                         *(_with_floor(v.get("overhead_us", v["flagos_us"] - v["native_us"]),
+                                       v.get("floor_overhead_us"), "{:+.1f}") for v in real.values())])
         names = list(dispatch[0]["data"]["results"]["realistic_ops"])
         lines += _table(["chip", "median small op", "less the adapter's kernels", "floor", "add", "layer_norm",
                          *names], rows) + [""]
@@ -135,17 +144,21 @@ def markdown(run: dict) -> str:
     compiled = [e for e in ok if e["label"].startswith("compile_overhead")]
     if compiled:
         lines += ["### Whole models under torch.compile (flagos / native time, median; paired: "
-                  "the median of each run's ratio)", ""]
+                  "the median of each run's ratio; floor: a trivial traceable wrapper subclass, "
+                  "paired likewise)", ""]
         for e in compiled:
             r = e["data"]["results"]
             rows = []
             for k, v in r["models"].items():
                 same = v["dynamo_native"] == v["dynamo_flagos"] and not any(v["compiled_while_timing"].values())
+                floor = v.get("floor_paired_ratio")
                 rows.append([k, f"{v['native_ms']:.2f}", f"{v['flagos_ms']:.2f}", f"{v['ratio']:.2f}",
-                             f"{v['paired_ratio']:.2f}", "same" if same else
+                             f"{v['paired_ratio']:.2f}", "-" if floor is None else f"{floor:.2f}",
+                             "same" if same else
                              f"native {v['dynamo_native']}, flagos {v['dynamo_flagos']}, "
                              f"while timing {v['compiled_while_timing']}"])
-            lines += _table(["model", "native ms", "flagos ms", "ratio", "paired", "graphs, recompiles, breaks"],
+            lines += _table(["model", "native ms", "flagos ms", "ratio", "paired", "floor (paired)",
+                             "graphs, recompiles, breaks"],
                             rows) + [f"(chip {r['chip']}, compile mode {r['compile_mode']}, "
                                      f"{r['threads']} thread(s))", ""]
     fallback = [e for e in ok if e["label"].startswith("fallback_cost")]

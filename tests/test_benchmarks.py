@@ -57,8 +57,9 @@ def test_run_all_tables_and_plots_the_compile_piece(tmp_path):
            "runs": [{"label": "compile_overhead cpu", "data": {"results": {
                "chip": "cpu", "compile_mode": "default", "threads": 1,
                "models": {"unet step": figures, "bert-tiny fwd": broken}}}}]}
+    run["runs"][0]["data"]["results"]["models"]["unet step"]["floor_paired_ratio"] = 1.06
     table = run_all.markdown(run)
-    assert "| unet step | 2.50 | 2.60 | 1.04 | 1.03 | same |" in table
+    assert "| unet step | 2.50 | 2.60 | 1.04 | 1.03 | 1.06 | same |" in table
     assert "| bert-tiny fwd |" in table and "flagos {'graphs': 2" in table
     written = run_all.plots(run, str(tmp_path))
     assert [os.path.basename(p) for p in written] == ["models.png"]
@@ -85,6 +86,51 @@ def test_the_floor_wrapper_computes_what_the_cpu_does():
     total = wrapped.sum()
     assert type(total) is _floor.FloorTensor and torch.equal(total._payload, x.sum())
     assert wrapped.dim() == 2 and torch.ops.aten.sym_size.int(wrapped, 1) == 8
+
+
+def test_run_all_puts_the_floors_figure_beside_each_op():
+    """layer_norm and the realistic ops carry the floor's own overhead for the same op, in
+    brackets; a run without the floor (an older build) shows the figure alone."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import run_all
+    finally:
+        sys.path.pop(0)
+
+    def op(native, flagos, floor):
+        return {"native_us": native, "flagos_us": flagos, "floor_us": floor, "kernel_us": 0.0}
+
+    results = {"chip": "cpu", "median_overhead_us": 3.8, "median_overhead_less_kernel_us": 3.8,
+               "floor_median_overhead_us": 3.6,
+               "small_ops": {"add": op(1.0, 4.8, 4.6), "layer_norm": op(2.0, 10.5, 10.75)},
+               "realistic_ops": {"sdpa 1x8x128x64": {"native_us": 400.0, "flagos_us": 416.0,
+                                                     "overhead_us": 15.5, "floor_overhead_us": 11.0},
+                                 "conv2d 1x256x8x8": {"native_us": 800.0, "flagos_us": 812.0}}}
+    run = {"environment": {"utc": "now", "machine": "here", "load_average": [1.0, 1.0, 1.0]},
+           "runs": [{"label": "dispatch_overhead cpu", "data": {"results": results}}]}
+    table = run_all.markdown(run)
+    assert "| cpu | 3.80 | - | 3.60 | 3.80 | 8.50 (8.75) | +15.5 (+11.0) | +12.0 |" in table
+
+
+def test_the_traced_floor_compiles_to_what_the_cpu_computes():
+    """The floor beside the compiled figures is a wrapper subclass that torch.compile traces
+    like flagos's: one graph whose output is wrapped, the CPU's values inside."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import _floor
+    finally:
+        sys.path.pop(0)
+    torch = _floor.torch
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = net(x)
+        compiled = torch.compile(_floor.traced_floor_module(net))
+        got = compiled(_floor.traced_floor_tensor(x))
+    assert all(type(p) is _floor.TracedFloorTensor and p._is_param for p in net.parameters())
+    assert type(got) is _floor.TracedFloorTensor and type(got._payload) is torch.Tensor
+    torch.testing.assert_close(got._payload, expected)
 
 
 def test_run_all_takes_the_chips_and_tables_the_kernel_share(tmp_path):
