@@ -41,6 +41,8 @@ def test_guide_example_runs_a_model_with_the_rest_falling_back(tmp_path):
         import torch, flagos
         info = flagos.activate("toy")
         assert info["chip"] == "toy" and info["devices"] == ["toy accelerator"]
+        # a chip found on FLAGOS_ADAPTER_PATH has no profile of its own: its library names the vendor
+        assert flagos.chips.profile("toy").vendor == "example"
         torch.manual_seed(0)
         w = torch.randn(8, 16)
         head = torch.nn.Linear(16, 4)

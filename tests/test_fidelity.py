@@ -140,6 +140,21 @@ def test_numpy_says_to_copy_to_the_host_first(dev):
         t.numpy()
     assert t.cpu().numpy().tolist() == [0.0, 1.0, 2.0]
     assert t.numpy(force=True).tolist() == [0.0, 1.0, 2.0]
+    # force is keyword-only, as on the CPU
+    for tensor in (torch.arange(3.0), t):
+        with pytest.raises(TypeError, match="positional argument"):
+            tensor.numpy(True)
+
+
+def test_a_parameter_rebuilt_from_its_type_is_a_parameter_as_on_cpu(dev):
+    """Libraries rebuild a parameter as `type(param)(tensor)` (accelerate's offload hooks): on
+    flagos, where type(param) is the flagos tensor type, that is a parameter requiring grad
+    unless told otherwise, as nn.Parameter(tensor) is on the CPU."""
+    for param in (torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3).to(dev))):
+        rebuilt = type(param)(param.detach() * 2)
+        assert isinstance(rebuilt, torch.nn.Parameter) and rebuilt.requires_grad
+        assert rebuilt.device == param.device and torch.equal(rebuilt.cpu(), param.detach().cpu() * 2)
+        assert type(param)(param.detach(), requires_grad=False).requires_grad is False
 
 
 def test_deepcopy_of_tensors_and_modules(dev):

@@ -3,12 +3,14 @@ order work as the CPU does (synchronously); on sim they are the adapter's own st
 events (adapter ABI 1.1), and sim's call counters show flagos used them."""
 import ctypes
 import time
+import types
 
 import pytest
 import torch
 from conftest import CHIP, assert_close, device_mode_only, run_python, runs_once
 
 import flagos
+from flagos.runtime import _streams
 
 pytestmark = device_mode_only
 
@@ -95,6 +97,19 @@ def test_events_record_wait_query_and_time(dev):
     if counters:
         assert counters.flagos_sim_calls(b"event_record") - before == 4
         assert counters.flagos_sim_calls(b"event_elapsed_ms") >= 1
+
+
+@pytest.mark.skipif(CHIP != "cpu", reason="the cpu chip's events read the host clock")
+def test_the_host_clock_times_events_in_milliseconds_to_the_nanosecond(dev, monkeypatch):
+    """On a chip whose work is done when the host sees it, an event's record is the host
+    clock's reading, and elapsed_time the milliseconds between two readings: with the clock
+    read as 1 s and then 2.500001 ms later, exactly that."""
+    readings = iter([1_000_000_000, 1_002_500_001])
+    monkeypatch.setattr(_streams, "time", types.SimpleNamespace(perf_counter_ns=lambda: next(readings)))
+    start, end = torch.flagos.Event(enable_timing=True), torch.flagos.Event(enable_timing=True)
+    start.record()
+    end.record()
+    assert start.elapsed_time(end) == 2.500001
 
 
 def test_event_errors_name_the_fix(dev):
