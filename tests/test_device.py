@@ -9,6 +9,8 @@ import torch
 from conftest import CHIP, assert_close, device_mode_only, reference_device
 
 import flagos
+from flagos import _C
+from flagos.runtime._tensor import wrap
 
 pytestmark = device_mode_only
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -293,3 +295,39 @@ def test_info_says_what_flagos_runs_on_and_how_it_is_configured(dev, monkeypatch
     monkeypatch.setenv("FLAGOS_REPORT", "/tmp/flagos-report.json")
     info = flagos.info()
     assert (info["fallback"], info["report_path"]) == ("error", "/tmp/flagos-report.json")
+
+
+@pytest.mark.skipif(flagos.chips.profile(CHIP).torch_type is None,
+                    reason="a C-ABI chip's payloads are adapter buffers, not torch tensors")
+def test_wrap_puts_a_payload_behind_a_flagos_tensor_and_refuses_anything_else(dev):
+    """The C wrap that every compiled graph's output passes through: the payload's layout,
+    conjugate bit and requires_grad, on the payload's own flagos device or the one asked for;
+    a clear error for anything but a chip tensor or a device that does not exist."""
+    base = torch.randn(4, 6, device=reference_device())
+    for payload in (base, base.t(), base[1:, ::2], torch.randn(3, dtype=torch.complex64).conj()):
+        w = wrap(payload)
+        assert isinstance(w, flagos.FlagosTensor) and w.device == dev and w._payload is payload
+        assert (w.shape, w.stride(), w.storage_offset(), w.dtype) == (
+            payload.shape, payload.stride(), payload.storage_offset(), payload.dtype)
+        assert (w.is_conj(), w.requires_grad) == (payload.is_conj(), False)
+        assert torch.equal(w.cpu(), payload.cpu())
+    leaf = wrap(torch.randn(2, device=reference_device(), requires_grad=True))
+    assert leaf.requires_grad and leaf.is_leaf
+    assert wrap(base, 0).device == torch.device("flagos", 0)
+    with pytest.raises(RuntimeError, match=f"chip device {torch.flagos.device_count()} has no flagos device"):
+        wrap(base, torch.flagos.device_count())
+    for bad in ((3,), (wrap(base),), (base, "0"), ()):
+        with pytest.raises(TypeError, match=r"wrap"):
+            _C.wrap(*bad)
+
+
+def test_the_compiled_call_counter_counts_and_resets():
+    """The report's count of compiled-graph calls lives in C (each compiled graph's code calls
+    count_compiled_call): read, read and reset, then counting from zero again."""
+    _C.compiled_calls(True)
+    for _ in range(3):
+        _C.count_compiled_call()
+    assert _C.compiled_calls() == 3 and flagos.fallback_report().compiled_calls == 3
+    assert _C.compiled_calls(True) == 3 and _C.compiled_calls() == 0
+    with pytest.raises(TypeError, match=r"compiled_calls\(reset=False\)"):
+        _C.compiled_calls(True, False)
