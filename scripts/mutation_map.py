@@ -42,7 +42,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/__init__.py": [cpu(DEVICE)],
     "flagos/integrations/__init__.py": [cpu(DEVICE)],
     "flagos/report/__init__.py": [cpu(DEVICE)],
-    "flagos/runtime/_adapter_ops.py": [sim(SIM_TESTS, COUNTERS, SIM_FIDELITY, ROUTES)],
+    "flagos/runtime/_adapter_ops.py": [sim(SIM_TESTS, COUNTERS, SIM_FIDELITY, ROUTES, KERNELS)],
     "flagos/runtime/_attention.py": [cpu(T + "attention_backends.py"), cpu(MODELS, k="attention"),
                                      cpu(COMPILE, k="attention"), sim(MODELS, k="attention")],
     "flagos/runtime/_autocast.py": [cpu(AUTOCAST), sim(AUTOCAST)],

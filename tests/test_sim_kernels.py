@@ -590,6 +590,26 @@ def test_conv2d_shape_errors_are_pytorchs():
     assert str(chip.value) == str(cpu.value)
 
 
+@on_sim
+@pytest.mark.parametrize("fn,shapes", [
+    (torch.mm, ((3, 4), (5, 4))),                    # inner dims differ
+    (torch.bmm, ((2, 3, 4), (2, 5, 4))),             # inner dims differ, the last ones equal
+    (torch.bmm, ((2, 3, 4), (3, 4, 5))),             # batches differ
+    (torch.bmm, ((3, 4), (3, 4, 5))),                # a 2-d operand
+    (lambda s, a, b: torch.addmm(s, a, b), ((3, 5), (3, 4), (5, 5))),
+], ids=["mm", "bmm inner", "bmm batch", "bmm 2-d", "addmm"])
+def test_matmul_shape_errors_are_pytorchs(fn, shapes):
+    """A product sim's kernel cannot take is refused with PyTorch's own error, not the
+    adapter's: the kernel-table rules hand such calls to the host, which raises it."""
+    dev = flagos.device()
+    args = [randn(*shape, seed=60 + i) for i, shape in enumerate(shapes)]
+    with pytest.raises(RuntimeError) as cpu:
+        fn(*args)
+    with pytest.raises(RuntimeError) as chip:
+        fn(*[t.to(dev) for t in args])
+    assert type(chip.value) is type(cpu.value) and str(chip.value) == str(cpu.value)
+
+
 # ---- group norm ---------------------------------------------------------------------------------
 
 GROUP_NORM_VIEWS = {
