@@ -67,14 +67,16 @@ def run_case(op, fn, args, dtype, route="native", exact=False, outputs=None):
     dev = flagos.device()
     host = [view(base.to(dtype)) for base, view in args]
     on_dev = [view(base.to(dtype).to(dev)) for base, view in args]
-    if exact:
-        ref = fn(*host)
-    else:
-        ref = fn(*[t.double() for t in host])
+    try:  # the CPU's own result from the same views: its layout is the one to match
+        same = fn(*host)
+    except RuntimeError:  # an aten op that takes contiguous CPU inputs only (native_group_norm)
+        same = None
+    ref = same if exact else fn(*[t.double() for t in host])
     flagos.reset_report()
     with flagos.track() as report:
         out = fn(*on_dev)
     refs = ref if isinstance(ref, tuple) else (ref,)
+    layouts = same if isinstance(same, tuple) else (same,) * len(refs)
     outs = out if isinstance(out, tuple) else (out,)
     row = report.op(op)
     assert row is not None, f"{op} did not reach the router:\n{report}"
@@ -82,10 +84,13 @@ def run_case(op, fn, args, dtype, route="native", exact=False, outputs=None):
         assert row["calls"]["native"] >= 1 and report.calls("fallback") == 0, str(report)
     else:
         assert row["calls"]["fallback"] >= 1, str(report)
-    for i, (o, r) in enumerate(zip(outs, refs)):
+    for i, (o, r, lay) in enumerate(zip(outs, refs, layouts)):
         if outputs is not None and i not in outputs:
             continue
         assert isinstance(o, flagos.FlagosTensor) and o.device == dev and o.dtype == dtype
+        # laid out as PyTorch lays out the same op's result on the CPU (a slice in, ...)
+        if lay is not None:
+            assert (o.shape, o.stride()) == (lay.shape, lay.stride()), (o.stride(), lay.stride())
         got = o.cpu()
         if exact:
             assert got.shape == r.shape and torch.equal(got.view(torch.int16), r.view(torch.int16)), \
@@ -216,6 +221,27 @@ UNARY = {
     "gelu": ("aten::gelu", F.gelu),
     "gelu_tanh": ("aten::gelu", lambda x: F.gelu(x, approximate="tanh")),
 }
+
+
+# Views with gaps between their elements (not dense), some along a dim of size 2: PyTorch lays
+# the result of an elementwise op on them out contiguously in the views' dim order.
+GAPPED = {
+    "every other row": ((4, 6), lambda t: t[::2]),                     # [2, 6], strides (12, 1)
+    "every other row, transposed": ((4, 6), lambda t: t[::2].t()),     # [6, 2], strides (1, 12)
+    "every third column": ((2, 2, 6), lambda t: t[:, :, ::3]),         # [2, 2, 2], strides (12, 6, 3)
+}
+
+
+@on_sim
+@pytest.mark.parametrize("gap", GAPPED)
+@pytest.mark.parametrize("name", ["mul", "exp"])
+def test_elementwise_results_of_gapped_views_are_laid_out_as_on_cpu(name, gap):
+    shape, view = GAPPED[gap]
+    op, fn = BINARY[name] if name in BINARY else UNARY[name]
+    inputs = [arg(randn(*shape, seed=70), view)]
+    if name in BINARY:
+        inputs.append(arg(randn(*shape, seed=71), view))
+    run_case(op, fn, inputs, torch.float32)
 
 
 @on_sim
