@@ -11,6 +11,8 @@ import torch
 from conftest import CHIP, assert_close, device_mode_only, run_python, runs_once
 
 import flagos
+from flagos import _C
+from flagos.runtime import _transfers
 
 pytestmark = device_mode_only
 
@@ -286,6 +288,32 @@ def test_a_report_built_by_hand_adds_up():
     assert mm.split()[1:6] == ["fallback", "3", "2.50", "3.000", "1.500"]
     assert lines[-1] == ("total: 2 ops, 8 calls; fallback: 1 ops, 3 calls (37.5% of calls), "
                          "2.50 ms (25.0% of 0.01 s), 3.00 MB to host, 1.50 MB back")
+
+    # rows: most fallback calls first, then most fallback time; numbers right-aligned
+    big = flagos.Report([row("aten::cat", 2, 0, 1_000_000, 10, 123_456_789_000),
+                         row("aten::sort", 2, 0, 9_000_000, 2_000, 2_000),
+                         row("aten::mm", 3, 0, 2_500_000, 3_000_000, 1_500_000)], elapsed_s=1.0)
+    lines = str(big).splitlines()
+    assert [line.split()[0] for line in lines[3:6]] == ["aten::mm", "aten::sort", "aten::cat"]
+    head = lines[1]
+    for line in lines[3:6]:  # each figure ends where its column's header ends
+        for column in ("calls", "fallback ms", "MB to host", "MB from host"):
+            end = head.index(column) + len(column)
+            assert line[end - 1] != " " and (end == len(line) or line[end] == " "), (column, line)
+    assert lines[-1].endswith("123458.29 MB back")
+
+
+def test_a_scope_counts_only_what_ran_inside_it():
+    """track() reports the compiled-graph calls and the bytes copied between devices of its
+    own scope, not the process's totals before it."""
+    _C.count_compiled_call()
+    _C.count_compiled_call()
+    _transfers.add(1_000_000)
+    with flagos.track() as scope:
+        for _ in range(3):
+            _C.count_compiled_call()
+        _transfers.add(250_000)
+    assert (scope.compiled_calls, scope.to_dict()["totals"]["bytes_between_devices"]) == (3, 250_000)
 
 
 def test_an_unregistered_kernel_is_let_go(dev):
