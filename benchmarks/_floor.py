@@ -30,6 +30,18 @@ def floor_tensor(t: torch.Tensor) -> torch.Tensor:
     return w
 
 
+def floor_module(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with every parameter and buffer behind the floor wrapper: a whole model on the
+    floor, for the model ratios (eager)."""
+    for owner in module.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            setattr(owner, name, torch.nn.Parameter(floor_tensor(param.detach()),
+                                                    requires_grad=param.requires_grad))
+        for name, buffer in list(owner.named_buffers(recurse=False)):
+            owner._buffers[name] = floor_tensor(buffer)
+    return module
+
+
 class TracedFloorTensor(torch.Tensor):
     """The floor under torch.compile: a trivial traceable wrapper subclass (`_payload` its one
     inner tensor, no metadata), its dispatch plain Python (a compiled graph never calls it; it

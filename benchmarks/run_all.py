@@ -135,11 +135,13 @@ def markdown(run: dict) -> str:
                          *names], rows) + [""]
     models = [e for e in ok if e["label"].startswith("model_overhead")]
     if models:
-        lines += ["### Whole models, eager (flagos / native time, median)", ""]
+        lines += ["### Whole models, eager (flagos / native time, median; floor: the same model "
+                  "behind the trivial C-dispatch wrapper)", ""]
         for e in models:
             r = e["data"]["results"]
-            lines += _table(["model", "native ms", "flagos ms", "ratio"],
-                            [[k, f"{v['native_ms']:.2f}", f"{v['flagos_ms']:.2f}", f"{v['ratio']:.2f}"]
+            lines += _table(["model", "native ms", "flagos ms", "ratio", "floor (paired)"],
+                            [[k, f"{v['native_ms']:.2f}", f"{v['flagos_ms']:.2f}", f"{v['ratio']:.2f}",
+                              "-" if v.get("floor_ratio") is None else f"{v['floor_ratio']:.2f}"]
                              for k, v in r["models"].items()]) + [f"(chip {r['chip']})", ""]
     compiled = [e for e in ok if e["label"].startswith("compile_overhead")]
     if compiled:

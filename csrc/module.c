@@ -139,6 +139,31 @@ static PyObject *floor_wrap(PyObject *cls, PyObject *out)
     return w;
 }
 
+/* A new reference: an argument with its wrappers of type cls replaced by their payloads: the
+ * argument itself, or the items of a list or tuple (cat's tensors, index's indices). */
+static PyObject *floor_unwrap(PyObject *cls, PyObject *v)
+{
+    if (Py_TYPE(v) == (PyTypeObject *)cls)
+        return PyObject_GetAttr(v, fl_names.payload);
+    if (!PyTuple_Check(v) && !PyList_Check(v))
+        return Py_NewRef(v);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+    PyObject *u = PyTuple_Check(v) ? PyTuple_New(n) : PyList_New(n);
+    for (Py_ssize_t i = 0; u != NULL && i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(v, i);
+        PyObject *ui = Py_TYPE(item) == (PyTypeObject *)cls ? PyObject_GetAttr(item, fl_names.payload)
+                                                            : Py_NewRef(item);
+        if (ui == NULL) {
+            Py_CLEAR(u);
+        } else if (PyTuple_Check(u)) {
+            PyTuple_SET_ITEM(u, i, ui);
+        } else {
+            PyList_SET_ITEM(u, i, ui);
+        }
+    }
+    return u;
+}
+
 static PyObject *fl_floor_dispatch(PyObject *module, PyObject *const *argv, Py_ssize_t argc)
 {
     (void)module;
@@ -166,40 +191,50 @@ static PyObject *fl_floor_dispatch(PyObject *module, PyObject *const *argv, Py_s
     PyObject *kwargs = argc > 4 && argv[4] != Py_None ? argv[4] : NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(args);
     PyObject *uargs = PyTuple_New(n);
-    if (uargs == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = PyTuple_GET_ITEM(args, i);
-        PyObject *u = Py_TYPE(v) == (PyTypeObject *)cls ? PyObject_GetAttr(v, fl_names.payload)
-                                                        : Py_NewRef(v);
-        if (u == NULL) {
-            Py_DECREF(uargs);
-            return NULL;
+    for (Py_ssize_t i = 0; uargs != NULL && i < n; i++) {
+        PyObject *u = floor_unwrap(cls, PyTuple_GET_ITEM(args, i));
+        if (u == NULL)
+            Py_CLEAR(uargs);
+        else
+            PyTuple_SET_ITEM(uargs, i, u);
+    }
+    PyObject *ukwargs = NULL;
+    if (uargs != NULL && kwargs != NULL && (ukwargs = PyDict_New()) != NULL) {
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (ukwargs != NULL && PyDict_Next(kwargs, &pos, &key, &value)) {
+            PyObject *u = floor_unwrap(cls, value);
+            if (u == NULL || PyDict_SetItem(ukwargs, key, u) < 0)
+                Py_CLEAR(ukwargs);
+            Py_XDECREF(u);
         }
-        PyTuple_SET_ITEM(uargs, i, u);
+    }
+    if (uargs == NULL || (kwargs != NULL && ukwargs == NULL)) {
+        Py_XDECREF(uargs);
+        return NULL;
     }
     /* func._op, as the router calls it: no Python frame of OpOverload.__call__ */
     PyObject *fn = PyObject_GetAttr(argv[1], fl_names.op);
-    if (fn == NULL) {
-        Py_DECREF(uargs);
-        return NULL;
-    }
-    PyObject *out = PyObject_Call(fn, uargs, kwargs);
-    Py_DECREF(fn);
+    PyObject *out = fn != NULL ? PyObject_Call(fn, uargs, ukwargs) : NULL;
+    Py_XDECREF(fn);
     Py_DECREF(uargs);
-    if (out == NULL || !PyTuple_Check(out)) {
+    Py_XDECREF(ukwargs);
+    if (out == NULL || (!PyTuple_Check(out) && !PyList_Check(out))) {
         PyObject *w = out != NULL ? floor_wrap(cls, out) : NULL;
         Py_XDECREF(out);
         return w;
     }
-    Py_ssize_t m = PyTuple_GET_SIZE(out);
-    PyObject *wrapped = PyTuple_New(m);
+    /* several outputs (layer_norm's three) or a list of them (split's): each wrapped */
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(out);
+    PyObject *wrapped = PyTuple_Check(out) ? PyTuple_New(m) : PyList_New(m);
     for (Py_ssize_t i = 0; wrapped != NULL && i < m; i++) {
-        PyObject *w = floor_wrap(cls, PyTuple_GET_ITEM(out, i));
+        PyObject *w = floor_wrap(cls, PySequence_Fast_GET_ITEM(out, i));
         if (w == NULL)
             Py_CLEAR(wrapped);
-        else
+        else if (PyTuple_Check(wrapped))
             PyTuple_SET_ITEM(wrapped, i, w);
+        else
+            PyList_SET_ITEM(wrapped, i, w);
     }
     Py_DECREF(out);
     return wrapped;

@@ -86,6 +86,33 @@ def test_the_floor_wrapper_computes_what_the_cpu_does():
     total = wrapped.sum()
     assert type(total) is _floor.FloorTensor and torch.equal(total._payload, x.sum())
     assert wrapped.dim() == 2 and torch.ops.aten.sym_size.int(wrapped, 1) == 8
+    # tensors in a list argument (cat's), a keyword argument, a list of outputs (split's)
+    joined = torch.cat([wrapped, _floor.floor_tensor(x * 2)], dim=0)
+    assert type(joined) is _floor.FloorTensor and torch.equal(joined._payload, torch.cat([x, x * 2]))
+    scaled = torch.ops.aten.add.Tensor(wrapped, other=_floor.floor_tensor(x), alpha=3)
+    assert torch.equal(scaled._payload, x + 3 * x)
+    parts = torch.split(wrapped, 3, dim=1)
+    assert [type(p) for p in parts] == [_floor.FloorTensor] * 3
+    assert all(torch.equal(p._payload, q) for p, q in zip(parts, torch.split(x, 3, dim=1)))
+
+
+def test_a_model_on_the_floor_computes_what_the_cpu_does():
+    """The floor beside the model ratios runs the whole model behind the floor wrapper."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import _floor
+    finally:
+        sys.path.pop(0)
+    torch = _floor.torch
+    torch.manual_seed(0)
+    net = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        expected = net(x)
+        got = _floor.floor_module(net)(_floor.floor_tensor(x))
+    assert all(type(p) is _floor.FloorTensor for p in net.parameters())
+    assert type(got) is _floor.FloorTensor
+    torch.testing.assert_close(got._payload, expected)
 
 
 def test_run_all_puts_the_floors_figure_beside_each_op():
@@ -108,8 +135,12 @@ def test_run_all_puts_the_floors_figure_beside_each_op():
                                  "conv2d 1x256x8x8": {"native_us": 800.0, "flagos_us": 812.0}}}
     run = {"environment": {"utc": "now", "machine": "here", "load_average": [1.0, 1.0, 1.0]},
            "runs": [{"label": "dispatch_overhead cpu", "data": {"results": results}}]}
+    models = {"bert-tiny fwd": {"native_ms": 0.5, "flagos_ms": 1.2, "ratio": 2.4, "floor_ratio": 2.2},
+              "unet step": {"native_ms": 2.0, "flagos_ms": 4.0, "ratio": 2.0}}
+    run["runs"].append({"label": "model_overhead cpu", "data": {"results": {"chip": "cpu", "models": models}}})
     table = run_all.markdown(run)
     assert "| cpu | 3.80 | - | 3.60 | 3.80 | 8.50 (8.75) | +15.5 (+11.0) | +12.0 |" in table
+    assert "| bert-tiny fwd | 0.50 | 1.20 | 2.40 | 2.20 |" in table and "| unet step | 2.00 | 4.00 | 2.00 | - |" in table
 
 
 def test_the_traced_floor_compiles_to_what_the_cpu_computes():
