@@ -10,6 +10,7 @@ import io
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -254,6 +255,9 @@ def _check_cuda_module(name, dev):
     elif name == "get_device_properties":
         props = c.get_device_properties(0)
         assert props.name == chip.device_name(0) and props.total_memory == chip.total_memory(0)
+        # no CUDA architecture and no streaming multiprocessors to count: zeros, never a guess
+        assert (props.major, props.minor, props.multi_processor_count) == (0, 0, 0)
+        assert props.type == chip.name
     elif name == "is_bf16_supported":
         assert c.is_bf16_supported() is ("bfloat16" in chip.native_dtypes)
     elif name == "Event":
@@ -290,10 +294,15 @@ def _check_cuda_module(name, dev):
         c.ipc_collect()
         assert torch.flagos.memory_allocated() == before
     elif name == "set_per_process_memory_fraction":
-        with pytest.warns(UserWarning, match=f"not enforced on chip '{chip.name}'"):
-            c.set_per_process_memory_fraction(0.5)
-        with pytest.raises(ValueError, match="between 0 and 1"):
+        for fraction in (0.5, 0.0, 1.0):  # the ends of the range are allowed, as on CUDA
+            with pytest.warns(UserWarning, match=f"not enforced on chip '{chip.name}'"):
+                c.set_per_process_memory_fraction(fraction)
+        with pytest.raises(ValueError, match=r"Invalid fraction value: 1\.5\. Allowed range: 0~1"):
             c.set_per_process_memory_fraction(1.5)
+        with pytest.raises(ValueError, match="Invalid fraction value: -0.1"):
+            c.set_per_process_memory_fraction(-0.1)
+        with pytest.raises(TypeError, match="Invalid type for fraction argument, must be `float`"):
+            c.set_per_process_memory_fraction(1)
     elif name == "memory_summary":
         keep = torch.ones(1 << 18, device="cuda")  # 1 MiB
         text = c.memory_summary()
@@ -559,6 +568,19 @@ def test_native_mode_entry_points_and_deactivate():
         print("ok")
     """)
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_host_events_time_in_milliseconds(monkeypatch):
+    """torch.cuda.Event of the cpu chip in native mode reads the host clock at record():
+    elapsed_time is the milliseconds between two readings, and asks for both."""
+    readings = iter([10.0, 10.0025])
+    monkeypatch.setattr(_redirect, "time", types.SimpleNamespace(perf_counter=lambda: next(readings)))
+    start, end = _redirect._HostEvent(enable_timing=True), _redirect._HostEvent(enable_timing=True)
+    with pytest.raises(RuntimeError, match="both events must be recorded"):
+        start.elapsed_time(end)
+    start.record()
+    end.record()
+    assert start.elapsed_time(end) == pytest.approx(2.5, rel=1e-9)
 
 
 @runs_once

@@ -233,8 +233,11 @@ def ipc_collect() -> None:
 
 def set_per_process_memory_fraction(fraction: float, device=None) -> None:
     """Checked as PyTorch checks it; not enforced: the chip's allocator has no such cap."""
-    if not isinstance(fraction, float) or not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"invalid fraction {fraction!r}: a float between 0 and 1")
+    # PyTorch's own checks and words (torch/cuda/memory.py)
+    if not isinstance(fraction, float):
+        raise TypeError("Invalid type for fraction argument, must be `float`")
+    if fraction < 0 or fraction > 1:
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
     state = _state.active()
     index = state.chip_index(_device_module._index(device))
     warnings.warn(f"torch.cuda.set_per_process_memory_fraction({fraction}) is not enforced on "
