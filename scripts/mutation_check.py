@@ -376,6 +376,25 @@ MUTATIONS = [
       "csrc/adapter_kernels.c", "    if (ns > MAX_KERNEL_VALUES || ni > MAX_KERNEL_VALUES) {",
       "    if (ns >= MAX_KERNEL_VALUES || ni > MAX_KERNEL_VALUES) {",
       cpu("tests/test_sim_kernel_checks.py", k="up_to_16")),
+    # survivors of the sampled pass over the remaining modules, 2026-12-04
+    M("bmm_rule_checks_the_wrong_dim", "sim's bmm rule compares the inner dim with the output's, so "
+      "a mismatched product reaches the kernel", "flagos/runtime/_adapter_ops.py",
+      "or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]):",
+      "or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2]):",
+      sim("tests/test_sim_kernels.py", k="shape_errors")),
+    M("dense_order_skips_size_two", "a gapped view with a dim of size 2 taken as dense: elementwise "
+      "results keep its gaps", "flagos/runtime/_adapter_ops.py",
+      "        if size[i] != 1:\n            if stride[i] != expected:",
+      "        if size[i] != 2:\n            if stride[i] != expected:",
+      sim("tests/test_sim_kernels.py", k="gapped")),
+    M("scope_reports_total_compiled_calls", "track() adds the calls before the scope to its "
+      "compiled-graph count", "flagos/report/_report.py",
+      "_compile.compiled_calls() - compiled_before", "_compile.compiled_calls() + compiled_before",
+      cpu("tests/test_routes.py", k="only_what_ran")),
+    M("memory_fraction_refuses_one", "torch.cuda.set_per_process_memory_fraction(1.0) refused",
+      "flagos/integrations/_redirect.py", "    if fraction < 0 or fraction > 1:",
+      "    if fraction < 0 or fraction >= 1:",
+      cpu("tests/test_redirect.py", k="set_per_process_memory_fraction")),
 ]
 
 
