@@ -395,6 +395,11 @@ MUTATIONS = [
       "flagos/integrations/_redirect.py", "    if fraction < 0 or fraction > 1:",
       "    if fraction < 0 or fraction >= 1:",
       cpu("tests/test_redirect.py", k="set_per_process_memory_fraction")),
+    M("out_resize_kept_in_place", "an out= argument a fallback op shrank keeps its old shape (the "
+      "Python runner's write-back)", "flagos/runtime/_adapter_ops.py",
+      "if (view.shape != t.shape or view.stride() != t.stride()",
+      "if (view.shape != t.shape and view.stride() != t.stride()",
+      cpu("tests/test_sim_fidelity.py", k="resized")),
 ]
 
 

@@ -233,3 +233,22 @@ def test_empty_views_in_a_fallback_touch_no_bytes():
         assert torch.cat([e, torch.ones(2, device=d)]).cpu().tolist() == [1.0, 1.0]
         print("OK")
     """)
+
+
+def test_an_out_argument_resized_by_a_fallback_op_takes_the_cpus_shape():
+    """out= of an op sim has no kernel for, resized by the op (grown, shrunk, re-laid), in a
+    dtype the C round trip takes (float32) and one only the Python runner takes (complex64):
+    the caller's own tensor comes back with the CPU's shape, strides and values."""
+    run_sim("""
+        for dtype in (torch.float32, torch.complex64):
+            x = (torch.arange(6.) + 1j * torch.arange(6.)).to(dtype).reshape(2, 3)
+            for start in [(6,), (4, 3), (3, 2), (2, 3), (8, 8)]:
+                o_cpu = torch.zeros(start, dtype=dtype)
+                o_dev = o_cpu.to(d)
+                torch.cumsum(x, 1, out=o_cpu)
+                got = torch.cumsum(x.to(d), 1, out=o_dev)
+                assert got is o_dev, (dtype, start)
+                assert (o_dev.shape, o_dev.stride()) == (o_cpu.shape, o_cpu.stride()), (dtype, start, o_dev.shape)
+                assert torch.equal(o_dev.cpu(), o_cpu), (dtype, start)
+        print("OK")
+    """)
