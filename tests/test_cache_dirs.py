@@ -106,6 +106,8 @@ def test_an_unusable_folder_warns_and_the_process_goes_on(tmp_path):
     assert run["sum"] == 6.0
     assert len(run["warnings"]) == 1
     assert str(not_a_folder) in run["warnings"][0] and "Set FLAGOS_CACHE_DIR to a folder you can write" in run["warnings"][0]
+    # the error in words, once: its type and the system's reason, the path already said before it
+    assert "(NotADirectoryError: Not a directory); Inductor and Triton keep" in run["warnings"][0]
     assert run["caches"]["folder"] is None and run["caches"]["problem"] == run["warnings"][0]
     assert run["env"] == [None, None]
     assert run["caches"]["inductor_set_by"] == "default"
