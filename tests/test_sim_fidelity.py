@@ -252,3 +252,23 @@ def test_an_out_argument_resized_by_a_fallback_op_takes_the_cpus_shape():
                 assert torch.equal(o_dev.cpu(), o_cpu), (dtype, start)
         print("OK")
     """)
+
+
+def test_result_layouts_with_an_expanded_operand_are_the_cpus_in_every_dtype():
+    """An elementwise op over an expanded operand and a transposed one: PyTorch's meta kernel
+    lays a float16 or bfloat16 result out otherwise than the CPU does; sim gives the CPU's
+    layout in every dtype, whichever dtype met the layout first in the process."""
+    run_sim('''
+        def operands(dtype, device):
+            a = torch.arange(8.).to(dtype).reshape(1, 8).to(device).expand(6, 8)
+            b = torch.arange(48.).to(dtype).reshape(8, 6).to(device).t()
+            return a, b
+
+        for dtype in (torch.float16, torch.float32, torch.bfloat16, torch.float16):
+            for op in (lambda x, y: torch.add(x, y, alpha=2), torch.mul, torch.maximum):
+                want = op(*operands(dtype, "cpu"))
+                got = op(*operands(dtype, d))
+                assert got.stride() == want.stride(), (dtype, got.stride(), want.stride())
+                assert torch.equal(got.cpu(), want), dtype
+        print("OK")
+    ''')

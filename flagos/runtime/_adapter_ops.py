@@ -72,6 +72,18 @@ def _span(size, stride, offset) -> tuple[int, int]:
     return offset, offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
 
 
+def _expanded(t) -> bool:
+    """Whether a tensor repeats elements along a dim (stride 0 over more than one element)."""
+    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+
+
+def _host_stand_in(t) -> torch.Tensor:
+    """A host tensor of ones with t's sizes, strides and dtype (no data of t's): what an op's
+    result layout is asked of where the meta kernel's answer is not the CPU's."""
+    first, end = _span(t.shape, t.stride(), 0)
+    return torch.ones(end - first, dtype=t.dtype).as_strided(t.shape, t.stride())
+
+
 def _tag(fresh: torch.Tensor, t) -> torch.Tensor:
     """fresh (a new tensor over t's bytes, host, meta or flagos) given t's conjugate and
     negative bits, which say how to read those bytes (x.conj(), torch._neg_view(x))."""
@@ -362,6 +374,9 @@ class Runner:
             return m
         return rewrap(out)
 
+    def _host_kwargs(self, kwargs):
+        return {k: CPU if _is_flagos_device(v) else _walk(v, _host_stand_in) for k, v in kwargs.items()}
+
     def _meta_kwargs(self, kwargs):
         return {k: META if _is_flagos_device(v) else _walk(v, self._meta) for k, v in kwargs.items()}
 
@@ -417,15 +432,20 @@ class Runner:
         if all(tuple(t.shape) == tuple(shape) and t.stride() == first for t in tensors):
             if _dense_order(shape, first):
                 return first  # operands laid out alike: so is the result
-        # PyTorch's rule (TensorIterator's) depends on the operands' layouts only: ask the meta
-        # kernel once per op and layouts, as a training loop repeats them
-        key = (func, tuple((t.shape, t.stride()) for t in tensors))
+        # PyTorch's rule (TensorIterator's) depends on the operands' layouts and dtypes: asked
+        # once per op, layouts and dtypes, as a training loop repeats them. The meta kernel
+        # answers it, except with an expanded operand, where its float16/bfloat16 layouts are
+        # not the CPU's (docs/design.md, "Result layouts"): those the CPU answers, on stand-ins.
+        key = (func, tuple((t.shape, t.stride(), t.dtype) for t in tensors))
         stride = self.layouts.get(key)
         if stride is None:
             if len(self.layouts) > 4096:
                 self.layouts.clear()
-            stride = self.layouts[key] = func(*_walk(args, self._meta),
-                                              **self._meta_kwargs(kwargs)).stride()
+            if any(_expanded(t) for t in tensors):
+                out = func(*_walk(args, _host_stand_in), **self._host_kwargs(kwargs))
+            else:
+                out = func(*_walk(args, self._meta), **self._meta_kwargs(kwargs))
+            stride = self.layouts[key] = out.stride()
         return stride
 
     def _desc(self, t, shape=None):
