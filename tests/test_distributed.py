@@ -103,6 +103,29 @@ def _collectives(rank: int, dev, group=None) -> dict[str, torch.Tensor]:
     i = torch.tensor([rank + 1, 10 * rank], dtype=torch.int64, device=dev)
     dist.all_reduce(i, group=group)
     out["all_reduce_int64"] = i
+    red = _values(rank).to(dev)
+    dist.reduce(red, dst=1, group=group)  # to rank 1 (what rank 0's tensor holds after is unspecified)
+    out["reduce_to_1"] = red if rank == 1 else torch.zeros(6)
+    parts = [torch.empty(2, device=dev) for _ in range(WORLD)]
+    dist.all_to_all(parts, list(_values(rank, 2 * WORLD).to(dev).split(2)), group=group)
+    out["all_to_all"] = torch.cat(parts)
+    single = torch.empty(2 * WORLD, device=dev)
+    dist.all_to_all_single(single, _values(rank, 2 * WORLD).to(dev), group=group)
+    out["all_to_all_single"] = single
+    gathered_at_0 = [torch.empty(6, device=dev) for _ in range(WORLD)] if rank == 0 else None
+    dist.gather(_values(rank).to(dev), gathered_at_0, dst=0, group=group)
+    out["gather"] = torch.stack(gathered_at_0) if rank == 0 else torch.zeros(WORLD, 6)
+    scattered = torch.empty(6, device=dev)
+    dist.scatter(scattered, [_values(1, 6).to(dev) + i for i in range(WORLD)] if rank == 1 else None,
+                 src=1, group=group)
+    out["scatter"] = scattered
+    # point to point with the default tag on both sides: rank 0 sends, rank 1 receives
+    message = _values(rank, 4).to(dev) if rank == 0 else torch.empty(4, device=dev)
+    if rank == 0:
+        dist.send(message, dst=1, group=group)
+    else:
+        dist.recv(message, src=0, group=group)
+    out["send_recv"] = message
     dist.barrier(group=group)
     return {k: v.cpu() for k, v in out.items()}
 
@@ -132,6 +155,11 @@ def test_collectives_match_the_same_on_cpu_tensors(tmp_path):
     torch.testing.assert_close(r0["all_reduce"], _values(0) + _values(1))
     torch.testing.assert_close(r0["broadcast"], _values(1))
     torch.testing.assert_close(r1["reduce_scatter"], _values(0, 3) + _values(1, 3) + 2)
+    torch.testing.assert_close(r1["reduce_to_1"], _values(0) + _values(1))
+    torch.testing.assert_close(r1["all_to_all"], torch.cat([_values(0, 4)[2:], _values(1, 4)[2:]]))
+    torch.testing.assert_close(r1["scatter"], _values(1, 6) + 1)
+    torch.testing.assert_close(r0["gather"], torch.stack([_values(0), _values(1)]))
+    torch.testing.assert_close(r1["send_recv"], _values(0, 4))
 
 
 # ---- DDP ---------------------------------------------------------------------------------
