@@ -116,7 +116,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/tools/_diagnose.py": [cpu(DIAGNOSE)],
     "flagos/tools/_metrics.py": [cpu(METRICS)],
     "flagos/tools/_models.py": [cpu(BENCH, COMPARE)],
-    "flagos/report/_probe.py": [cpu(DIAGNOSE, DEVICES)],
+    "flagos/report/_probe.py": [cpu(DIAGNOSE, DEVICES, T + "probe.py")],
     "flagos/tools/_smoke.py": [cpu(DIAGNOSE)],
     "flagos/tools/_top.py": [cpu(TOP)],
     # ---- the C router and loader ----
