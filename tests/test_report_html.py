@@ -186,9 +186,9 @@ def test_an_op_without_a_call_site(dev, tmp_path):
     assert "aten::neg" in page.sites["-"]
 
 
-def _row(op, fallback, native, ns, to_host, to_device):
+def _row(op, fallback, native, ns, to_host, to_device, site=None):
     return {"op": op, "calls": {"override": 0, "native": native, "fallback": fallback, "error": 0},
-            "fallback_ns": ns, "bytes_to_host": to_host, "bytes_to_device": to_device, "site": None}
+            "fallback_ns": ns, "bytes_to_host": to_host, "bytes_to_device": to_device, "site": site}
 
 
 def _page_of(report, path) -> tuple[Page, str]:
@@ -204,10 +204,11 @@ def test_a_page_of_a_report_built_by_hand(tmp_path):
     """Hand-computed figures: rows by fallback time, longest first (then fallback calls), the
     megabytes of each row and of the summary, and the downcast line only where a downcast
     policy or downcast calls are in the report."""
+    first, second = "/home/u/project/train.py:12", "/home/u/project/train.py:20"
     rows = [_row("aten::mm", 3, 0, 2_500_000, 3_000_000, 1_500_000),
-            _row("aten::cat", 2, 0, 9_000_000, 10, 123_456_789_000),
-            _row("aten::sort", 2, 0, 1_000_000, 987_654_321_000, 2_000),
-            _row("aten::add.Tensor", 0, 5, 0, 0, 0)]
+            _row("aten::cat", 2, 0, 9_000_000, 10, 123_456_789_000, site=first),
+            _row("aten::sort", 2, 0, 1_000_000, 987_654_321_000, 2_000, site=second),
+            _row("aten::add.Tensor", 0, 5, 0, 0, 0, site=first)]
     page, text = _page_of(flagos.Report(rows, elapsed_s=1.0, chip="sim"), tmp_path / "plain.html")
     assert [r["op"] for r in page.rows] == ["aten::cat", "aten::mm", "aten::sort", "aten::add.Tensor"]
     cat = page.rows[0]["cells"]
@@ -216,6 +217,12 @@ def test_a_page_of_a_report_built_by_hand(tmp_path):
     assert page.rows[2]["cells"][5]["text"] == "987654.321"
     assert "12.50 ms in fallbacks · 987657.32 MB to host, 123458.29 MB back" in text
     assert 'id="downcast"' not in text
+    # call sites, most fallback time first; the ops that fell back there in bold
+    sites = [line for line in text.splitlines() if line.startswith("<li data-site=")]
+    assert sites == [
+        f'<li data-site="{first}"><code>{short_site(first)}</code>: aten::add.Tensor, <b>aten::cat</b></li>',
+        '<li data-site="-"><code>-</code>: <b>aten::mm</b></li>',
+        f'<li data-site="{second}"><code>{short_site(second)}</code>: <b>aten::sort</b></li>']
     _, downcast = _page_of(flagos.Report(rows, elapsed_s=1.0, chip="sim", downcast_to="torch.float32"),
                            tmp_path / "downcast.html")
     assert 'id="downcast"' in downcast and "0 calls made torch.float32 instead of bfloat16" in downcast
