@@ -443,6 +443,13 @@ def test_sim_coverage_follows_the_dtypes_sim_computes_in():
     assert sim.classify("aten::embedding", ["torch.float32", "torch.int64"])[0] == "native"
     route, reason = sim.classify("aten::embedding", ["torch.float64", "torch.int64"])
     assert route == "fallback" and "not float64" in reason
+    # a kernel the library lists that the runner has no rule for is a fallback, and says so
+    listed_only = "aten::flagos_test_only_op"
+    sim.kernels[listed_only] = sim.kernels["aten::add.Tensor"]
+    assert listed_only not in sim._builders
+    route, reason = sim.classify(listed_only, ["torch.float32"])
+    assert route == "fallback" and "lists a kernel, but flagos's adapter runner does not call it" in reason
+    assert sim.classify("aten::not_in_the_table", ["torch.float32"])[1].startswith("no aten::not_in_the_table kernel in")
 
 
 def test_a_script_ended_by_a_signal_exits_128_plus_the_signal(tmp_path, capfd):
