@@ -110,7 +110,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/tools/_analyze.py": [cpu(ANALYZE)],
     "flagos/tools/_bench.py": [cpu(BENCH)],
     "flagos/tools/_childrun.py": [cpu(BENCH, COMPARE)],
-    "flagos/tools/_common.py": [cpu(DEVICES, ANALYZE)],
+    "flagos/tools/_common.py": [cpu(DEVICES, ANALYZE, T + "cli_common.py")],
     "flagos/tools/_compare.py": [cpu(COMPARE)],
     "flagos/tools/_devices.py": [cpu(DEVICES)],
     "flagos/tools/_diagnose.py": [cpu(DIAGNOSE)],
