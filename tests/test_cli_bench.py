@@ -143,3 +143,13 @@ def test_python_api_runs_the_active_chip_here():
     assert native["ratio"] == pytest.approx(native["p50_ms"] / chip["p50_ms"])
     tol = 5e-2 if data["dtype"] == "float16" else 1e-4
     assert chip["output_checksum"] == pytest.approx(native["output_checksum"], rel=tol, abs=tol)
+
+
+def test_a_childs_messages_reach_a_stderr_that_is_no_file(monkeypatch, capsys):
+    """Where sys.stderr is not a file (a notebook, a captured stream), what the child process
+    for another chip prints is collected and written there, as text, once it ends."""
+    other = "cpu" if CHIP == "sim" else "sim"  # a chip this process does not run: a child does
+    monkeypatch.setenv("FLAGOS_LOG_LEVEL", "info")
+    (row,) = flagos.tools.bench("mlp", chips=[other], warmup=0, iters=1)["results"]
+    assert row["chip"] == other and "error" not in row
+    assert f"flagos INFO: flagos active on chip {other}" in capsys.readouterr().err
