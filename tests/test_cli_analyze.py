@@ -16,6 +16,7 @@ import torch
 from conftest import CHIP, device_mode_only, runs_once
 
 import flagos
+from flagos.tools import _analyze
 
 pytestmark = device_mode_only
 
@@ -131,10 +132,12 @@ def test_printed_table_and_verdict(analyze_run):
         cells = rows[r["op"]]
         assert cells[1] == "/".join(k for k in ("override", "native", "fallback") if r["calls"][k])
         assert int(cells[2]) == sum(r["calls"].values()) and int(cells[3]) == r["calls"]["fallback"]
-        assert float(cells[4]) == pytest.approx(r["fallback_ns"] / 1e6, abs=0.006)
+        assert cells[4] == f"{r['fallback_ns'] / 1e6:.2f}"
         assert cells[-1] == r["target"]["route"]
     share = 100 * analysis["totals"]["fallback_time_share"]
     assert f"verdict: fallback share of op time {share:.1f}%" in proc.stderr
+    status = int(RUNS[CHIP][1])
+    assert f"on chip {CHIP} (exit status {status})" in proc.stderr
     assert analysis["verdict"].startswith(f"fallback share of op time {share:.1f}%")
     assert f"target: {analysis['target']['verdict']}" in proc.stderr
 
@@ -149,6 +152,9 @@ def test_target_sim_from_cpu_predicts_the_fallbacks_of_a_real_sim_run(analyze_ru
     per_op = {r["op"]: r["target"]["route"] for r in predicted["ops"]}
     assert {op for op, route in per_op.items() if route == "fallback"} == real_fallbacks
     assert predicted["target"]["calls_by_route"]["fallback"] == real["totals"]["calls_by_route"]["fallback"]
+    # the verdict names the first ops that would fall back, without their namespace
+    short = ", ".join(op.split("::", 1)[1] for op in predicted["target"]["fallback_ops"][:8])
+    assert "): " + short in predicted["target"]["verdict"]
     assert predicted["target"]["kind"] == "adapter"
     assert predicted["target"]["source"].endswith("libflagos_sim_adapter.so")
     # and the other way round: the cpu chip has a kernel for everything the sim run used
@@ -450,6 +456,26 @@ def test_sim_coverage_follows_the_dtypes_sim_computes_in():
     route, reason = sim.classify(listed_only, ["torch.float32"])
     assert route == "fallback" and "lists a kernel, but flagos's adapter runner does not call it" in reason
     assert sim.classify("aten::not_in_the_table", ["torch.float32"])[1].startswith("no aten::not_in_the_table kernel in")
+
+
+def test_the_verdict_in_figures_computed_by_hand():
+    totals = {"fallback_time_share": 0.25, "fallback_s": 0.5, "fallback_ops": 2, "ops": 7,
+              "calls_by_route": {"fallback": 12}, "calls": 40}
+    assert _analyze._verdict(totals, 2.0) == (
+        "fallback share of op time 25.0% (500.0 ms in fallbacks of 2.00 s tracked; "
+        "2 of 7 ops, 12 of 40 calls)")
+
+
+def test_the_table_in_figures_computed_by_hand():
+    def row(op, fallback, native, ns):
+        return {"op": op, "calls": {"override": 0, "native": native, "fallback": fallback, "error": 0},
+                "fallback_ns": ns, "site": None}
+
+    table = _analyze.coverage_table({"ops": [row("aten::add.Tensor", 0, 4, 0),
+                                             row("aten::cumsum", 3, 0, 123_456_789_000)]})
+    assert [line.split() for line in table.splitlines()[2:]] == [
+        ["aten::cumsum", "fallback", "3", "3", "123456.79", "-"],
+        ["aten::add.Tensor", "native", "4", "0", "0.00", "-"]]
 
 
 def test_a_script_ended_by_a_signal_exits_128_plus_the_signal(tmp_path, capfd):
