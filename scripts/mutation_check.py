@@ -400,6 +400,19 @@ MUTATIONS = [
       "if (view.shape != t.shape or view.stride() != t.stride()",
       "if (view.shape != t.shape and view.stride() != t.stride()",
       cpu("tests/test_sim_fidelity.py", k="resized")),
+    M("report_page_rows_by_least_time", "the report page lists the ops with the least fallback time "
+      "first", "flagos/report/_html.py",
+      '    for r in sorted(ops, key=lambda r: (-r["fallback_ns"], -r["calls"]["fallback"],',
+      '    for r in sorted(ops, key=lambda r: (r["fallback_ns"], -r["calls"]["fallback"],',
+      cpu("tests/test_report_html.py", k="by_hand")),
+    M("gpu_utilization_in_percent", "a GPU's utilization reported in percent, not as a fraction",
+      "flagos/report/_probe.py", "        return float(query(index)) / 100.0",
+      "        return float(query(index))", cpu("tests/test_probe.py", k="fraction")),
+    M("analyze_exit_zero_as_a_signal", "flagos analyze says a script that exited 0 was ended by "
+      "signal 0", "flagos/tools/_analyze.py",
+      '    ended = f"ended by signal {-status}" if status < 0 else',
+      '    ended = f"ended by signal {-status}" if status <= 0 else',
+      cpu("tests/test_cli_analyze.py", k="printed_table")),
 ]
 
 
