@@ -163,6 +163,10 @@ def test_verdict_thresholds():
     both_nan = torch.tensor([float("nan"), 1.0])
     assert _compare.judge([both_nan], [both_nan.clone()])["passed"]
     assert "shapes differ" in _compare.judge([ref[:10]], [ref[:11]])["reason"]
+    # NaN on one side fails, and the figures describe the elements finite on both sides
+    one_sided = _compare.judge([torch.tensor([1.0, float("nan"), 3.0])], [torch.tensor([1.0, 2.0, 3.5])])
+    assert not one_sided["passed"] and one_sided["reason"].startswith("NaN/inf on one side only")
+    assert (one_sided["nonfinite_chip"], one_sided["nonfinite_ref"], one_sided["max_abs_err"]) == (1, 0, 0.5)
 
 
 @runs_once
