@@ -2,6 +2,7 @@
 against plain PyTorch on the CPU, parsed from its JSON; and flagos.tools.bench from Python."""
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -57,6 +58,10 @@ def test_bench_against_plain_torch(tmp_path):
                                                        rel=1e-4, abs=1e-4)
     assert native["ratio"] == 1.0
     assert native["fallback"] is None and native["peak_memory_bytes"] is None
+    # --progress always: each chip's bar counts the 2 warm-up and 5 timed steps to the end, never past
+    counts = [tuple(map(int, m)) for m in re.findall(r"\] (\d+)/(\d+) ", proc.stderr)]
+    assert counts and all(done <= total == 7 for done, total in counts), counts
+    assert counts.count((7, 7)) == 3
     for row in (cpu, sim):
         fallback = row["fallback"]
         assert fallback["ops"] == ["aten::gelu"]
