@@ -163,10 +163,30 @@ def test_verdict_thresholds():
     both_nan = torch.tensor([float("nan"), 1.0])
     assert _compare.judge([both_nan], [both_nan.clone()])["passed"]
     assert "shapes differ" in _compare.judge([ref[:10]], [ref[:11]])["reason"]
+    # the relative error divides by the reference's magnitude
+    assert _compare.judge([torch.tensor([1.0, 2.0])], [torch.tensor([1.0, 4.0])])["max_rel_err"] == 0.5
     # NaN on one side fails, and the figures describe the elements finite on both sides
     one_sided = _compare.judge([torch.tensor([1.0, float("nan"), 3.0])], [torch.tensor([1.0, 2.0, 3.5])])
     assert not one_sided["passed"] and one_sided["reason"].startswith("NaN/inf on one side only")
     assert (one_sided["nonfinite_chip"], one_sided["nonfinite_ref"], one_sided["max_abs_err"]) == (1, 0, 0.5)
+
+
+def test_the_table_shows_the_rows_from_the_first_failure():
+    rows = [{"module": str(i), "passed": i != 2, "cosine": 1.0} for i in range(5)]
+    assert [r["module"] for r in _compare._shown(rows, 1)] == ["2"]
+    assert [r["module"] for r in _compare._shown(rows, 2)] == ["2", "3"]
+    assert _compare._shown(rows, 0) == rows and _compare._shown(rows, 5) == rows
+
+
+@runs_once
+def test_a_chip_that_fails_is_exit_1_with_the_error_in_the_json(tmp_path):
+    out = tmp_path / "compare.json"
+    proc = run_flagos("compare", "mlp", "--chip", "sim", "--json", str(out),
+                      env={"FLAGOS_SIM_FAIL_DEVICE": "0"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert (data["model"], data["passed"]) == ("mlp", False) and "sim" in data["error"]
+    assert f"flagos compare: {data['error']}" in proc.stderr
 
 
 @runs_once
