@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import CHIP, device_mode_only
 
 import flagos.tools
@@ -158,3 +159,12 @@ def test_a_childs_messages_reach_a_stderr_that_is_no_file(monkeypatch, capsys):
     (row,) = flagos.tools.bench("mlp", chips=[other], warmup=0, iters=1)["results"]
     assert row["chip"] == other and "error" not in row
     assert f"flagos INFO: flagos active on chip {other}" in capsys.readouterr().err
+
+
+def test_the_bert_workload_draws_token_ids_its_vocabulary_has():
+    """Every id of the built-in bert's batches indexes its embedding table, whatever the seed."""
+    for seed in range(4):
+        work = _models.load("bert", batch=16, seed=seed)
+        ids, vocab = work.inputs["input_ids"], work.model.config.vocab_size
+        assert ids.shape == (16, 32) and 0 <= int(ids.min()) and int(ids.max()) < vocab
+        assert torch.equal(work.inputs["attention_mask"], torch.ones_like(ids))
