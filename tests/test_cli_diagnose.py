@@ -11,6 +11,7 @@ from conftest import CHIP
 from flagos_cli import ROOT, run_flagos, run_json
 
 import flagos
+from flagos.tools import _diagnose
 from flagos.tools.cli import main
 
 CHECKS = ["activate", "allocate", "copy round trip", "matmul vs CPU", "float16", "bfloat16"]
@@ -142,3 +143,19 @@ def test_unknown_chip_is_a_usage_error_and_bad_settings_fail(monkeypatch, capsys
     out = capsys.readouterr().out
     assert "FLAGOS_FALLBACK='sometimes' is not valid; use one of: allow, warn, error" in out
     assert "mps is not available" in out
+
+
+def test_the_bug_report_names_the_first_problem_in_full_and_the_rest_by_name():
+    def check(name, level, detail=""):
+        return {"name": name, "level": level, "detail": detail}
+
+    findings = {
+        "versions": {"flagos": "0.1.0", "torch": "2.13.0", "python": "3.11.7", "os": "Linux"},
+        "chips": [], "devices": [], "environment": {}, "verdict": {"text": "FAIL: sim"},
+        "smoke": [{"chip": "sim", "verdict": "fail",
+                   "checks": [check("tensor", "OK"), check("bfloat16", "WARN", "not native"),
+                              check("matmul", "FAIL", "wrong values"), check("backward", "FAIL")]},
+                  {"chip": "cpu", "verdict": "ok", "checks": [check("tensor", "OK")]}]}
+    lines = _diagnose._bug_report(findings).splitlines()
+    assert "smoke sim: fail (bfloat16: WARN not native; then matmul FAIL, backward FAIL)" in lines
+    assert "smoke cpu: ok" in lines and lines[-1] == "verdict: FAIL: sim"
