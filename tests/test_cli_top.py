@@ -10,6 +10,7 @@ from conftest import CHIP, device_mode_only
 from flagos_cli import run_json, run_workload
 
 import flagos
+from flagos.tools import _top
 from flagos.tools.cli import main
 
 pytestmark = device_mode_only
@@ -78,3 +79,9 @@ def test_refreshing_view_and_usage_errors(watched, capsys):
             main(["top", *bad])
         assert info.value.code == 2
     assert "must be" in capsys.readouterr().err
+
+
+def test_memory_bars_are_ten_wide_and_filled_to_the_share_used():
+    assert [_top._bar(used, 8 << 30) for used in (None, 0, 2 << 30, 4 << 30, 8 << 30, 9 << 30)] == [
+        "[..........]", "[..........]", "[##........]", "[#####.....]", "[##########]", "[##########]"]
+    assert _top._bar(1, None) == "[..........]"
