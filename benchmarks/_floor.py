@@ -30,16 +30,20 @@ def floor_tensor(t: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def floor_module(module: torch.nn.Module) -> torch.nn.Module:
-    """`module` with every parameter and buffer behind the floor wrapper: a whole model on the
-    floor, for the model ratios (eager)."""
+def _behind(module: torch.nn.Module, wrap) -> torch.nn.Module:
+    """`module` with every parameter and buffer wrapped by `wrap`."""
     for owner in module.modules():
         for name, param in list(owner.named_parameters(recurse=False)):
-            setattr(owner, name, torch.nn.Parameter(floor_tensor(param.detach()),
-                                                    requires_grad=param.requires_grad))
+            setattr(owner, name, torch.nn.Parameter(wrap(param.detach()), requires_grad=param.requires_grad))
         for name, buffer in list(owner.named_buffers(recurse=False)):
-            owner._buffers[name] = floor_tensor(buffer)
+            owner._buffers[name] = wrap(buffer)
     return module
+
+
+def floor_module(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` behind the floor wrapper: a whole model on the floor, for the model ratios
+    (eager)."""
+    return _behind(module, floor_tensor)
 
 
 class TracedFloorTensor(torch.Tensor):
@@ -77,10 +81,4 @@ def traced_floor_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def traced_floor_module(module: torch.nn.Module) -> torch.nn.Module:
     """`module` with every parameter and buffer behind the traceable floor wrapper."""
-    for owner in module.modules():
-        for name, param in list(owner.named_parameters(recurse=False)):
-            setattr(owner, name, torch.nn.Parameter(traced_floor_tensor(param.detach()),
-                                                    requires_grad=param.requires_grad))
-        for name, buffer in list(owner.named_buffers(recurse=False)):
-            owner._buffers[name] = traced_floor_tensor(buffer)
-    return module
+    return _behind(module, traced_floor_tensor)

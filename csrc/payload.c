@@ -390,6 +390,20 @@ PyObject *flagos_new_wrapper(flagos_state *st, PyObject *shape, PyObject *stride
     return PyObject_Vectorcall(st->make_wrapper, argv, 2, kwnames);
 }
 
+/* t.get_device() into *index (-1 for a host tensor); 0, or -1 with an error set. */
+static int device_index(PyObject *t, int *index)
+{
+    PyObject *d = PyObject_CallMethodNoArgs(t, fl_names.get_device);
+    if (d == NULL)
+        return -1;
+    long v = PyLong_AsLong(d);
+    Py_DECREF(d);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *index = v < 0 ? -1 : (int)v;
+    return 0;
+}
+
 static PyObject *wrap_tensor(flagos_state *st, PyObject *t, int target)
 {
     int index = target;
@@ -397,14 +411,8 @@ static PyObject *wrap_tensor(flagos_state *st, PyObject *t, int target)
         if (st->chip_is_host) {
             index = 0;
         } else {
-            PyObject *d = PyObject_CallMethodNoArgs(t, fl_names.get_device);
-            if (d == NULL)
+            if (device_index(t, &index) < 0)
                 return NULL;
-            long v = PyLong_AsLong(d);
-            Py_DECREF(d);
-            if (v == -1 && PyErr_Occurred())
-                return NULL;
-            index = (int)v;
             if (index < 0) /* the chip op gave a host tensor: hand it out as is */
                 return Py_NewRef(t);
         }
@@ -454,14 +462,10 @@ PyObject *flagos_wrap_payload(flagos_state *st, PyObject *t, int index)
         return NULL;
     }
     if (index < 0) { /* the payload's device; a host tensor stands for flagos:0 */
-        PyObject *d = PyObject_CallMethodNoArgs(t, fl_names.get_device);
-        if (d == NULL)
+        if (device_index(t, &index) < 0)
             return NULL;
-        long v = PyLong_AsLong(d);
-        Py_DECREF(d);
-        if (v == -1 && PyErr_Occurred())
-            return NULL;
-        index = v < 0 ? 0 : (int)v;
+        if (index < 0)
+            index = 0;
     }
     PyObject *w = wrap_tensor(st, t, index);
     if (w == NULL)

@@ -1,12 +1,22 @@
 """benchmarks/run_all.py, the one command for every figure: it runs the scripts, keeps each
 one's figures with the machine they were measured on, and writes the table and the plots.
 Its figures are not checked here (timings are not tests); its plumbing is."""
+import importlib
 import json
 import os
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _benchmark_module(name: str):
+    """A module of benchmarks/ (the folder is not a package)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 def test_run_all_writes_json_table_and_plots(tmp_path):
@@ -43,11 +53,7 @@ def test_run_all_refuses_an_unknown_piece(tmp_path):
 def test_run_all_tables_and_plots_the_compile_piece(tmp_path):
     """The `compile` piece (compile_overhead.py) reaches the table and the models plot; a side
     whose Dynamo counts differ is named in the table instead of "same"."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import run_all
-    finally:
-        sys.path.pop(0)
+    run_all = _benchmark_module("run_all")
     counts = {"graphs": 1, "recompiles": 0, "graph_breaks": 0}
     figures = {"native_ms": 2.5, "flagos_ms": 2.6, "ratio": 1.04, "paired_ratio": 1.03,
                "dynamo_native": counts, "dynamo_flagos": counts,
@@ -69,11 +75,7 @@ def test_run_all_tables_and_plots_the_compile_piece(tmp_path):
 def test_the_floor_wrapper_computes_what_the_cpu_does():
     """The floor beside the per-op figure must run the op and wrap every tensor it returns:
     layer_norm's three outputs, one output, a non-tensor result."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import _floor
-    finally:
-        sys.path.pop(0)
+    _floor = _benchmark_module("_floor")
     torch = _floor.torch
     x = torch.randn(4, 8)
     wrapped = _floor.floor_tensor(x)
@@ -98,11 +100,7 @@ def test_the_floor_wrapper_computes_what_the_cpu_does():
 
 def test_a_model_on_the_floor_computes_what_the_cpu_does():
     """The floor beside the model ratios runs the whole model behind the floor wrapper."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import _floor
-    finally:
-        sys.path.pop(0)
+    _floor = _benchmark_module("_floor")
     torch = _floor.torch
     torch.manual_seed(0)
     net = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
@@ -118,11 +116,7 @@ def test_a_model_on_the_floor_computes_what_the_cpu_does():
 def test_run_all_puts_the_floors_figure_beside_each_op():
     """layer_norm and the realistic ops carry the floor's own overhead for the same op, in
     brackets; a run without the floor (an older build) shows the figure alone."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import run_all
-    finally:
-        sys.path.pop(0)
+    run_all = _benchmark_module("run_all")
 
     def op(native, flagos, floor):
         return {"native_us": native, "flagos_us": flagos, "floor_us": floor, "kernel_us": 0.0}
@@ -146,11 +140,7 @@ def test_run_all_puts_the_floors_figure_beside_each_op():
 def test_the_traced_floor_compiles_to_what_the_cpu_computes():
     """The floor beside the compiled figures is a wrapper subclass that torch.compile traces
     like flagos's: one graph whose output is wrapped, the CPU's values inside."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import _floor
-    finally:
-        sys.path.pop(0)
+    _floor = _benchmark_module("_floor")
     torch = _floor.torch
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
@@ -165,11 +155,7 @@ def test_the_traced_floor_compiles_to_what_the_cpu_computes():
 
 
 def test_run_all_takes_the_chips_and_tables_the_kernel_share(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import run_all
-    finally:
-        sys.path.pop(0)
+    run_all = _benchmark_module("run_all")
     labels = [label for _, label, _ in run_all._jobs(True, False, ("cpu", "opencl"))]
     assert "dispatch_overhead opencl" in labels and "fallback_cost opencl" in labels
     assert not any("sim" in label for label in labels)
