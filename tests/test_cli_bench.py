@@ -168,3 +168,20 @@ def test_the_bert_workload_draws_token_ids_its_vocabulary_has():
         ids, vocab = work.inputs["input_ids"], work.model.config.vocab_size
         assert ids.shape == (16, 32) and 0 <= int(ids.min()) and int(ids.max()) < vocab
         assert torch.equal(work.inputs["attention_mask"], torch.ones_like(ids))
+
+
+def test_a_user_model_imports_its_own_neighbour_before_an_installed_module(tmp_path, monkeypatch):
+    """`path.py:function` runs as a script would: its folder comes first on the path, so a
+    neighbour module wins over an installed one of the same name (here the standard library's
+    `colorsys`)."""
+    (tmp_path / "colorsys.py").write_text("WIDTH = 24\n")
+    (tmp_path / "workload.py").write_text(
+        "import torch\nfrom colorsys import WIDTH\n\n"
+        "def build(batch=1):\n    return torch.nn.Linear(WIDTH, 2), torch.ones(batch, WIDTH)\n")
+    # no colorsys imported yet for this test, and whatever was there before it is put back after
+    monkeypatch.setitem(sys.modules, "colorsys", None)
+    monkeypatch.delitem(sys.modules, "colorsys")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    work = _models.load(f"{tmp_path / 'workload.py'}:build", batch=3)
+    assert work.model.in_features == 24 and work.inputs.shape == (3, 24)
+    assert sys.path[0] == str(tmp_path)
