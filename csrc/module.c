@@ -249,14 +249,8 @@ static PyObject *fl_wrap(PyObject *module, PyObject *const *argv, Py_ssize_t arg
         return NULL;
     }
     flagos_state *st = flagos_get_state(module);
-    if (!st->configured) {
-        if (st->refusal != NULL)
-            PyErr_SetObject(PyExc_RuntimeError, st->refusal);
-        else
-            PyErr_SetString(PyExc_RuntimeError, "flagos is not active: call flagos.activate() (or "
-                            "set FLAGOS_DEVICE) before using the flagos device");
+    if (flagos_check_configured(st) < 0)
         return NULL;
-    }
     long index = argc == 2 ? PyLong_AsLong(argv[1]) : -1;
     if (index == -1 && PyErr_Occurred())
         return NULL;

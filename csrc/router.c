@@ -524,18 +524,23 @@ static int count_downcast(op_entry *e, PyObject *out)
     return 0;
 }
 
+int flagos_check_configured(flagos_state *st)
+{
+    if (st->configured)
+        return 0;
+    if (st->refusal != NULL)
+        PyErr_SetObject(PyExc_RuntimeError, st->refusal);
+    else
+        PyErr_SetString(PyExc_RuntimeError, "flagos is not active: call flagos.activate() (or set "
+                        "FLAGOS_DEVICE) before using the flagos device");
+    return -1;
+}
+
 static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, PyObject *kwargs,
                             int from_factory)
 {
-    if (!st->configured) {
-        if (st->refusal != NULL)
-            PyErr_SetObject(PyExc_RuntimeError, st->refusal);
-        else
-            PyErr_SetString(PyExc_RuntimeError,
-                            "flagos is not active: call flagos.activate() (or set FLAGOS_DEVICE) "
-                            "before using the flagos device");
+    if (flagos_check_configured(st) < 0)
         return NULL;
-    }
     if (kwargs == Py_None)
         kwargs = NULL;
     op_entry *e;

@@ -15,6 +15,9 @@
 
 /* One op call: func(*args, **kwargs) routed for the active chip. from_factory: no flagos tensor
  * argument (PrivateUse1's fallback for factories), so no mixed-device check. */
+/* 0 when configure() has run in this process; else -1 with the error that says why (not active,
+ * or a forked child's refusal). */
+int flagos_check_configured(flagos_state *st);
 PyObject *flagos_route_call(flagos_state *st, PyObject *func, PyObject *args, PyObject *kwargs,
                             int from_factory);
 void flagos_table_clear(flagos_state *st);

@@ -360,7 +360,7 @@ class Runner:
     # ---- views: metadata over the same buffer -----------------------------------
     def _view(self, func, args, kwargs):
         base = next(t for t in _flatten(args) if isinstance(t, FlagosTensor))
-        out = func(*_walk(args, self._meta), **self._meta_kwargs(kwargs))
+        out = func(*_walk(args, self._meta), **self._stand_in_kwargs(kwargs))
         index = base.device.index
 
         def rewrap(m):
@@ -374,11 +374,11 @@ class Runner:
             return m
         return rewrap(out)
 
-    def _host_kwargs(self, kwargs):
-        return {k: CPU if _is_flagos_device(v) else _walk(v, _host_stand_in) for k, v in kwargs.items()}
-
-    def _meta_kwargs(self, kwargs):
-        return {k: META if _is_flagos_device(v) else _walk(v, self._meta) for k, v in kwargs.items()}
+    def _stand_in_kwargs(self, kwargs, device=META, stand_in=None):
+        """Keyword arguments with flagos devices as `device` and flagos tensors as stand-ins
+        (meta tensors over their buffers, unless told otherwise)."""
+        stand_in = stand_in or self._meta
+        return {k: device if _is_flagos_device(v) else _walk(v, stand_in) for k, v in kwargs.items()}
 
     # ---- adapter kernels ------------------------------------------------------
     def _try_kernel(self, func, name, index, args, kwargs):
@@ -442,9 +442,9 @@ class Runner:
             if len(self.layouts) > 4096:
                 self.layouts.clear()
             if any(_expanded(t) for t in tensors):
-                out = func(*_walk(args, _host_stand_in), **self._host_kwargs(kwargs))
+                out = func(*_walk(args, _host_stand_in), **self._stand_in_kwargs(kwargs, CPU, _host_stand_in))
             else:
-                out = func(*_walk(args, self._meta), **self._meta_kwargs(kwargs))
+                out = func(*_walk(args, self._meta), **self._stand_in_kwargs(kwargs))
             stride = self.layouts[key] = out.stride()
         return stride
 
@@ -655,7 +655,7 @@ class Runner:
     def inplace_view(self, func, args, kwargs):
         """unsqueeze_, t_, as_strided_, ...: new metadata over the same buffer."""
         t = args[0]
-        m = func(self._meta(t), *_walk(args[1:], self._meta), **self._meta_kwargs(kwargs))
+        m = func(self._meta(t), *_walk(args[1:], self._meta), **self._stand_in_kwargs(kwargs))
         set_metadata(t, m.shape, m.stride(), m.storage_offset())
         return t
 
