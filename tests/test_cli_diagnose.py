@@ -3,7 +3,10 @@ available chip, a verdict; broken adapters and a failed device are reported whil
 chip is still diagnosed."""
 import platform
 import re
+import signal
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from conftest import CHIP
 from flagos_cli import ROOT, run_flagos, run_json
 
 import flagos
-from flagos.tools import _diagnose
+from flagos.tools import _diagnose, _smoke
 from flagos.tools.cli import main
 
 CHECKS = ["activate", "allocate", "copy round trip", "matmul vs CPU", "float16", "bfloat16"]
@@ -159,3 +162,36 @@ def test_the_bug_report_names_the_first_problem_in_full_and_the_rest_by_name():
     lines = _diagnose._bug_report(findings).splitlines()
     assert "smoke sim: fail (bfloat16: WARN not native; then matmul FAIL, backward FAIL)" in lines
     assert "smoke cpu: ok" in lines and lines[-1] == "verdict: FAIL: sim"
+
+
+def _child_running(monkeypatch, script: str) -> "_smoke._Child":
+    """A smoke child started as a new interpreter (the path of a caller that is not fresh),
+    running `script` instead of the smoke test."""
+    real_popen = subprocess.Popen
+
+    def popen(args, **kwargs):
+        return real_popen([sys.executable, "-c", script], **kwargs)
+
+    monkeypatch.setattr(_smoke.subprocess, "Popen", popen)
+    return _smoke._Child("cpu", fork=False)
+
+
+def test_a_smoke_child_past_its_deadline_is_killed_and_reported(monkeypatch):
+    child = _child_running(monkeypatch, "import time; time.sleep(30)")
+    answer = child.result(time.monotonic() + 0.5)
+    assert child.proc.returncode == -signal.SIGKILL  # killed, not waited for
+    assert answer["verdict"] == "fail"
+    assert answer["checks"][0]["detail"] == f"the smoke test did not finish in {_smoke.TIMEOUT_S:.0f} s"
+
+
+def test_a_crashed_smoke_child_is_reported_by_its_exit_code_and_last_error_line(monkeypatch):
+    script = ("import sys\n"
+              "print('Traceback (most recent call last):', file=sys.stderr)\n"
+              "print('  File \"x.py\", line 1', file=sys.stderr)\n"
+              "print('RuntimeError: the device went away', file=sys.stderr)\n"
+              "sys.exit(3)\n")
+    child = _child_running(monkeypatch, script)
+    answer = child.result(time.monotonic() + 60)
+    assert answer["verdict"] == "fail"
+    assert answer["checks"][0]["detail"] == ("the test process ended without an answer "
+                                             "(exit code 3: RuntimeError: the device went away)")
