@@ -18,8 +18,10 @@ that same process:
              PyTorch picks a fused kernel (flash attention on current GPUs)
 
 Every row also names the attention ops the flagos side ran (`attention_ops`): a fused kernel
-(`_scaled_dot_product_flash_attention`, `..._efficient_attention`, `..._cudnn_attention`), or
-none where attention ran as the math decomposition (matmuls and a softmax).
+(`_scaled_dot_product_flash_attention`, `..._efficient_attention`, `..._cudnn_attention`),
+`scaled_dot_product_attention` itself where it reached the chip whole (device mode without a
+backward: the payload device's own attention, its own choice), or none where attention ran as
+the math decomposition (matmuls and a softmax).
 
 Each check first runs both sides once from the same weights and inputs and compares the results
 (tolerances in TOLERANCES, float32 with TF32 off), then times them interleaved (native, flagos,
@@ -432,7 +434,8 @@ def format_table(rows: list[dict]) -> str:
         if r.get("native_elsewhere"):
             result += " (native side: a process of its own)"
         if r.get("attention_ops"):
-            result += " [" + ", ".join(op.replace("aten::_scaled_dot_product_", "") for op in r["attention_ops"]) + "]"
+            result += " [" + ", ".join(op.removeprefix("aten::").removeprefix("_scaled_dot_product_")
+                                         for op in r["attention_ops"]) + "]"
         body.append([r["mode"], r["check"], _fmt(r.get("native_ms")), _fmt(r.get("flagos_ms")),
                      _fmt(r.get("ratio")), _fmt(r.get("max_abs_diff"), ".2e"),
                      _fmt(r.get("flagos_op_calls"), "d"), result, r.get("what", "")])

@@ -163,10 +163,12 @@ void flagos_adapter_fast_resolve(flagos_state *st, op_entry *e)
         /* PySet_Contains on a str runs no Python code */
         int special = PySet_Contains(st->fast_runner_ops, e->name);
         int kernel = special == 0 ? PySet_Contains(st->fast_kernel_ops, e->name) : -1;
+        /* a decomposition the runner runs as its parts unless routed to the fallback */
         if (kernel < 0)
             PyErr_Clear();
         else
-            e->fast_fallback = kernel ? FAST_FALLBACK_ROUTED : FAST_FALLBACK_ALWAYS;
+            e->fast_fallback = kernel || (e->flags & OP_DECOMPOSES) ? FAST_FALLBACK_ROUTED
+                                                                     : FAST_FALLBACK_ALWAYS;
     }
     const char *name = PyUnicode_AsUTF8(e->name);
     if (name == NULL) {

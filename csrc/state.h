@@ -30,6 +30,8 @@ enum flagos_route {
 #define OP_RELAYOUT (1u << 6)     /* may change a written tensor's shape/strides (out=, t_) */
 #define OP_SPARSE (1u << 7)       /* makes a sparse tensor: flagos tensors are strided only */
 #define OP_DTYPE_KW (1u << 8)     /* has a keyword `dtype` (ScalarType?): it picks the output dtype */
+#define OP_DECOMPOSES (1u << 9)   /* CompositeImplicitAutograd: reaches flagos whole only in
+                                     inference mode; an adapter without its kernel runs its parts */
 
 typedef struct op_entry {
     PyObject *func;          /* key: the OpOverload (strong ref keeps the pointer valid) */

@@ -221,6 +221,30 @@ def test_views_under_inference_mode(dev):
     close(z, (torch.arange(12.0).reshape(3, 4) @ torch.ones(4, 2)).t())
 
 
+@pytest.mark.parametrize("made_inside", [False, True], ids=["normal tensor", "inference tensor"])
+def test_maybe_views_under_inference_mode_copy_when_they_must(dev, made_inside):
+    """reshape, flatten, contiguous and to are decompositions that reach the chip whole under
+    inference mode: a view where the layout allows, a copy where it does not, as on CPU."""
+    ops = {"reshape": lambda t: t.transpose(1, 2).reshape(2, 12),
+           "flatten": lambda t: t.transpose(1, 2).flatten(1),
+           "contiguous": lambda t: t.transpose(1, 2).contiguous(),
+           "reshape as a view": lambda t: t.reshape(6, 4),
+           "to a dtype": lambda t: t.transpose(1, 2).to(torch.float64),
+           "to its own dtype": lambda t: t.to(torch.float32)}
+    x = torch.arange(24.0).reshape(2, 3, 4)
+    with torch.inference_mode(made_inside):
+        fx = x.to(dev)
+        for name, op in ops.items():
+            ref, out = op(x.clone()), op(fx)
+            assert (out.shape, out.stride(), out.dtype) == (ref.shape, ref.stride(), ref.dtype), name
+            close(out, ref)
+    with torch.inference_mode():
+        view, copy = fx.reshape(6, 4), fx.transpose(1, 2).reshape(2, 12)
+        view.add_(100)  # a view writes through to its base; the copy kept the old values
+    close(fx, x + 100)
+    close(copy, x.transpose(1, 2).reshape(2, 12))
+
+
 def test_sentence_transformers_style_encode_in_inference_mode(dev):
     """sentence-transformers' encode(): a model made outside inference_mode, run inside it."""
     transformers = pytest.importorskip("transformers")

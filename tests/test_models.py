@@ -3,6 +3,7 @@ inference on the chip's own device where it has one (cuda: the same kernels, so 
 rounding differences stay out of the comparison). Training is compared with the CPU on every
 chip: a plain CUDA backward cannot run in a process where flagos holds PrivateUse1
 (pytorch/pytorch#161129, docs/design.md)."""
+import contextlib
 import copy
 
 import models
@@ -10,8 +11,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import CHIP, OpCounter, assert_close, device_mode_only, reference_device
+from torch.autograd import forward_ad
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flagos
+
+F = torch.nn.functional
 
 pytestmark = device_mode_only
 
@@ -104,6 +109,142 @@ def test_attention_options_match_cpu(dev, options):
     assert_close(out, ref, atol=out_tol)
     for mine, theirs in ((fq, q), (fk, k), (fv, v)):
         assert_close(mine.grad, theirs.grad, atol=grad_tol)
+
+
+class OpsSeen(TorchDispatchMode):
+    """The ops a dispatch mode above everything sees: (name, device type of the first argument)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((str(func), args[0].device.type))
+        return func(*args, **(kwargs or {}))
+
+
+def _attention_inputs(dev, requires_grad=False):
+    torch.manual_seed(0)
+    cpu = [torch.randn(2, 4, 8, 16, requires_grad=requires_grad) for _ in range(3)]
+    return cpu, [t.detach().to(dev).requires_grad_(requires_grad) for t in cpu]
+
+
+@pytest.mark.parametrize("context", ["plain", "no_grad", "inference_mode"])
+def test_attention_without_a_backward_matches_cpu(dev, context):
+    """Inference: inputs that need no gradient, or gradients off (no graph recorded, as on CPU).
+    Nothing sees the ops attention is made of then, and it reaches the chip whole."""
+    requires_grad = context != "plain"
+    (q, k, v), (fq, fk, fv) = _attention_inputs(dev, requires_grad)
+    enter = {"plain": contextlib.nullcontext, "no_grad": torch.no_grad,
+             "inference_mode": torch.inference_mode}[context]
+    with enter():
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with flagos.track() as report:
+            out = F.scaled_dot_product_attention(fq, fk, fv, is_causal=True)
+    assert out.requires_grad is ref.requires_grad is False and out.grad_fn is None
+    assert out.is_inference() == ref.is_inference()
+    assert_close(out, ref, atol=attention_tolerances()[0])
+    if CHIP == "cpu":  # the payload device's own attention, whole: its fused kernel
+        assert report.op("aten::scaled_dot_product_attention")["calls"]["native"] == 1
+        assert report.op("aten::bmm") is None
+
+
+def test_a_dispatch_mode_sees_the_attention_ops_cpu_shows_it(dev):
+    (q, k, v), (fq, fk, fv) = _attention_inputs(dev)
+    with OpsSeen() as on_cpu:
+        ref = F.scaled_dot_product_attention(q, k, v)
+    with OpsSeen() as on_flagos:
+        out = F.scaled_dot_product_attention(fq, fk, fv)
+    assert_close(out, ref, atol=attention_tolerances()[0])
+    assert on_cpu.ops == [("aten._scaled_dot_product_flash_attention_for_cpu.default", "cpu")]
+    if CHIP == "cpu":
+        assert on_flagos.ops == [("aten._scaled_dot_product_flash_attention_for_cpu.default", "flagos")]
+    else:  # the math decomposition, every op on the flagos tensors
+        assert on_flagos.ops and {device for _, device in on_flagos.ops} == {"flagos"}
+
+
+def test_the_profiler_records_the_attention_kernel_as_on_cpu(dev):
+    (q, k, v), (fq, fk, fv) = _attention_inputs(dev)
+
+    def attention_events(q, k, v):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            F.scaled_dot_product_attention(q, k, v)
+        return {e.name for e in prof.events() if "_attention" in e.name}
+
+    on_cpu, on_flagos = attention_events(q, k, v), attention_events(fq, fk, fv)
+    if CHIP == "cpu":
+        assert on_flagos == on_cpu == {"aten::scaled_dot_product_attention",
+                                       "aten::_scaled_dot_product_flash_attention_for_cpu"}
+    else:
+        assert "aten::scaled_dot_product_attention" in on_flagos
+
+
+def test_attention_under_vmap_matches_cpu(dev):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 4, 8, 8) for _ in range(3))
+    ref = torch.vmap(F.scaled_dot_product_attention)(q, k, v)
+    out = torch.vmap(F.scaled_dot_product_attention)(q.to(dev), k.to(dev), v.to(dev))
+    assert out.device == dev
+    assert_close(out, ref, atol=attention_tolerances()[0])
+
+
+def _attention_tangent(attention, query, key, value):
+    """The forward-mode derivative of `attention` along ones in the query, or the error raised."""
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(query, torch.ones_like(query))
+        try:
+            out = attention(dual, key, value)
+        except Exception as e:  # noqa: BLE001 - the error is the answer compared
+            return e
+        return forward_ad.unpack_dual(out).tangent
+
+
+def test_forward_mode_gradients_of_attention_are_the_cpus(dev):
+    """PyTorch's CPU attention kernel has no forward-mode derivative: the cpu chip raises the
+    same error (a tangent is never dropped silently); sim runs the math decomposition, whose
+    tangent is the CPU's math decomposition's."""
+    (q, k, v), (fq, fk, fv) = _attention_inputs(dev)
+    on_cpu = _attention_tangent(F.scaled_dot_product_attention, q, k, v)
+    on_flagos = _attention_tangent(F.scaled_dot_product_attention, fq, fk, fv)
+    if CHIP == "cpu":
+        assert isinstance(on_cpu, NotImplementedError)
+        assert type(on_flagos) is type(on_cpu) and str(on_flagos) == str(on_cpu)
+    else:
+        def math(q, k, v):
+            return torch.ops.aten._scaled_dot_product_attention_math(q, k, v)[0]
+        assert isinstance(on_flagos, torch.Tensor), on_flagos
+        assert_close(on_flagos, _attention_tangent(math, q, k, v), atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["bert", "unet"])
+def test_inference_mode_runs_a_model_on_the_chip_as_no_grad_does(dev, model):
+    """Under inference mode PyTorch skips the autograd key, where ops such as linear, layer_norm,
+    conv2d and attention are decomposed, so they reach flagos whole: the chip runs them (or their
+    parts) as under no_grad, with the same fallbacks, and the CPU's answer."""
+    if model == "bert":
+        net, (ids, mask, _) = models.bert(), models.bert_batch()
+        inputs = {"input_ids": ids, "attention_mask": mask}
+
+        def run(net, inputs):
+            return net(**inputs).logits
+    else:
+        net = models.ddpm_pipeline().unet.eval()
+        torch.manual_seed(2)
+        inputs = {"sample": torch.randn(1, 3, 16, 16), "timestep": torch.tensor([10])}
+
+        def run(net, inputs):
+            return net(**inputs).sample
+    with torch.inference_mode():
+        ref = run(net, inputs)
+    net = net.to(dev)
+    on_dev = {name: t.to(dev) for name, t in inputs.items()}
+    fallbacks = {}
+    for context in (torch.no_grad, torch.inference_mode):
+        with context(), flagos.track() as report:
+            out = run(net, on_dev)
+        assert_close(out, ref, atol=1e-5)
+        fallbacks[context.__name__] = set(report.fallback_ops)
+    assert fallbacks["inference_mode"] == fallbacks["no_grad"]
 
 
 def test_bert_forward_and_training_step_match_cpu(dev):

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from .. import _C
+
+_has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
 
 # Ops that make sparse tensors from strided ones (to_sparse, _to_sparse_csr, sparse_coo_tensor).
 _SPARSE_OP = re.compile(r"::_?(to_sparse|sparse_(coo|csr|csc|bsr|bsc|compressed))")
@@ -80,4 +84,8 @@ def describe(func):
     # policy rewrites bfloat16 (flagos/_activation.py). A positional dtype (view.dtype) does not.
     if any(a.name == "dtype" and a.kwarg_only for a in args):
         flags |= _C.OP_DTYPE_KW
+    # PyTorch decomposes these above the flagos key, except under inference mode, which skips
+    # the autograd key where that happens: then the op itself reaches the router.
+    if _has_kernel(func.name(), "CompositeImplicitAutograd"):
+        flags |= _C.OP_DECOMPOSES
     return name, arg_names, write_args, tuple(return_alias), flags

@@ -35,8 +35,8 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.floa
                torch.int64: 4, torch.int32: 5, torch.int16: 6, torch.int8: 7, torch.uint8: 8,
                torch.bool: 9}
 CPU = torch.device("cpu")
-TO_OPS = frozenset(f"aten::to.{o}" for o in ("dtype", "device", "dtype_layout", "other"))
 META = torch.device("meta")
+_DECOMPOSITION = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
 def _contiguous_strides(size) -> tuple[int, ...]:
@@ -254,11 +254,15 @@ class Runner:
         if kwargs:
             _collect(kwargs.values(), fts)
         index = self._device_index(name, flags, fts, kwargs)
+        if flags & _C.OP_DECOMPOSES and (flags & _C.OP_VIEW or route != FALLBACK):
+            # A decomposition reached the chip whole: PyTorch skips the autograd key, where it
+            # runs them, under inference mode. Its parts run here, as they do outside it, each
+            # with its own route: a maybe-view (reshape, contiguous, to) copies when it must,
+            # and an op without a kernel (linear, conv2d, attention) runs on the chip's kernels
+            # (no KERNEL_BUILDERS entry is a decomposition). PyTorch's own C++ decomposition, as
+            # the autograd key runs it, not a Python one registered for tracing (upsample's).
+            return func._op_dk(_DECOMPOSITION, *args, **kwargs), NATIVE, 0, 0, 0, ()
         if flags & _C.OP_VIEW:
-            if name in TO_OPS:
-                # aten::to (an alias only when nothing changes) reaches the router itself for
-                # inference tensors; its own decomposition copies when it must
-                return func.decompose(*args, **kwargs), NATIVE, 0, 0, 0, ()
             if name in ("aten::detach", "aten::alias"):  # same view, new tensor: no meta needed
                 t = args[0]
                 out = self._wrap(t._payload, t.shape, t.stride(), t.storage_offset(), t.dtype, index)

@@ -17,8 +17,10 @@ import math
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .. import _C
 from ._tensor import FlagosTensor
 
 aten = torch.ops.aten
@@ -26,6 +28,10 @@ aten = torch.ops.aten
 # through torch.ops' objects (the accelerator backends stay on `aten`).
 _cpu_choice = torch._fused_sdp_choice
 _cpu_flash = torch._scaled_dot_product_flash_attention_for_cpu
+_ATTENTION_OP = aten.scaled_dot_product_attention.default
+_route = _C.dispatch_native  # the router's entry point, as a dispatch reaches it: (op, types, args, kwargs)
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_level = torch._C._functorch.maybe_current_level
 _PLAIN = torch.Tensor  # a payload with data (a traced one is a subclass: fake, functional)
 _MATH, _FLASH, _EFFICIENT, _CUDNN, _OVERRIDEABLE = (
     int(getattr(torch._C._SDPBackend, name))
@@ -50,9 +56,16 @@ def _backend_choice(query, key, value, mask, dropout_p, is_causal, scale, enable
     (their memory is never touched) get the CPU answer."""
     # A plain tensor holds data: its exact type answers without is_fake's walk (2 µs a tensor).
     payloads = (query, key, value, mask)
-    if not any(type(p) is not _PLAIN and is_fake(p) for p in payloads if p is not None):
-        return _cpu_choice(query, key, value, mask, dropout_p, is_causal, scale=scale,
-                           enable_gqa=enable_gqa)
+    if ((type(query) is _PLAIN and type(key) is _PLAIN and type(value) is _PLAIN
+         and (mask is None or type(mask) is _PLAIN))
+            or not any(type(p) is not _PLAIN and is_fake(p) for p in payloads if p is not None)):
+        if _dispatch_modes() == 0:
+            return _cpu_choice(query, key, value, mask, dropout_p, is_causal, scale=scale,
+                               enable_gqa=enable_gqa)
+        # PyTorch's composite asks its choice outside the dispatcher: a mode sees no such op
+        with _disable_current_modes():
+            return _cpu_choice(query, key, value, mask, dropout_p, is_causal, scale=scale,
+                               enable_gqa=enable_gqa)
     kwargs = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     with _disable_current_modes():
         stand_ins = []
@@ -149,11 +162,26 @@ def _accelerator_choice(query, key, value, mask, dropout_p, is_causal, scale, en
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     q = _payload(query)
+    if type(q) is _PLAIN and _routable_as_it_is(query, key, value, attn_mask):
+        # The payload device's own attention, its choice and fused kernel in one routed op
+        # (not the two ops and three wrappers a backward needs), as under inference mode.
+        kwargs = {} if scale is None and not enable_gqa else {"scale": scale, "enable_gqa": enable_gqa}
+        return _route(_ATTENTION_OP, None, (query, key, value, attn_mask, dropout_p, is_causal), kwargs)
     if not isinstance(q, torch.Tensor):   # a C-ABI chip's buffer: no backend choice
         return _math(query, key, value, _float_mask(attn_mask, query.dtype), dropout_p,
                      is_causal, scale, enable_gqa)
-    attention = _cpu_attention if q.device.type == "cpu" else _accelerator_attention
+    attention = _cpu_attention if q.is_cpu else _accelerator_attention
     return attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _routable_as_it_is(query, key, value, mask) -> bool:
+    """Whether the attention can go to the router whole, as under inference mode: only where
+    nothing would act on the ops it is made of: no gradient to record, no forward-mode tangent,
+    no dispatch mode or functorch transform (the profiler still sees its kernel, below it)."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                    or (mask is not None and mask.requires_grad)):
+        return False
+    return _dispatch_modes() == 0 and _functorch_level() is None and forward_ad._current_level < 0
 
 
 def _cpu_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):

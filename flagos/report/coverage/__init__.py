@@ -79,18 +79,18 @@ class AdapterCoverage(Coverage):
         self.source = adapter_mod.find_library(chip)
         self.kernels = dict(lib.kernels())  # kernel name -> dtype bit mask
         self.chip_dtypes = lib.props(0)["native_dtypes"]
-        self._runtime_ops = frozenset(_adapter_ops.SPECIAL) | _adapter_ops.TO_OPS
+        self._runtime_ops = frozenset(_adapter_ops.SPECIAL)
         self._builders = _adapter_ops.KERNEL_BUILDERS
-        self._torch, self._schema, self._view_flag = torch, _schema, _C.OP_VIEW
+        self._torch, self._schema = torch, _schema
 
-    def _is_view(self, op: str) -> bool:
+    def _flags(self, op: str) -> int:
         ns, _, rest = op.partition("::")
         packet, _, overload = rest.partition(".")
         try:
             func = getattr(getattr(getattr(self._torch.ops, ns), packet), overload or "default")
         except (AttributeError, RuntimeError):
-            return False
-        return bool(self._schema.describe(func)[4] & self._view_flag)
+            return 0
+        return self._schema.describe(func)[4]
 
     def _dtype_names(self, mask: int) -> list[str]:
         return [n for i, n in enumerate(DTYPE_NAMES) if mask >> i & 1]
@@ -98,7 +98,10 @@ class AdapterCoverage(Coverage):
     def classify(self, op: str, dtypes=()) -> tuple[str, str]:
         if op in self._runtime_ops:
             return "native", "allocation or copy, done by the flagos runtime"
-        if self._is_view(op):
+        flags = self._flags(op)
+        if flags & _C.OP_DECOMPOSES:  # reaches the chip whole only under inference mode
+            return "native", "a decomposition: its parts run on the chip, each classified on its own"
+        if flags & _C.OP_VIEW:
             return "native", "view: metadata over the same buffer"
         library = os.path.basename(self.source)
         if op not in self._builders:
