@@ -346,3 +346,23 @@ def test_enable_model_cpu_offload_finds_flagos_when_diffusers_came_first(order):
         env["FLAGOS_DEVICE"] = CHIP
     proc = run_python(code + ORDER_CHECK.format(tests=tests), env=env)
     assert "accelerator flagos" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["buffer with a view", "intermediate result"])
+def test_a_tensor_no_graph_accumulates_into_moves_as_on_cpu(dev, kind):
+    """Only a leaf that needs a gradient gets its gradient handed on after a move: a tensor
+    that needs none (a buffer another tensor views) or has a grad_fn of its own moves as any."""
+    if kind == "buffer with a view":
+        t = torch.arange(3.0)
+        view = t[:2]  # holds the tensor, as a graph would
+        t.data = t.data.to(dev)
+        assert t.device == dev and not t.requires_grad and t.grad_fn is None
+        assert t.tolist() == [0.0, 1.0, 2.0] and view.tolist() == [0.0, 1.0]
+    else:
+        leaf = torch.ones(3, requires_grad=True)
+        mid = leaf * 2
+        held = mid * mid  # the graph saves mid
+        mid.data = mid.data.to(dev)
+        assert mid.device == dev  # (a leaf now, unlike on CPU: docs/design.md §13)
+        held.sum().backward()  # the graph's gradient reaches the leaf, and nothing else
+        assert leaf.grad.tolist() == [8.0, 8.0, 8.0] and mid._grad is None
