@@ -413,6 +413,20 @@ MUTATIONS = [
       '    ended = f"ended by signal {-status}" if status < 0 else',
       '    ended = f"ended by signal {-status}" if status <= 0 else',
       cpu("tests/test_cli_analyze.py", k="printed_table")),
+    M("maybe_view_taken_for_a_view", "under inference mode an adapter chip takes reshape, "
+      "flatten and contiguous for views (no copy where the layout needs one)",
+      "flagos/runtime/_adapter_ops.py",
+      "        if flags & _C.OP_DECOMPOSES and (flags & _C.OP_VIEW or route != FALLBACK):",
+      "        if flags & _C.OP_DECOMPOSES and route != FALLBACK and not flags & _C.OP_VIEW:",
+      sim("tests/test_fidelity.py", k="maybe_views")),
+    M("attention_whole_under_a_mode", "attention goes to the router whole while a dispatch mode "
+      "watches (the mode sees the CPU's kernel on host tensors)", "flagos/runtime/_attention.py",
+      "    return _dispatch_modes() == 0 and _functorch_level() is None",
+      "    return _functorch_level() is None", cpu("tests/test_models.py", k="dispatch_mode")),
+    M("timed_out_smoke_child_kept", "flagos diagnose leaves a smoke child past its deadline running",
+      "flagos/tools/_smoke.py", "            if kill:\n                self.proc.kill()",
+      "            if not kill:\n                self.proc.kill()",
+      cpu("tests/test_cli_diagnose.py", k="past_its_deadline")),
 ]
 
 
