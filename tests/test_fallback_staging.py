@@ -152,3 +152,19 @@ def test_out_of_memory_in_a_fallback_hands_its_buffers_back():
         assert torch.equal(torch.neg(fx).cpu(), torch.neg(x))
         assert _C.staging_stats()["kept_buffers"] == 1, _C.staging_stats()
     """, env={"FLAGOS_SIM_MEMORY": "3M", "FLAGOS_FALLBACK": "allow"})
+
+
+@pytest.mark.skipif(CHIP != "sim", reason="the Python runner's round trip: adapter chips")
+@pytest.mark.parametrize("elements", [N, 16], ids=["large", "small"])
+def test_the_runners_round_trip_stages_large_regions_only(dev, elements):
+    """A fallback call the C round trip declines (a host tensor among its arguments) takes the
+    Python runner's: a region from the staging threshold on goes through a reused staging
+    buffer, a smaller one into a host tensor of its own, as in the C round trip."""
+    flagos.set_route("aten::mul.Tensor", "fallback")
+    x, two = torch.randn(elements), torch.tensor(2.0)  # a 0-dim host tensor: allowed on every device
+    fx = x.to(dev)
+    assert torch.equal((fx * two).cpu(), x * 2)
+    hits = _C.staging_stats()["hits"]
+    assert torch.equal((fx * two).cpu(), x * 2)
+    staged = _C.staging_stats()["hits"] > hits
+    assert staged == (elements * 4 >= _C.STAGING_MIN_BYTES)
