@@ -526,6 +526,31 @@ def test_inputs_sharing_a_payload_are_still_seen(dev):
 
 
 @pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_the_per_call_guards_left_out_are_the_payloads_marks_and_parameters_aliasing(dev):
+    """What a compiled call checks of its flagos inputs, read from Dynamo's guard tree: a
+    payload keeps its TENSOR_MATCH but not the dimension-mark check (nothing marks a payload), a
+    parameter's payload is out of the no-aliasing check as a native parameter is, and an input's
+    payload stays in it."""
+    cache_entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if cache_entries is None:
+        pytest.skip("this PyTorch has no _debug_get_cache_entry_list to read guards with")
+    model = torch.nn.Linear(4, 3).to(dev)
+
+    def f(x):
+        return model(x) * 2
+
+    torch.compile(f)(torch.randn(2, 4).to(dev))
+    (entry,) = cache_entries(f.__code__)
+    guards = str(entry.guard_manager).splitlines()
+    payload_checks = [g for g in guards if "TENSOR_MATCH: check_tensor(" in g and "._payload" in g]
+    assert len(payload_checks) == 3  # x, weight and bias: type, dtype, device, sizes, strides
+    assert not [g for g in guards if "DIMENSION_DYNAMIC_MARKING_GUARD" in g and "._payload" in g]
+    assert [g for g in guards if "DIMENSION_DYNAMIC_MARKING_GUARD" in g and "L['x']" in g]
+    (aliasing,) = [g for g in guards if "check_no_aliasing(" in g]
+    assert "L['x']._payload" in aliasing and "weight" not in aliasing and "bias" not in aliasing
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
 def test_marks_changed_payloads_and_mutated_parameters_are_seen(dev):
     """The guards left out per call (a parameter's no-aliasing check, a payload's dimension
     marks) miss nothing: a parameter updated in place gives the new result, a parameter whose
