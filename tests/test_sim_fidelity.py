@@ -272,3 +272,19 @@ def test_result_layouts_with_an_expanded_operand_are_the_cpus_in_every_dtype():
                 assert torch.equal(got.cpu(), want), dtype
         print("OK")
     ''')
+
+
+def test_detach_in_place_under_inference_mode_moves_nothing():
+    """detach_ reaches the chip under inference mode; it changes autograd state only: the same
+    tensor back, no host round trip, as on CPU."""
+    run_sim("""
+        x = torch.arange(6.0)
+        with torch.inference_mode():
+            fx = x.to(d)
+            with flagos.track() as report:
+                same = fx.detach_()
+            ref = x.clone().detach_()
+        assert same is fx and torch.equal(same.cpu(), ref)
+        assert report.calls("fallback") == 0, report
+        print("OK")
+    """)

@@ -653,7 +653,9 @@ class Runner:
     def zero_(self, func, args, kwargs):
         return self.fill_(func, (args[0], 0), {})
 
-    def lift_fresh(self, func, args, kwargs):
+    def itself(self, func, args, kwargs):
+        """lift_fresh, and detach_ under inference mode (it changes autograd state only, which
+        the wrapper carries): the tensor itself, no kernel and no round trip."""
         return args[0]
 
     def inplace_view(self, func, args, kwargs):
@@ -683,7 +685,8 @@ SPECIAL = {
     "aten::_unsafe_view": Runner.unsafe_view,
     "aten::fill_.Scalar": Runner.fill_,
     "aten::zero_": Runner.zero_,
-    "aten::lift_fresh": Runner.lift_fresh,
+    "aten::lift_fresh": Runner.itself,
+    "aten::detach_": Runner.itself,
     **{f"aten::{op}": Runner.inplace_view for op in (
         "unsqueeze_", "squeeze_", "squeeze_.dim", "squeeze_.dims", "t_", "transpose_",
         "as_strided_", "swapdims_", "swapaxes_")},
