@@ -653,7 +653,7 @@ int flagos_adapter_fallback(flagos_state *st, op_entry *e, PyObject *args, PyObj
             Py_DECREF(h);
         }
     }
-    hout = flagos_call_payload(st, e->call, hargs, hkwargs);
+    hout = flagos_call_payload(st, e, e->call, hargs, hkwargs);
     if (hout == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(e->write_args); i++) {

@@ -280,7 +280,7 @@ PyObject *flagos_run_fallback(flagos_state *st, op_entry *e, PyObject *args, PyO
             Py_DECREF(h);
         }
     }
-    out = flagos_call_payload(st, e->call, hargs, hkwargs);
+    out = flagos_call_payload(st, e, e->call, hargs, hkwargs);
     if (out == NULL)
         goto done;
     for (Py_ssize_t w = 0; w < PyTuple_GET_SIZE(e->write_args); w++) {

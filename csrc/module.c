@@ -615,7 +615,8 @@ static int fl_exec(PyObject *module)
         PyModule_AddIntConstant(module, "OP_RELAYOUT", OP_RELAYOUT) < 0 ||
         PyModule_AddIntConstant(module, "OP_SPARSE", OP_SPARSE) < 0 ||
         PyModule_AddIntConstant(module, "OP_DTYPE_KW", OP_DTYPE_KW) < 0 ||
-        PyModule_AddIntConstant(module, "OP_DECOMPOSES", OP_DECOMPOSES) < 0)
+        PyModule_AddIntConstant(module, "OP_DECOMPOSES", OP_DECOMPOSES) < 0 ||
+        PyModule_AddIntConstant(module, "OP_MATH_KEYS", OP_MATH_KEYS) < 0)
         return -1;
     if (flagos_adapter_types_ready(module) < 0 || flagos_guard_ready(module) < 0)
         return -1;

@@ -771,11 +771,14 @@ static int any_complex(flagos_state *st, PyObject *args, PyObject *kwargs)
 
 /* Inside __torch_dispatch__ PyTorch excludes every key above Python, the conjugate and negative
  * fallbacks too; a composite op on complex payloads (pinv, lstsq) makes conjugate views inside
- * and needs them, so those calls re-enable them. */
-PyObject *flagos_call_payload(flagos_state *st, PyObject *fn, PyObject *args, PyObject *kwargs)
+ * and needs them, so those calls re-enable them. So do decompositions that can make complex
+ * intermediates of real inputs (OP_MATH_KEYS), which reach the router whole under inference
+ * mode. */
+PyObject *flagos_call_payload(flagos_state *st, const op_entry *e, PyObject *fn, PyObject *args,
+                              PyObject *kwargs)
 {
     if (st->math_call != NULL) {
-        int c = any_complex(st, args, kwargs);
+        int c = (e->flags & OP_MATH_KEYS) ? 1 : any_complex(st, args, kwargs);
         if (c < 0)
             return NULL;
         if (c)

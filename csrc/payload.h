@@ -63,8 +63,10 @@ int flagos_sync_written(flagos_state *st, op_entry *e, PyObject *args, PyObject 
  * so identity (and autograd's view/version bookkeeping on it) is kept. out is stolen. */
 PyObject *flagos_alias_outputs(op_entry *e, PyObject *args, PyObject *kwargs, PyObject *out);
 
-/* Call a chip op on payloads (fn(*args, **kwargs)), with the conjugate and negative keys on
- * again when a tensor argument is complex. */
-PyObject *flagos_call_payload(flagos_state *st, PyObject *fn, PyObject *args, PyObject *kwargs);
+/* Call e's chip op on payloads (fn(*args, **kwargs)), with the conjugate and negative keys on
+ * again when a tensor argument is complex or the op is a decomposition that can make
+ * conjugate views of complex intermediates from real inputs (OP_MATH_KEYS: fft.hfftn). */
+PyObject *flagos_call_payload(flagos_state *st, const op_entry *e, PyObject *fn, PyObject *args,
+                              PyObject *kwargs);
 
 #endif

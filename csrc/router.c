@@ -357,12 +357,12 @@ static PyObject *route_entry(flagos_state *st, op_entry *e, int route, PyObject 
 
     if (!st->device_mode) {
         /* Native mode: the tensors are already the chip's own. */
-        out = flagos_call_payload(st, route == ROUTE_OVERRIDE ? override : e->call, args, kwargs);
+        out = flagos_call_payload(st, e, route == ROUTE_OVERRIDE ? override : e->call, args, kwargs);
         if (out == NULL && route == ROUTE_OVERRIDE &&
             PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
             PyErr_Clear();
             route = ROUTE_NATIVE;
-            out = flagos_call_payload(st, e->call, args, kwargs);
+            out = flagos_call_payload(st, e, e->call, args, kwargs);
         }
         if (out == NULL)
             goto not_implemented;
@@ -375,12 +375,12 @@ static PyObject *route_entry(flagos_state *st, op_entry *e, int route, PyObject 
         goto error;
     if (flagos_unwrap_call(st, e, args, kwargs, !from_factory, &uargs, &ukwargs) < 0)
         goto error;
-    out = flagos_call_payload(st, route == ROUTE_OVERRIDE ? override : e->call, uargs, ukwargs);
+    out = flagos_call_payload(st, e, route == ROUTE_OVERRIDE ? override : e->call, uargs, ukwargs);
     if (out == NULL && route == ROUTE_OVERRIDE &&
         PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
         PyErr_Clear();
         route = ROUTE_NATIVE;
-        out = flagos_call_payload(st, e->call, uargs, ukwargs);
+        out = flagos_call_payload(st, e, e->call, uargs, ukwargs);
     }
     Py_CLEAR(uargs);
     Py_CLEAR(ukwargs);

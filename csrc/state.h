@@ -32,6 +32,8 @@ enum flagos_route {
 #define OP_DTYPE_KW (1u << 8)     /* has a keyword `dtype` (ScalarType?): it picks the output dtype */
 #define OP_DECOMPOSES (1u << 9)   /* CompositeImplicitAutograd: reaches flagos whole only in
                                      inference mode; an adapter without its kernel runs its parts */
+#define OP_MATH_KEYS (1u << 10)   /* a decomposition that may make complex values of real inputs:
+                                     called with the conjugate and negative keys on */
 
 typedef struct op_entry {
     PyObject *func;          /* key: the OpOverload (strong ref keeps the pointer valid) */

@@ -423,6 +423,13 @@ MUTATIONS = [
       "watches (the mode sees the CPU's kernel on host tensors)", "flagos/runtime/_attention.py",
       "    return _dispatch_modes() == 0 and _functorch_level() is None",
       "    return _functorch_level() is None", cpu("tests/test_models.py", k="dispatch_mode")),
+    M("decompositions_without_math_keys", "a decomposition reaching a torch-native chip whole "
+      "(inference mode) runs without the conjugate and negative keys", "csrc/payload.c",
+      "int c = (e->flags & OP_MATH_KEYS) ? 1 : any_complex(st, args, kwargs);",
+      "int c = any_complex(st, args, kwargs);", cpu("tests/test_conformance.py")),
+    M("tensor_split_points_refused", "tensor_split's CPU split points are refused as a device "
+      "mix-up under inference mode", "flagos/core/_schema.py", '    "aten::tensor_split",\n', "",
+      cpu("tests/test_conformance.py")),
     M("timed_out_smoke_child_kept", "flagos diagnose leaves a smoke child past its deadline running",
       "flagos/tools/_smoke.py", "            if kill:\n                self.proc.kill()",
       "            if not kill:\n                self.proc.kill()",

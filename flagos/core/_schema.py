@@ -9,6 +9,20 @@ from .. import _C
 
 _has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
 
+# Decompositions a model calls on every layer that make no complex value of real inputs: run on
+# a payload device whole (inference mode), they need no conjugate or negative keys for real
+# inputs, which cost 2 µs a call to turn back on. Every other decomposition gets them (fft.hfftn
+# conjugates a complex intermediate of a real input); complex inputs always do.
+REAL_DECOMPOSITIONS = frozenset(f"aten::{name}" for name in (
+    "linear", "matmul", "einsum", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d", "_convolution_mode", "layer_norm", "group_norm",
+    "batch_norm", "instance_norm", "rms_norm", "softmax", "log_softmax", "dropout",
+    "scaled_dot_product_attention", "cross_entropy_loss", "nll_loss", "pad", "max_pool2d",
+    "adaptive_avg_pool2d", "upsample_nearest2d", "upsample_bilinear2d", "relu6", "square",
+    "where", "repeat_interleave", "cosine_similarity", "reshape", "reshape_as", "flatten",
+    "unflatten", "contiguous", "to", "type_as", "view_as", "expand_as", "chunk", "narrow",
+    "movedim", "swapaxes", "tensor_split", "hstack", "vstack"))
+
 # Ops that make sparse tensors from strided ones (to_sparse, _to_sparse_csr, sparse_coo_tensor).
 _SPARSE_OP = re.compile(r"::_?(to_sparse|sparse_(coo|csr|csc|bsr|bsc|compressed))")
 
@@ -18,6 +32,8 @@ CROSS_DEVICE_OPS = frozenset({
     "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize", "aten::_to_copy",
     "aten::to", "aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_put",
     "aten::set_", "aten::_local_scalar_dense", "aten::_has_compatible_shallow_copy_type",
+    # its split points are a CPU tensor on every device (reaches flagos under inference mode)
+    "aten::tensor_split",
 })
 
 # In-place ops that change the metadata of the tensor they write.
@@ -88,4 +104,6 @@ def describe(func):
     # the autograd key where that happens: then the op itself reaches the router.
     if _has_kernel(func.name(), "CompositeImplicitAutograd"):
         flags |= _C.OP_DECOMPOSES
+        if packet_name(name) not in REAL_DECOMPOSITIONS:
+            flags |= _C.OP_MATH_KEYS
     return name, arg_names, write_args, tuple(return_alias), flags

@@ -1,6 +1,7 @@
 """Run one OpInfo case on plain CPU and on the flagos device and compare.
 
-A case is (op, variant, dtype, direction); direction is "fwd" (forward values) or "bwd"
+A case is (op, variant, dtype, direction); direction is "fwd" (forward values), "inf" (the
+forward under inference mode on both sides, inputs made outside it) or "bwd"
 (forward then gradients of the inputs for a fixed, seeded grad_output). The outcome of a case is
 the worst over its samples: crash > error > mismatch > stride > pass; "skip" when the case has
 nothing to compare (random op, no differentiable output).
@@ -9,6 +10,7 @@ This module is imported by the worker processes (worker.py); it never activates 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -65,7 +67,7 @@ def ops() -> dict:
     return _OPS
 
 
-def cases(op, dtypes=tuple(DTYPES), directions=("fwd", "bwd")):
+def cases(op, dtypes=tuple(DTYPES), directions=("fwd", "bwd", "inf")):
     """(dtype, direction) pairs the op supports on CPU among the requested ones."""
     supported = op.supported_dtypes("cpu")
     for name in dtypes:
@@ -73,6 +75,8 @@ def cases(op, dtypes=tuple(DTYPES), directions=("fwd", "bwd")):
             continue
         if "fwd" in directions:
             yield name, "fwd"
+        if "inf" in directions:
+            yield name, "inf"
         if "bwd" in directions and name in BWD_DTYPES and op.supports_autograd:
             yield name, "bwd"
 
@@ -250,20 +254,26 @@ def run_sample(op, sample, direction, dev):
     if "device" in dev_kwargs:
         dev_kwargs["device"] = dev
     backup = _clone((cpu_args, cpu_kwargs))
+    # "inf": the forward under inference mode, both sides (tensors made outside it, as a
+    # model's weights are): PyTorch then skips the autograd key, where it decomposes ops
+    mode = torch.inference_mode if direction == "inf" else contextlib.nullcontext
     try:
-        want = _call(op, cpu_args, cpu_kwargs, seed=0)
+        with mode():
+            want = _call(op, cpu_args, cpu_kwargs, seed=0)
     except Exception as exc:  # a sample CPU refuses: flagos must refuse it as well
         try:
-            _call(op, dev_args, dev_kwargs, seed=0)
+            with mode():
+                _call(op, dev_args, dev_kwargs, seed=0)
         except Exception:
             return None
         raise Fail("mismatch", f"CPU raised {first_line(exc)}; flagos did not") from None
     values = op.name not in UNINITIALIZED
     if _random(op, backup):
         return "skip:random op (runs an aten op tagged nondeterministic_seeded)"
-    if direction == "fwd":
+    if direction in ("fwd", "inf"):
         try:
-            got = _call(op, dev_args, dev_kwargs, seed=0)
+            with mode():
+                got = _call(op, dev_args, dev_kwargs, seed=0)
         except Exception as exc:
             raise Fail("error", first_line(exc)) from None
         _compare(got, want, on_device=True, values=values)

@@ -51,7 +51,7 @@ def table(results, chips, dtypes):
             "|---|---|---|" + "---:|" * len(OUTCOMES)]
     for chip in chips:
         for dtype in dtypes:
-            for direction in ("fwd", "bwd"):
+            for direction in ("fwd", "bwd", "inf"):
                 n = [counts[(chip, dtype, direction, o)] for o in OUTCOMES]
                 if sum(n):
                     rows.append(f"| {chip} | {dtype} | {direction} | " + " | ".join(map(str, n)) + " |")
@@ -67,7 +67,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chips", default=default_chips())
     ap.add_argument("--dtypes", default=",".join(harness.DTYPES))
-    ap.add_argument("--directions", default="fwd,bwd")
+    ap.add_argument("--directions", default="fwd,bwd,inf")
     ap.add_argument("--ops", default="", help="comma-separated globs over op[.variant] names")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per case")
@@ -98,7 +98,7 @@ def main(argv=None):
     seconds = time.time() - start
     unexpected, stale = runner.judge(results, expected, globs=not args.ops)
     if not {"cpu", "sim"} <= set(chips) or set(dtypes) != set(harness.DTYPES) \
-            or set(args.directions.split(",")) != {"fwd", "bwd"}:
+            or set(args.directions.split(",")) != {"fwd", "bwd", "inf"}:
         stale = []  # a partial sweep cannot tell which listed patterns are stale
 
     print(table(results, chips, dtypes))
