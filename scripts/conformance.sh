@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Conformance sweep: PyTorch's OpInfo database on the flagos device against plain CPU, on the
 # cpu chip, on sim and on opencl (where its adapter was built and finds a device), for float32,
-# float16, bfloat16, complex64 and int64, forward and forward+backward (tests/conformance,
-# docs/conformance.md).
+# float16, bfloat16, complex64 and int64, forward, forward+backward, and forward under
+# inference mode (directions fwd, bwd, inf; tests/conformance, docs/conformance.md).
 #
 #   scripts/conformance.sh                     full sweep; writes its table to docs/conformance.md
 #   scripts/conformance.sh --ops 'add,fft.*'   quick check of some ops (globs over op[.variant])
