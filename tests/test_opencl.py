@@ -325,3 +325,13 @@ def test_bert_matches_cpu(dev):
     assert_close(out, ref, atol=1e-4, rtol=1e-4)
     for op in ("aten::addmm", "aten::native_layer_norm", "aten::gelu", "aten::embedding"):
         assert _native(report, op), f"{op}:\n{report}"
+
+
+@from_cpu
+def test_auto_leaves_an_opencl_cpu_device_to_the_cpu_chip():
+    """FLAGOS_DEVICE=auto picks opencl only for a device that is not a CPU: on a CPU device
+    (PoCL's here) the cpu chip runs the same host faster."""
+    types = [OPENCL.device_type(i) for i in range(OPENCL.device_count())]
+    if not types or not all(t & 2 for t in types):  # CL_DEVICE_TYPE_CPU
+        pytest.skip(f"an OpenCL device that is not a CPU here (types {types})")
+    assert not OPENCL.picked_by_auto()
