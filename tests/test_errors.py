@@ -1,4 +1,6 @@
 """Bad input gets a clear error that names the fix, and loses nothing."""
+from types import SimpleNamespace as types_ns
+
 import pytest
 import torch
 from conftest import CHIP, device_mode_only, run_python, runs_once
@@ -79,6 +81,42 @@ def test_bad_environment_values(var, value, expected):
     """, env={var: value, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     import re
     assert re.search(expected, proc.stdout), proc.stdout
+
+
+def test_opencl_detect_says_what_its_adapter_finds(monkeypatch):
+    """detect() is True exactly where the adapter library is built and finds a device (whatever
+    this machine has: CI builds it and installs PoCL's CPU device), so test_opencl.py's skip,
+    which reads detect(), cannot hide a broken one."""
+    chip = opencl_chip.OpenCLChip("opencl")
+    if opencl_chip.find_library("opencl") is None:
+        expected = False
+    else:
+        try:
+            expected = chip.adapter.device_count() > 0
+        except (flagos.AdapterError, flagos.DeviceError):
+            expected = False
+    assert chip.detect() is expected
+
+    class NoDevice(opencl_chip.OpenCLChip):  # the adapter built, no OpenCL device found
+        adapter = types_ns(device_count=lambda: 0)
+
+    monkeypatch.setattr(opencl_chip, "find_library", lambda name: "libflagos_opencl_adapter.so")
+    assert not NoDevice("opencl").detect()
+
+    class Devices(opencl_chip.OpenCLChip):  # CL_DEVICE_TYPE bits per device: 2 CPU, 4 GPU
+        def __init__(self, types):
+            super().__init__("opencl")
+            self.types = types
+
+        @property
+        def adapter(self):
+            return types_ns(device_count=lambda: len(self.types))
+
+        def device_type(self, index):
+            return self.types[index]
+
+    # auto takes opencl for a GPU among its devices, not for CPUs only (the cpu chip is faster)
+    assert Devices([2, 4]).picked_by_auto() and not Devices([2, 2]).picked_by_auto()
 
 
 def test_opencl_adapter_not_built_names_the_packages(monkeypatch):
