@@ -65,7 +65,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/integrations/_caches.py": [cpu(T + "cache_dirs.py")],
     "flagos/parallel.py": [cpu(T + "parallel.py"), sim(T + "parallel.py")],
     "flagos/runtime/_transfers.py": [cpu(T + "sharding.py"), sim(T + "sharding.py")],
-    "flagos/tools/_cache.py": [cpu(T + "cache_dirs.py", k="cli")],
+    "flagos/tools/_cache.py": [cpu(T + "cache_dirs.py", k="cli or python_call")],
     "flagos/integrations/_distributed.py": [cpu(DISTRIBUTED, k="not recipe"), sim(DISTRIBUTED, k="not recipe")],
     "flagos/runtime/_math_keys.py": [cpu(FIDELITY), sim(SIM_FIDELITY, FIDELITY)],
     "flagos/runtime/_native_mode.py": [cpu(NATIVE)],
