@@ -13,7 +13,7 @@ from html.parser import HTMLParser
 
 import pytest
 import torch
-from conftest import CHIP, device_mode_only, runs_once
+from conftest import CHIP, device_mode_only, run_python, runs_once
 
 import flagos
 from flagos.tools import _analyze
@@ -442,6 +442,9 @@ def test_sim_coverage_follows_the_dtypes_sim_computes_in():
     from flagos.report import coverage
     sim = coverage.for_chip("sim")
     assert sim.classify("aten::add.Tensor", ["torch.float32"])[0] == "native"
+    if not os.environ.get("FLAGOS_SIM_DTYPES"):
+        # sim's add kernel takes float32, float16 and bfloat16 (bits 0-2); the chip computes in two
+        assert sim.classify("aten::add.Tensor", ["torch.float16"]) == ("native", "sim kernel for float32, float16")
     if "bfloat16" not in os.environ.get("FLAGOS_SIM_DTYPES", ""):
         route, reason = sim.classify("aten::add.Tensor", ["torch.bfloat16"])
         assert route == "fallback" and "not bfloat16" in reason
@@ -457,6 +460,19 @@ def test_sim_coverage_follows_the_dtypes_sim_computes_in():
     route, reason = sim.classify(listed_only, ["torch.float32"])
     assert route == "fallback" and "lists a kernel, but flagos's adapter runner does not call it" in reason
     assert sim.classify("aten::not_in_the_table", ["torch.float32"])[1].startswith("no aten::not_in_the_table kernel in")
+    # an adapter with only the .Scalar kernel runs `x + 2` on the chip (the runner's host-scalar rule)
+    del sim.kernels["aten::add.Tensor"]
+    assert sim.classify("aten::add.Tensor", ["torch.float32"])[0] == "native"
+
+
+def test_sim_coverage_of_a_machine_with_one_sim_device():
+    """The chip's dtypes are read from device 0, the one every machine has."""
+    proc = run_python("""
+        from flagos.report import coverage
+        sim = coverage.for_chip("sim")
+        print(sim.classify("aten::mul.Tensor", ["torch.float32"])[0])
+    """, env={"FLAGOS_SIM_DEVICES": "1"})
+    assert proc.stdout.split() == ["native"]
 
 
 def test_the_verdict_in_figures_computed_by_hand():
