@@ -75,6 +75,7 @@ typedef struct region {
     int n_views;       /* tensors viewing it */
     int whole;         /* the tensor of a region's first view is row-major from b0 on */
     int direct;        /* data is that tensor's host view itself (typed, its shape) */
+    int kept;          /* ... from flagos_host_tensor_take: the op writes no argument */
 } region;
 
 /* One flagos tensor of the call. */
@@ -95,26 +96,34 @@ typedef struct fb_call {
     AdapterObject *adapter;
     int device;
     int n_tensors, n_regions;
+    int writes;        /* the op writes an argument (in place, out=) */
     fb_tensor t[FB_MAX_TENSORS];
     region r[FB_MAX_TENSORS];
 } fb_call;
 
+static fb_tensor *first_view(fb_call *c, int i);
+
 static void call_release(fb_call *c)
 {
+    for (int i = 0; i < c->n_tensors; i++)
+        Py_CLEAR(c->t[i].host);
+    /* the host views are gone: staging buffers and kept host tensors go back to their pools */
+    for (int i = 0; i < c->n_regions; i++) {
+        region *g = &c->r[i];
+        PyObject *data = g->data;
+        g->data = NULL;
+        fb_tensor *t = first_view(c, i);
+        if (data != NULL && g->staged)
+            flagos_staging_give(data);
+        else if (data != NULL && g->kept)
+            flagos_host_tensor_give(data, t->shape, t->dtype, g->b1 - g->b0);
+        else
+            Py_XDECREF(data);
+    }
     for (int i = 0; i < c->n_tensors; i++) {
         Py_CLEAR(c->t[i].dtype);
         Py_CLEAR(c->t[i].shape);
         Py_CLEAR(c->t[i].stride);
-        Py_CLEAR(c->t[i].host);
-    }
-    /* the host views are gone: the staging buffers go back to the pool */
-    for (int i = 0; i < c->n_regions; i++) {
-        PyObject *data = c->r[i].data;
-        c->r[i].data = NULL;
-        if (data != NULL && c->r[i].staged)
-            flagos_staging_give(data);
-        else
-            Py_XDECREF(data);
     }
     c->n_tensors = c->n_regions = 0;
 }
@@ -284,8 +293,11 @@ static int download(fb_call *c, uint64_t *moved)
         fb_tensor *t = first_view(c, i);
         if (n < FLAGOS_STAGING_MIN_BYTES && g->n_views == 1 && g->whole &&
             g->b0 == (uint64_t)t->offset * (uint64_t)item_sizes[t->code]) {
-            /* one row-major tensor: a host tensor like it is its view, no retyping */
-            g->data = flagos_host_empty(t->shape, t->dtype);
+            /* one row-major tensor: a host tensor like it is its view, no retyping; the copy
+             * overwrites all of it, so one kept from an earlier call serves where no op
+             * writes to it (or resizes it) */
+            g->kept = !c->writes;
+            g->data = g->kept ? flagos_host_tensor_take(t->shape, t->dtype) : flagos_host_empty(t->shape, t->dtype);
             g->direct = 1;
         } else if (n >= FLAGOS_STAGING_MIN_BYTES) {
             g->data = flagos_staging_take(n);
@@ -610,6 +622,7 @@ int flagos_adapter_fallback(flagos_state *st, op_entry *e, PyObject *args, PyObj
     c->st = st;
     c->adapter = (AdapterObject *)adapter;
     c->device = -1;
+    c->writes = PyTuple_GET_SIZE(e->write_args) > 0;
     PyObject *hargs = NULL, *hkwargs = NULL, *hout = NULL, *res = NULL;
     int rc = scan_value(c, args, -1);
     if (rc > 0 && kwargs != NULL) {

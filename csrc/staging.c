@@ -29,6 +29,17 @@
 static PyObject *kept[STAGING_CLASSES][STAGING_PER_CLASS];
 static int n_kept[STAGING_CLASSES];
 static uint64_t kept_bytes, hits, misses;
+
+/* Typed host tensors of the small direct copies (flagos_host_tensor_take), kept by dtype and
+ * sizes, oldest first: at these sizes torch.empty's argument parsing costs more than the copy. */
+#define HOST_TENSORS_KEPT 8
+typedef struct host_tensor {
+    PyObject *t, *shape, *dtype; /* owned */
+    uint64_t nbytes;
+} host_tensor;
+static host_tensor host_tensors[HOST_TENSORS_KEPT];
+static int n_host_tensors;
+static uint64_t host_hits, host_misses;
 static PyObject *torch_empty, *empty_kwargs; /* torch.empty, {"dtype": torch.uint8} */
 static PyTypeObject *buffer_type;             /* the type of the buffers made here */
 static PyObject *use_count;                   /* torch._C._storage_Use_Count */
@@ -189,6 +200,66 @@ PyObject *flagos_host_bytes(uint64_t nbytes)
     return new_buffer(nbytes);
 }
 
+PyObject *flagos_host_tensor_take(PyObject *shape, PyObject *dtype)
+{
+    for (int i = n_host_tensors - 1; i >= 0; i--) {
+        host_tensor *h = &host_tensors[i];
+        if (h->dtype != dtype || PyTuple_GET_SIZE(h->shape) != PyTuple_GET_SIZE(shape))
+            continue;
+        int same = PyObject_RichCompareBool(h->shape, shape, Py_EQ); /* ints: no Python code */
+        if (same < 0)
+            return NULL;
+        if (!same)
+            continue;
+        host_tensor taken = *h;
+        memmove(h, h + 1, (size_t)(n_host_tensors - 1 - i) * sizeof(*h));
+        n_host_tensors--;
+        kept_bytes -= taken.nbytes;
+        host_hits++;
+        Py_DECREF(taken.shape);
+        Py_DECREF(taken.dtype);
+        return taken.t;
+    }
+    host_misses++;
+    PyObject *t = flagos_host_empty(shape, dtype);
+    if (t != NULL && base_uses < 0 && (base_uses = storage_uses(t)) < 0)
+        Py_CLEAR(t);
+    return t;
+}
+
+void flagos_host_tensor_give(PyObject *t, PyObject *shape, PyObject *dtype, uint64_t nbytes)
+{
+    PyObject *err_type, *err_value, *err_tb;
+    PyErr_Fetch(&err_type, &err_value, &err_tb);
+    uint64_t limit = 0;
+    long uses = -1;
+    if (Py_REFCNT(t) == 1 && base_uses >= 0 && staging_limit(&limit) == 0)
+        uses = storage_uses(t);
+    PyErr_Clear(); /* not kept: freed below */
+    /* the Python calls above are done: from here to the push nothing can run in between.
+     * Kept only where nothing else sees the tensor or its memory (an op may keep a view). */
+    PyObject *drop[4] = {NULL, NULL, NULL, t};
+    if (Py_REFCNT(t) == 1 && uses >= 0 && uses <= base_uses && nbytes <= limit) {
+        if (n_host_tensors == HOST_TENSORS_KEPT) { /* the oldest makes room */
+            host_tensor *oldest = &host_tensors[0];
+            drop[0] = oldest->t;
+            drop[1] = oldest->shape;
+            drop[2] = oldest->dtype;
+            kept_bytes -= oldest->nbytes;
+            memmove(oldest, oldest + 1, (HOST_TENSORS_KEPT - 1) * sizeof(*oldest));
+            n_host_tensors--;
+        }
+        if (kept_bytes <= limit - nbytes) {
+            host_tensors[n_host_tensors++] = (host_tensor){t, Py_NewRef(shape), Py_NewRef(dtype), nbytes};
+            kept_bytes += nbytes;
+            drop[3] = NULL;
+        }
+    }
+    for (int i = 0; i < 4; i++) /* after the pool is consistent: a free may run other code */
+        Py_XDECREF(drop[i]);
+    PyErr_Restore(err_type, err_value, err_tb);
+}
+
 PyObject *flagos_host_empty(PyObject *shape, PyObject *dtype)
 {
     static PyObject *kwnames; /* ("dtype",), kept for the process */
@@ -291,13 +362,20 @@ PyObject *flagos_staging_copy(PyObject *src, uint64_t nbytes, PyObject *dtype, P
 
 static void release_buffers(void)
 {
-    PyObject *drop[STAGING_CLASSES * STAGING_PER_CLASS];
+    PyObject *drop[STAGING_CLASSES * STAGING_PER_CLASS + 3 * HOST_TENSORS_KEPT];
     int n = 0;
     for (int k = 0; k < STAGING_CLASSES; k++) {
         while (n_kept[k] > 0) {
             drop[n++] = kept[k][--n_kept[k]];
             kept[k][n_kept[k]] = NULL;
         }
+    }
+    while (n_host_tensors > 0) {
+        host_tensor *h = &host_tensors[--n_host_tensors];
+        drop[n++] = h->t;
+        drop[n++] = h->shape;
+        drop[n++] = h->dtype;
+        *h = (host_tensor){0};
     }
     kept_bytes = 0;
     for (int i = 0; i < n; i++) /* after the pool is consistent: a free may run other code */
@@ -351,7 +429,10 @@ PyObject *flagos_staging_stats_py(PyObject *Py_UNUSED(module), PyObject *Py_UNUS
     uint64_t limit;
     if (staging_limit(&limit) < 0)
         return NULL;
-    return Py_BuildValue("{s:K,s:i,s:K,s:K,s:K}", "kept_bytes", (unsigned long long)kept_bytes,
-                         "kept_buffers", buffers, "limit", (unsigned long long)limit, "hits",
-                         (unsigned long long)hits, "misses", (unsigned long long)misses);
+    return Py_BuildValue("{s:K,s:i,s:K,s:K,s:K,s:i,s:K,s:K}", "kept_bytes",
+                         (unsigned long long)kept_bytes, "kept_buffers", buffers, "limit",
+                         (unsigned long long)limit, "hits", (unsigned long long)hits, "misses",
+                         (unsigned long long)misses, "kept_host_tensors", n_host_tensors,
+                         "host_tensor_hits", (unsigned long long)host_hits,
+                         "host_tensor_misses", (unsigned long long)host_misses);
 }

@@ -465,6 +465,21 @@ def test_sim_coverage_follows_the_dtypes_sim_computes_in():
     assert sim.classify("aten::add.Tensor", ["torch.float32"])[0] == "native"
 
 
+def test_coverage_path_folders_are_searched_in_order_the_first_with_a_chip_wins(tmp_path, monkeypatch):
+    from flagos.report import coverage
+    folders = {"a": ["npu", "mlu"], "b": ["npu", "musa"], "c": ["vendorx"]}
+    for folder, chips in folders.items():
+        (tmp_path / folder).mkdir()
+        for chip in chips:
+            (tmp_path / folder / f"{chip}.json").write_text("{}")
+    monkeypatch.setenv("FLAGOS_COVERAGE_PATH", os.pathsep.join(str(tmp_path / f) for f in folders))
+    found = coverage.shipped_files()
+    where = {chip: os.path.basename(os.path.dirname(path)) for chip, path in found.items()
+             if path.startswith(str(tmp_path))}
+    assert where == {"npu": "a", "mlu": "a", "musa": "b", "vendorx": "c"}
+    assert os.path.dirname(found["cpu"]) == os.path.dirname(coverage.__file__)  # the shipped ones stay
+
+
 def test_sim_coverage_of_a_machine_with_one_sim_device():
     """The chip's dtypes are read from device 0, the one every machine has."""
     proc = run_python("""

@@ -168,3 +168,75 @@ def test_the_runners_round_trip_stages_large_regions_only(dev, elements):
     assert torch.equal((fx * two).cpu(), x * 2)
     staged = _C.staging_stats()["hits"] > hits
     assert staged == (elements * 4 >= _C.STAGING_MIN_BYTES)
+
+
+SMALL = 4096  # float32 elements: 16 KiB, under the staging threshold (a host tensor of its own)
+
+
+@pytest.mark.skipif(CHIP != "sim", reason="the C round trip of adapter chips")
+def test_small_fallbacks_reuse_a_host_tensor_of_their_shape_and_never_leak_values(dev):
+    """A small fallback copies into a host tensor of the argument's dtype and shape; the next
+    call of that shape takes the same one back, overwritten whole."""
+    flagos.set_route("aten::neg", "fallback")
+    torch.manual_seed(0)
+    x1, x2, x3 = torch.randn(64, SMALL // 64), torch.randn(64, SMALL // 64), torch.randn(32, SMALL // 32)
+    first = torch.neg(x1.to(dev))
+    stats = _C.staging_stats()
+    assert stats["kept_host_tensors"] == 1 and stats["kept_bytes"] == SMALL * 4
+    second = torch.neg(x2.to(dev))
+    assert _C.staging_stats()["host_tensor_hits"] == stats["host_tensor_hits"] + 1
+    third = torch.neg(x3.to(dev))  # same bytes, another shape: a tensor of its own
+    assert _C.staging_stats()["host_tensor_hits"] == stats["host_tensor_hits"] + 1
+    half = torch.neg(x1.half().to(dev))  # another dtype: of its own too
+    assert _C.staging_stats()["kept_host_tensors"] == 3
+    for got, want in ((first, -x1), (second, -x2), (third, -x3), (half, -x1.half())):
+        assert torch.equal(got.cpu(), want)
+    for rows in range(1, 11):  # ten more shapes: the eight most recent are kept
+        y = torch.randn(rows, 8)
+        assert torch.equal(torch.neg(y.to(dev)).cpu(), -y)
+    assert _C.staging_stats()["kept_host_tensors"] == 8
+    torch.flagos.empty_cache()
+    assert _C.staging_stats()["kept_host_tensors"] == 0 and _C.staging_stats()["kept_bytes"] == 0
+
+
+@pytest.mark.skipif(CHIP != "sim", reason="the C round trip of adapter chips")
+def test_a_host_tensor_an_op_keeps_is_never_handed_out_again(dev):
+    """An op that keeps a view of its host input (a custom op, as a user library may register
+    one) leaves that host tensor to it: the next call gets another, and the view keeps its
+    values."""
+    kept = []
+    lib = torch.library.Library("flagos_staging_test", "DEF")
+    lib.define("stash(Tensor x) -> Tensor")
+    lib.impl("stash", lambda x: (kept.append(x[:4]), x * 2)[1], "CPU")
+    try:
+        torch.manual_seed(0)
+        x1, x2 = torch.randn(SMALL), torch.randn(SMALL)
+        out1 = torch.ops.flagos_staging_test.stash(x1.to(dev))
+        assert _C.staging_stats()["kept_host_tensors"] == 0  # the op's view sees it
+        out2 = torch.ops.flagos_staging_test.stash(x2.to(dev))
+        assert torch.equal(kept[0], x1[:4]) and torch.equal(kept[1], x2[:4])
+        assert torch.equal(out1.cpu(), x1 * 2) and torch.equal(out2.cpu(), x2 * 2)
+    finally:
+        lib._destroy()
+
+
+@pytest.mark.skipif(CHIP != "sim", reason="the C round trip of adapter chips")
+def test_arguments_an_op_writes_or_resizes_take_no_kept_host_tensor(dev, monkeypatch):
+    flagos.set_route("aten::neg", "fallback")
+    flagos.set_route("aten::neg.out", "fallback")
+    flagos.set_route("aten::neg_", "fallback")
+    x = torch.randn(SMALL)
+    fx = x.to(dev)
+    before = _C.staging_stats()
+    fx.neg_()  # in place: the host copy is written, then copied back
+    out = torch.empty(3, device=dev)
+    with pytest.warns(UserWarning, match="resized"):
+        torch.neg(x.to(dev), out=out)  # the out= argument is resized on the host, as on the CPU
+    stats = _C.staging_stats()
+    assert stats["kept_host_tensors"] == 0
+    assert (stats["host_tensor_hits"], stats["host_tensor_misses"]) == (before["host_tensor_hits"],
+                                                                       before["host_tensor_misses"])
+    assert torch.equal(fx.cpu(), -x) and torch.equal(out.cpu(), -x)
+    monkeypatch.setenv("FLAGOS_FALLBACK_STAGING", "0")  # keeps nothing, host tensors included
+    assert torch.equal(torch.neg(fx).cpu(), x)
+    assert _C.staging_stats()["kept_host_tensors"] == 0

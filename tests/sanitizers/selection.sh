@@ -11,4 +11,5 @@ SANITIZED_CPU_TESTS="tests/test_device.py tests/test_routes.py tests/test_errors
     tests/test_adapter_loader.py tests/test_streams.py tests/test_threads.py
     tests/test_sim_fast_path.py tests/test_sim_fallback_c.py"
 # Again with FLAGOS_TEST_CHIP=sim: the chip-dependent ones among them.
-SANITIZED_SIM_TESTS="tests/test_device.py tests/test_routes.py tests/test_errors.py tests/test_streams.py"
+SANITIZED_SIM_TESTS="tests/test_device.py tests/test_routes.py tests/test_errors.py tests/test_streams.py
+    tests/test_fallback_staging.py"
