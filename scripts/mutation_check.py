@@ -435,6 +435,13 @@ MUTATIONS = [
       "flagos/tools/_smoke.py", "            if kill:\n                self.proc.kill()",
       "            if not kill:\n                self.proc.kill()",
       cpu("tests/test_cli_diagnose.py", k="past_its_deadline")),
+    M("kept_host_tensor_still_seen", "a small fallback's host tensor goes back to the pool while an "
+      "op still holds a view of it", "csrc/staging.c",
+      "uses >= 0 && uses <= base_uses && nbytes <= limit) {", "uses >= 0 && nbytes <= limit) {",
+      sim_default("tests/test_fallback_staging.py", k="op_keeps")),
+    M("kept_host_tensor_for_written_arguments", "a small fallback that writes its argument takes a "
+      "kept host tensor", "csrc/adapter_fallback.c", "g->kept = !c->writes;", "g->kept = 1;",
+      sim_default("tests/test_fallback_staging.py", k="writes_or_resizes")),
 ]
 
 
