@@ -87,7 +87,7 @@ TESTS: dict[str, list[Run]] = {
                                                  "or before_activation")],
     "flagos/runtime/_tracing.py": [cpu(COMPILE), cpu(DEVICE, k="print"), sim(COMPILE)],
     "flagos/runtime/_guard_errors.py": [cpu(BACKWARD)],
-    "flagos/core/_state.py": [cpu(DEVICE, MULTI, VERSIONS, AUTOLOAD), cpu(ERRORS, k="fork"), sim(MULTI)],
+    "flagos/core/_state.py": [cpu(DEVICE, MULTI, VERSIONS, AUTOLOAD, T + "device_module.py"), cpu(ERRORS, k="fork"), sim(MULTI)],
     "flagos/report/_sites.py": [cpu(HTML, ANALYZE, T + "report_sites.py")],
     "flagos/errors.py": [cpu(ERRORS)],
     "flagos/metrics.py": [cpu(METRICS)],

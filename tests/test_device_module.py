@@ -87,3 +87,32 @@ def test_the_cpu_chip_checks_an_index_itself_and_names_an_unknown_isa(monkeypatc
         raise AttributeError("module 'torch.backends.cpu' has no attribute 'get_cpu_capability'")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", missing)  # an older PyTorch
     assert cpu.architecture() == f"{platform.machine() or 'unknown'}-unknown"
+
+
+@runs_once
+def test_set_device_makes_the_payload_devices_index_current_where_payloads_live_on_one():
+    """On a torch-native chip with device payloads (cuda, npu, ...) `torch.flagos.set_device(i)`
+    also makes the payload device i current, so its kernels launch there; a chip whose payloads
+    are host tensors (cpu) has no such device to switch. Checked with the chip's `set_device`
+    recorded (no GPU here): the profiles' own calls are tested in test_chip_names.py."""
+    from flagos.core import _state
+    state = _state.active()
+    calls = []
+
+    class Recorded:
+        def __init__(self, payload_is_host):
+            self.payload_is_host = payload_is_host
+            self.name = state.chip.name
+
+        def set_device(self, index):
+            calls.append((self.payload_is_host, index))
+
+    chip, current = state.chip, state.current
+    try:
+        for on_host in (False, True):
+            state.chip = Recorded(on_host)
+            _state.set_current(0)
+    finally:
+        state.chip = chip
+        _state.set_current(current)
+    assert calls == [(False, 0)]
