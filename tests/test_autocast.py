@@ -141,3 +141,16 @@ def test_widest_type_ops_cast_as_the_payload_devices_autocast_does(dev, ref):
             continue
         assert got.dtype == plain.dtype
         torch.testing.assert_close(got, plain, rtol=0, atol=0)
+
+
+@runs_once
+def test_op_names_resolve_to_their_overload_and_an_unknown_one_is_skipped():
+    """The dispatcher's op names map to torch.ops overloads ("aten::relu" is relu's default); a
+    name torch.ops cannot resolve (an op a newer PyTorch lists under another name) is skipped at
+    activation, not an error."""
+    from flagos.runtime import _autocast
+    assert _autocast._overload("aten::relu") is torch.ops.aten.relu.default
+    assert _autocast._overload("aten::add.Tensor") is torch.ops.aten.add.Tensor
+    assert _autocast._overload("aten::flagos_no_such_op") is None
+    assert _autocast._overload("aten::add.flagos_no_such_overload") is None
+    assert _autocast._packet("aten::cat.names") == _autocast._packet("aten::cat") == "aten::cat"

@@ -423,11 +423,25 @@ def test_each_error_reaches_its_own_backward_pass():
         y.register_hook(outer)
         y.sum().backward()
         print("OUTER GRAD", x.grad.cpu().tolist())
+
+        # an op of the outer pass fails after a hook's own pass ended (an error the device
+        # guard keeps for the pass): the outer caller gets it as it was raised
+        def broken_cos(*args, **kwargs):
+            raise KeyError("cos, after the inner pass")
+        y = torch.sin(x)
+        y.register_hook(outer)
+        flagos.register_kernel("aten::cos", broken_cos, chip="{CHIP}")
+        try:
+            y.sum().backward()
+        except KeyError as e:
+            print("OUTER ERROR", e)
+        flagos.unregister_kernel("aten::cos", chip="{CHIP}")
     """, env={"FLAGOS_FALLBACK": "allow"}, check=False)
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{out}\n{proc.stderr[-3000:]}"
     assert "THREADS True [20, 20]" in out, out
     assert "INNER CAUGHT inner" in out and "OUTER GRAD [2.0, 2.0, 2.0]" in out, out
+    assert "OUTER ERROR 'cos, after the inner pass'" in out, out
 
 
 def test_pending_error_outside_backward_is_reported():
