@@ -170,7 +170,8 @@ def test_binary_tensor_layouts(name, layout, dtype):
 @on_sim
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shapes", [((6, 8), (8,)), ((6, 1), (1, 8)), ((8,), (6, 8)), ((6, 8), ()),
-                                    ((), ()), ((0, 8), (8,)), ((2, 1, 4), (3, 1))], ids=str)
+                                    ((), ()), ((0, 8), (8,)), ((2, 1, 4), (3, 1)),
+                                    ((2, 3, 4, 8), (8,)), ((4, 1), (2, 3, 1, 5))], ids=str)
 @pytest.mark.parametrize("name", BINARY)
 def test_binary_tensor_broadcasting(name, shapes, dtype):
     op, fn = BINARY[name]
