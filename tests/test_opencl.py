@@ -76,6 +76,8 @@ def test_memory_statistics_are_exact(dev):
     m.empty_cache()
     assert m.memory_allocated() == base and m.memory_reserved() == base
     assert m.max_memory_allocated() == base + 4096 + big_class
+    m.reset_peak_memory_stats()  # the peak comes down to what is allocated now
+    assert m.max_memory_allocated() == base
 
 
 @on_opencl
