@@ -214,6 +214,24 @@ def _native(report, op):
 
 
 @on_opencl
+def test_copies_on_the_device_match_cpu(dev):
+    """Copies between chip tensors stay on the device (clEnqueueCopyBuffer); a copy between
+    overlapping ranges of one buffer, which OpenCL refuses, goes through the host."""
+    x = torch.arange(24, dtype=torch.float32)
+    fx = x.to(dev)
+    assert torch.equal(fx.clone().cpu(), x)
+    into = torch.zeros(24, device=dev)
+    into[4:12].copy_(fx[:8])
+    assert torch.equal(into.cpu(), torch.cat([torch.zeros(4), x[:8], torch.zeros(12)]))
+    shifted, fshifted = x.clone(), fx.clone()
+    shifted[1:13].copy_(shifted[:12].clone())
+    fshifted[1:13].copy_(fshifted[:12])  # overlapping ranges of one buffer
+    assert torch.equal(fshifted.cpu(), shifted)
+    if torch.flagos.device_count() > 1:  # another device of the chip: through the host
+        assert torch.equal(fx.to("flagos:1").cpu(), x)
+
+
+@on_opencl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_float32_and_float64_ops_run_on_the_chip(dev, dtype):
     if str(dtype).split(".")[1] not in flagos.info()["native_dtypes"]:
