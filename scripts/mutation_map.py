@@ -143,10 +143,10 @@ TESTS: dict[str, list[Run]] = {
     "backends/sim/kernels.c": [sim(KERNELS), cpu(KERNEL_CHECKS)],
     "backends/sim/sim.c": [sim(SIM_TESTS, SIM_FIDELITY, STREAMS, MULTI), cpu(ENV, k="sim"), cpu(KERNEL_CHECKS)],
     # ---- the OpenCL adapter (its kernels.cl, OpenCL C built at run time, is not mutated) ----
-    "backends/opencl/kernels.c": [cpu(T + "opencl.py")],
-    "backends/opencl/memory.c": [cpu(T + "opencl.py")],
-    "backends/opencl/opencl.c": [cpu(T + "opencl.py")],
-    "backends/opencl/program.c": [cpu(T + "opencl.py")],
+    "backends/opencl/kernels.c": [cpu(T + "opencl.py"), cpu(ERRORS, k="opencl")],
+    "backends/opencl/memory.c": [cpu(T + "opencl.py"), cpu(ERRORS, k="opencl")],
+    "backends/opencl/opencl.c": [cpu(T + "opencl.py"), cpu(ERRORS, k="opencl")],
+    "backends/opencl/program.c": [cpu(T + "opencl.py"), cpu(ERRORS, k="opencl")],
 }
 
 

@@ -1,4 +1,5 @@
 """Bad input gets a clear error that names the fix, and loses nothing."""
+import ctypes
 from types import SimpleNamespace as types_ns
 
 import pytest
@@ -117,6 +118,42 @@ def test_opencl_detect_says_what_its_adapter_finds(monkeypatch):
 
     # auto takes opencl for a GPU among its devices, not for CPUs only (the cpu chip is faster)
     assert Devices([2, 4]).picked_by_auto() and not Devices([2, 2]).picked_by_auto()
+
+
+def opencl_devices_the_loader_lists():
+    """How many OpenCL devices the ICD loader lists over every platform, asked directly (None
+    without a loader): a count that does not go through the opencl adapter."""
+    try:
+        cl = ctypes.CDLL("libOpenCL.so.1")
+    except OSError:
+        return None
+    cl.clGetPlatformIDs.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)]
+    cl.clGetDeviceIDs.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p,
+                                  ctypes.POINTER(ctypes.c_uint32)]
+    n_platforms = ctypes.c_uint32(0)
+    if cl.clGetPlatformIDs(0, None, ctypes.byref(n_platforms)) != 0 or n_platforms.value == 0:
+        return 0
+    platforms = (ctypes.c_void_p * n_platforms.value)()
+    if cl.clGetPlatformIDs(n_platforms.value, platforms, None) != 0:
+        return 0
+    total = 0
+    for platform in platforms:
+        n = ctypes.c_uint32(0)
+        if cl.clGetDeviceIDs(platform, 0xFFFFFFFF, 0, None, ctypes.byref(n)) == 0:  # CL_DEVICE_TYPE_ALL
+            total += n.value
+    return total
+
+
+def test_opencl_adapter_finds_a_device_where_the_loader_lists_one(monkeypatch):
+    """Where the opencl adapter is built and the ICD loader lists a device (CI installs PoCL's
+    CPU device), the adapter finds one: test_opencl.py skips itself where it finds none, and a
+    broken device search must not pass for a machine without OpenCL."""
+    monkeypatch.delenv("FLAGOS_OPENCL_DEVICES", raising=False)
+    listed = opencl_devices_the_loader_lists()
+    if opencl_chip.find_library("opencl") is None or not listed:
+        pytest.skip(f"the opencl adapter is not built or the loader lists no device ({listed})")
+    chip = opencl_chip.OpenCLChip("opencl")
+    assert chip.detect() and 1 <= chip.adapter.device_count() <= listed
 
 
 def test_opencl_adapter_not_built_names_the_packages(monkeypatch):
