@@ -52,6 +52,11 @@ def sim(*paths, k=""):
     return Run("sim", paths, k, tuple(SIM_ALL.items()))
 
 
+def opencl(*paths, k=""):
+    """the opencl chip (PoCL's CPU device in CI), float16 native as the suite's opencl run has it."""
+    return Run("opencl", paths, k, (("FLAGOS_OPENCL_FP16", "on"),))
+
+
 def sim_default(*paths, k=""):
     """sim with its default dtypes (bfloat16 not native)."""
     return Run("sim", paths, k)
@@ -442,6 +447,19 @@ MUTATIONS = [
     M("kept_host_tensor_for_written_arguments", "a small fallback that writes its argument takes a "
       "kept host tensor", "csrc/adapter_fallback.c", "g->kept = !c->writes;", "g->kept = 1;",
       sim_default("tests/test_fallback_staging.py", k="writes_or_resizes")),
+    M("opencl_device_copy_fails", "every copy between tensors on one OpenCL device reports a "
+      "failure", "backends/opencl/memory.c",
+      '        if (err != CL_SUCCESS)\n            return ocl_cl_fail(status, err, "clEnqueueCopyBuffer");',
+      '        if (err == CL_SUCCESS)\n            return ocl_cl_fail(status, err, "clEnqueueCopyBuffer");',
+      opencl("tests/test_opencl.py", k="copies_on_the_device")),
+    M("opencl_reset_peak_ignored", "the opencl chip's reset_peak_memory_stats leaves the peak",
+      "backends/opencl/memory.c", "    if (rc != OCL_SUCCESS)\n        return rc;\n    ocl.devices[device].peak",
+      "    if (rc == OCL_SUCCESS)\n        return rc;\n    ocl.devices[device].peak",
+      opencl("tests/test_opencl.py", k="memory_statistics")),
+    M("opencl_no_device_chosen", "the opencl adapter finds no device on a machine that has one",
+      "backends/opencl/opencl.c",
+      "    if (rc == OCL_SUCCESS)\n        rc = choose_devices(", "    if (0)\n        rc = choose_devices(",
+      cpu("tests/test_errors.py", k="loader_lists_one")),
 ]
 
 
