@@ -177,3 +177,24 @@ def test_a_create_that_succeeds_without_a_handle_is_an_adapter_error(tmp_path):
                            match=rf"{call}\(\) on device 0 returned success and handle 0"):
             getattr(adapter, call)(0, 0)
     assert adapter.stream_query(0, 1) is True and adapter.event_elapsed_ms(0, 1, 2) == 0.0
+
+
+def test_sim_reads_its_configuration_again_after_its_last_user_shut_it_down():
+    """When its Adapter object goes, the library is shut down and unloaded; loaded again in the
+    same process sim starts afresh: nothing allocated, its environment read again."""
+    proc = run_python("""
+        import gc, os
+        from flagos import _C
+        from flagos.chips import adapter
+        path = adapter.find_library("sim")
+        first = _C.load_adapter(path)
+        buffer = first.alloc(0, 1024)
+        print("FIRST", first.props(0)["total_memory"], first.memory_info(0)["allocated"] > 0)
+        del buffer, first
+        gc.collect()
+        os.environ["FLAGOS_SIM_MEMORY"] = "64M"
+        again = _C.load_adapter(path)
+        print("AGAIN", again.props(0)["total_memory"], again.memory_info(0)["allocated"])
+    """, env={"FLAGOS_SIM_MEMORY": "32M"})
+    assert f"FIRST {32 << 20} True" in proc.stdout, proc.stdout
+    assert f"AGAIN {64 << 20} 0" in proc.stdout, proc.stdout
