@@ -447,6 +447,9 @@ MUTATIONS = [
     M("kept_host_tensor_for_written_arguments", "a small fallback that writes its argument takes a "
       "kept host tensor", "csrc/adapter_fallback.c", "g->kept = !c->writes;", "g->kept = 1;",
       sim_default("tests/test_fallback_staging.py", k="writes_or_resizes")),
+    M("out_resize_not_synced", "an out= tensor the op resizes keeps its old shape on torch-native chips",
+      "flagos/core/_schema.py", "    if writes_out or inplace_view:", "    if inplace_view:",
+      cpu("tests/test_fidelity.py", k="resizes_take")),
     M("opencl_device_copy_fails", "every copy between tensors on one OpenCL device reports a "
       "failure", "backends/opencl/memory.c",
       '        if (err != CL_SUCCESS)\n            return ocl_cl_fail(status, err, "clEnqueueCopyBuffer");',

@@ -1,6 +1,7 @@
 """Tensor fidelity: the same numbers, the same errors and the same tensor behaviours as plain
 PyTorch on CPU. Runs on the suite's chip (cpu, and sim with FLAGOS_TEST_CHIP=sim)."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -311,6 +312,31 @@ def test_first_calls_from_many_threads_make_one_row_per_op():
     assert "WARNINGS 19" in proc.stdout, proc.stdout
 
 
+
+
+# ---- out= arguments the op resizes -----------------------------------------------------------
+
+@pytest.mark.parametrize("route", ["auto", "fallback"])
+def test_out_arguments_the_op_resizes_take_the_cpus_shape(dev, route):
+    """An out= tensor of the wrong size is resized by the op (PyTorch warns when it held
+    elements): afterwards the flagos tensor has the CPU tensor's shape, strides and values."""
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 5), torch.randn(4, 5)
+    calls = {"aten::neg.out": lambda x, y, out: torch.neg(x, out=out),
+             "aten::add.out": lambda x, y, out: torch.add(x, y, out=out),
+             "aten::cat.out": lambda x, y, out: torch.cat([x, y], 1, out=out)}
+    for name, call in calls.items():
+        if route == "fallback":
+            flagos.set_route(name, "fallback")
+        for size in (0, 3):  # empty: resized silently; 3 elements: resized with PyTorch's warning
+            expected = torch.empty(size)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                call(a, b, expected)
+                out = torch.empty(size, device=dev)
+                call(a.to(dev), b.to(dev), out)
+            assert (out.shape, out.stride()) == (expected.shape, expected.stride()), (name, size)
+            assert torch.equal(out.cpu(), expected), (name, size)
 
 
 # ---- out= ops with several results ----------------------------------------------------------
