@@ -80,7 +80,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/core/_routes.py": [cpu(ROUTES, POLICY), cpu(ENV, k="route"), cpu(ERRORS, k="environment")],
     "flagos/_activation.py": [cpu(DEVICE, ERRORS, VERSIONS, ENV, CHIP_NAMES, CHIP_PROFILES)],
     "flagos/core/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD), sim(COUNTERS, FIDELITY),
-                               sim_default(T + "precision_policy.py")],
+                               sim_default(T + "precision_policy.py"), cpu(T + "conformance.py")],
     "flagos/runtime/_streams.py": [sim(STREAMS), cpu(STREAMS)],
     "flagos/runtime/_tensor.py": [cpu(DEVICE, FIDELITY, OFFLOAD), sim(DEVICE, SIM_FIDELITY, OFFLOAD),
                                   cpu(COMPILE, k="flatten or cached_graphs or report_counts or layout_and_bits "
@@ -125,7 +125,8 @@ TESTS: dict[str, list[Run]] = {
     "csrc/module.c": [cpu(DEVICE, ROUTES, ERRORS, NATIVE), sim(DEVICE), cpu(T + "benchmarks.py", k="floor"),
                       cpu(COMPILE, k="layout_and_bits or before_activation or report_counts or host_outputs")],
     "csrc/state.c": [cpu(DEVICE, ROUTES)],
-    "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY), sim(ROUTES, POLICY, COUNTERS)],
+    "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, T + "precision_policy.py"),
+                      sim(ROUTES, POLICY, COUNTERS)],
     "csrc/payload.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY), sim(ROUTES, POLICY, COUNTERS),
                        cpu(COMPILE, k="layout_and_bits or before_activation")],
     "csrc/fallback.c": [cpu(COUNTERS, POLICY, FIDELITY, T + "fallback_staging.py"), sim(COUNTERS)],
