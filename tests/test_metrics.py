@@ -51,6 +51,8 @@ def test_exporter_in_a_program_reports_its_ops_and_devices(exporter, tmp_path):
     metrics = scrape(exporter.url)
 
     assert exporter.url == f"http://127.0.0.1:{exporter.port}/metrics" and exporter.port > 0
+    # what a user prints: where it serves, not its server and thread objects
+    assert repr(exporter) == f"Exporter(host='127.0.0.1', port={exporter.port}, url='{exporter.url}')"
     assert set(metrics) == NAMES
     assert metrics["flagos_info"] == [({"version": flagos.__version__, "chip": CHIP, "mode": "device"}, 1.0)]
 
