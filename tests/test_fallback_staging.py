@@ -78,6 +78,20 @@ def test_limit_zero_keeps_nothing_and_bad_values_name_the_fix(dev, monkeypatch):
     assert _C.staging_stats()["limit"] == 1 << 20
 
 
+def test_a_limit_of_one_size_class_keeps_a_buffer_of_that_class(dev, monkeypatch):
+    """FLAGOS_FALLBACK_STAGING=256K keeps one 256 KiB buffer: a 200 KiB copy takes it, and the
+    next call takes it again."""
+    monkeypatch.setenv("FLAGOS_FALLBACK_STAGING", "256K")
+    flagos.set_route("aten::neg", "fallback")
+    x = torch.randn(50 * 1024)  # 200 KiB: the 256 KiB class
+    fx = x.to(dev)
+    assert torch.equal(torch.neg(fx).cpu(), -x)
+    stats = _C.staging_stats()
+    assert (stats["kept_buffers"], stats["kept_bytes"]) == (1, 256 << 10)
+    assert torch.equal(torch.neg(fx).cpu(), -x)
+    assert _C.staging_stats()["hits"] == stats["hits"] + 1
+
+
 def test_a_buffer_something_still_sees_is_not_handed_out_again():
     flat = _C.staging_take(N * 4)
     kept_view = flat[:16]

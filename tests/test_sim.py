@@ -208,6 +208,10 @@ def test_bad_sim_configuration_is_a_clear_error():
             line = next(lines)
             assert f"{var}={value!r} is not" in line and f"e.g. {var}=" in line, (var, value, line)
     assert "use bytes with an optional K, M or G suffix" in errors[0]
+    # the valid range said as it is: two devices by default
+    fail_device = [line for line in errors if "FLAGOS_SIM_FAIL_DEVICE=" in line]
+    assert all("use a device index from 0 to 1, e.g. FLAGOS_SIM_FAIL_DEVICE=1" in line
+               for line in fail_device), fail_device
     assert "TOTAL 67108864" in proc.stdout
 
 
