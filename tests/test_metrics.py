@@ -98,8 +98,13 @@ def test_counters_follow_the_report(exporter):
 
 
 def test_bad_port_names_the_fix(exporter):
-    with pytest.raises(flagos.ConfigError, match="0 to 65535"):
-        flagos.metrics.start_http_server(70000)
+    for bad in (70000, 65536, -1, True, "9491", 9491.0):
+        with pytest.raises(flagos.ConfigError, match="0 to 65535"):
+            flagos.metrics.start_http_server(bad)
+    try:  # the highest port is a port: served, or refused by the machine, never by flagos
+        flagos.metrics.start_http_server(65535).stop()
+    except OSError as e:
+        assert not isinstance(e, flagos.ConfigError) and "choose another port" in str(e)
     with pytest.raises(OSError, match=rf"127\.0\.0\.1:{exporter.port}.*choose another port"):
         flagos.metrics.start_http_server(exporter.port)
 
