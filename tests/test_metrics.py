@@ -1,5 +1,6 @@
 """The Prometheus exporter: scraped over real HTTP on 127.0.0.1 and parsed, inside a program
 (flagos.metrics.start_http_server) and as `flagos metrics`."""
+import errno
 import json
 import os
 import signal
@@ -105,8 +106,10 @@ def test_bad_port_names_the_fix(exporter):
         flagos.metrics.start_http_server(65535).stop()
     except OSError as e:
         assert not isinstance(e, flagos.ConfigError) and "choose another port" in str(e)
-    with pytest.raises(OSError, match=rf"127\.0\.0\.1:{exporter.port}.*choose another port"):
+    with pytest.raises(OSError, match=rf"127\.0\.0\.1:{exporter.port} \({os.strerror(errno.EADDRINUSE)}\); "
+                                      "choose another port") as caught:
         flagos.metrics.start_http_server(exporter.port)
+    assert caught.value.errno == errno.EADDRINUSE
 
 
 def test_command_serves_every_device_until_terminated(tmp_path):
