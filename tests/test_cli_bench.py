@@ -185,3 +185,21 @@ def test_a_user_model_imports_its_own_neighbour_before_an_installed_module(tmp_p
     work = _models.load(f"{tmp_path / 'workload.py'}:build", batch=3)
     assert work.model.in_features == 24 and work.inputs.shape == (3, 24)
     assert sys.path[0] == str(tmp_path)
+
+
+def test_which_chips_run_in_this_process(monkeypatch):
+    """The plain-PyTorch reference runs in this process only where flagos does not intercept CPU
+    ops (not active, or device mode; native mode does); a chip only where flagos is active on it
+    (or "auto"). Every other run gets a process of its own."""
+    from types import SimpleNamespace
+
+    from flagos.tools import _childrun
+    for state, reference, chips in (
+            (None, True, {"cpu": False, "sim": False, "auto": False}),
+            (SimpleNamespace(mode="device", chip=SimpleNamespace(name="sim")), True,
+             {"cpu": False, "sim": True, "auto": True}),
+            (SimpleNamespace(mode="native", chip=SimpleNamespace(name="cpu")), False,
+             {"cpu": True, "sim": False, "auto": True})):
+        monkeypatch.setattr(_childrun, "_active", lambda state=state: state)
+        assert _childrun.runs_here(_childrun.REFERENCE) is reference, state
+        assert {chip: _childrun.runs_here(chip) for chip in chips} == chips, state
