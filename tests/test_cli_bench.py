@@ -203,3 +203,24 @@ def test_which_chips_run_in_this_process(monkeypatch):
         monkeypatch.setattr(_childrun, "_active", lambda state=state: state)
         assert _childrun.runs_here(_childrun.REFERENCE) is reference, state
         assert {chip: _childrun.runs_here(chip) for chip in chips} == chips, state
+
+
+@device_mode_only
+def test_a_run_in_this_process_that_fails_is_a_child_error_naming_chip_and_error():
+    """The reference runs in this process (device mode): its failure is reported as one chip's,
+    with the original error's type and words, and the tool goes on."""
+    from flagos.tools import _childrun
+    with pytest.raises(_childrun.ChildError, match=r"^chip torch-cpu: TypeError: .*loads") as caught:
+        _childrun.call(_childrun.REFERENCE, "json:loads")  # loads(chip=...): no document given
+    assert caught.value.chip == _childrun.REFERENCE
+
+
+def test_a_childs_environment_names_its_chip_and_drops_the_callers(monkeypatch):
+    from flagos.tools import _childrun
+    monkeypatch.setenv("FLAGOS_DEVICE", "cpu")
+    monkeypatch.setenv("FLAGOS_REPORT", "/tmp/elsewhere.json")
+    monkeypatch.delenv("FLAGOS_FALLBACK", raising=False)
+    reference, sim = _childrun._child_env(_childrun.REFERENCE), _childrun._child_env("sim")
+    assert "FLAGOS_DEVICE" not in reference and sim["FLAGOS_DEVICE"] == "sim"
+    assert "FLAGOS_REPORT" not in reference and "FLAGOS_REPORT" not in sim
+    assert reference["FLAGOS_FALLBACK"] == sim["FLAGOS_FALLBACK"] == "allow"
