@@ -224,3 +224,17 @@ def test_a_childs_environment_names_its_chip_and_drops_the_callers(monkeypatch):
     assert "FLAGOS_DEVICE" not in reference and sim["FLAGOS_DEVICE"] == "sim"
     assert "FLAGOS_REPORT" not in reference and "FLAGOS_REPORT" not in sim
     assert reference["FLAGOS_FALLBACK"] == sim["FLAGOS_FALLBACK"] == "allow"
+
+
+def test_children_run_the_reference_without_flagos_and_a_chip_on_it(tmp_path, monkeypatch):
+    """A child process for the reference leaves flagos inactive (plain PyTorch); one for a chip
+    runs with flagos active on it."""
+    from flagos.tools import _childrun
+    (tmp_path / "where_it_runs.py").write_text(
+        "from flagos.core import _state\n\n\n"
+        "def where(chip):\n"
+        "    state = _state.active_or_none()\n"
+        "    return [chip, state.chip.name if state else None]\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    assert _childrun._call_in_child(_childrun.REFERENCE, "where_it_runs:where", {}) == [_childrun.REFERENCE, None]
+    assert _childrun._call_in_child("sim", "where_it_runs:where", {}) == ["sim", "sim"]
