@@ -303,6 +303,40 @@ def test_a_report_built_by_hand_adds_up():
     assert lines[-1].endswith("123458.29 MB back")
 
 
+def test_every_figure_in_the_table_is_its_row_scaled_exactly():
+    """Each figure of the text table, the totals line, the bytes between devices and the downcast
+    line, with values large enough that a unit off by one part in a million shows (hand-computed);
+    a report built with no arguments says 0.00 s and no chip; rows without downcast counts count
+    none; to_json indents by two."""
+    empty = flagos.Report()
+    assert str(empty).splitlines()[0] == "flagos fallback report (chip: -, 0.00 s)"
+    assert json.loads(empty.to_json()) == empty.to_dict()
+    assert empty.to_json().splitlines()[1] == '  "chip": null,'
+
+    row = {"op": "aten::sort", "calls": {"override": 0, "native": 0, "fallback": 7, "error": 0},
+           "fallback_ns": 123_456_789_000, "bytes_to_host": 987_654_321_000,
+           "bytes_to_device": 123_456_789_000, "site": None}
+    report = flagos.Report([row], elapsed_s=1000.0, chip="sim", bytes_between_devices=1_234_567_891)
+    assert report.fallback_seconds == 123.456789
+    assert (report.downcast_calls, report.downcast_bytes) == (0, 0)
+    lines = str(report).splitlines()
+    assert lines[3].split()[1:6] == ["fallback", "7", "123456.79", "987654.321", "123456.789"]
+    assert lines[4] == ("total: 1 ops, 7 calls; fallback: 1 ops, 7 calls (100.0% of calls), "
+                        "123456.79 ms (12.3% of 1000.00 s), 987654.32 MB to host, 123456.79 MB back")
+    assert lines[5] == ("between devices: 1234.568 MB copied from one flagos device to another "
+                        "(1234567891 bytes)")
+    assert len(lines) == 6  # no downcast line: no policy, no downcast calls
+
+    # the downcast line: named by the policy alone, or by its calls alone
+    policy_only = flagos.Report([row], elapsed_s=1.0, downcast_to="float16")
+    assert str(policy_only).splitlines()[-1] == ("downcast (dtype_policy='downcast'): 0 calls made "
+                                                 "float16 instead of bfloat16, 0.000 MB")
+    counted = dict(row, downcast_calls=3, downcast_bytes=1_234_567_891)
+    calls_only = flagos.Report([counted], elapsed_s=1.0)
+    assert str(calls_only).splitlines()[-1] == ("downcast (dtype_policy='downcast'): 3 calls made "
+                                                "another dtype instead of bfloat16, 1234.568 MB")
+
+
 def test_a_scope_counts_only_what_ran_inside_it():
     """track() reports the compiled-graph calls and the bytes copied between devices of its
     own scope, not the process's totals before it."""
