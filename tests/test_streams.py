@@ -2,6 +2,7 @@
 order work as the CPU does (synchronously); on sim they are the adapter's own streams and
 events (adapter ABI 1.1), and sim's call counters show flagos used them."""
 import ctypes
+import gc
 import time
 import types
 
@@ -333,3 +334,72 @@ def test_sim_refuses_a_stream_of_another_device():
     assert counters.flagos_sim_stream_copies(0, other._handle) == 0
     adapter.set_stream(1, other._handle)  # on its own device it is accepted
     adapter.set_stream(1, 0)
+
+
+def test_a_stream_block_lets_an_error_through_and_restores_the_stream(dev):
+    """An exception inside `with stream:` or `with torch.flagos.stream(s):` reaches the caller
+    (as with CUDA streams) and the previous stream is current again."""
+    s = torch.flagos.Stream()
+    with pytest.raises(KeyError, match="inside"):
+        with s:
+            raise KeyError("inside")
+    assert torch.flagos.current_stream() == torch.flagos.default_stream()
+    with pytest.raises(KeyError, match="inside"):
+        with torch.flagos.stream(s):
+            raise KeyError("inside")
+    assert torch.flagos.current_stream() == torch.flagos.default_stream()
+
+
+def test_streams_compare_with_anything_and_default_to_priority_zero(dev):
+    """A stream is unequal to what is not a stream (no error); a stream made without a priority,
+    and the default stream, have priority 0, as torch.cuda's."""
+    s = torch.flagos.Stream()
+    assert (s == "stream") is False and s != 3
+    assert s.priority == 0 and torch.flagos.default_stream().priority == 0
+    # a PyTorch stream object with a flagos stream's ids is that stream; ids of no live one are refused
+    plain = torch.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+    assert type(plain) is not torch.flagos.Stream
+    torch.flagos.set_stream(plain)
+    try:
+        assert torch.flagos.current_stream() is s
+    finally:
+        torch.flagos.set_stream(torch.flagos.default_stream())
+    gone = torch.Stream(stream_id=s.stream_id + 10**6, device_index=0, device_type=s.device_type)
+    with pytest.raises(ValueError, match="is not a live flagos stream"):
+        torch.flagos.set_stream(gone)
+
+
+@pytest.mark.skipif(CHIP != "cpu", reason="the synchronous engine of chips without adapter streams")
+def test_the_first_stream_of_a_new_engine_is_not_the_default(dev, monkeypatch):
+    """A stream engine made anew (the chip changed) gives its first stream a handle other than
+    the default stream's 0: making it current makes it current."""
+    monkeypatch.setattr(_streams, "_engine_chip", None)
+    first = torch.flagos.Stream()
+    assert first._handle != 0
+    torch.flagos.set_stream(first)
+    try:
+        assert torch.flagos.current_stream() is first
+    finally:
+        torch.flagos.set_stream(torch.flagos.default_stream())
+
+
+def test_sim_never_destroys_a_default_stream_and_refuses_unknown_event_flags():
+    """Default streams are the device's own: dropping them (the chip changed) destroys nothing.
+    event_create's flags other than FLAGOS_EVENT_TIMING are reserved; flagos passes 0 for them."""
+    if CHIP != "sim":
+        pytest.skip("sim's own call counters and flag check")
+    counters = sim_counters()
+    torch.flagos.default_stream(0), torch.flagos.default_stream(1)
+    gc.collect()  # streams earlier tests dropped are destroyed now, not below
+    destroyed = counters.flagos_sim_calls(b"stream_destroy")
+    _streams.reset()
+    gc.collect()
+    assert counters.flagos_sim_calls(b"stream_destroy") == destroyed
+    assert torch.flagos.current_stream().stream_id == 0
+    adapter = flagos.chips.profile("sim").adapter
+    with pytest.raises(flagos.DeviceError, match="unknown flags 0x2"):
+        adapter.event_create(0, 2)
+    for timing in (False, True):
+        event = torch.flagos.Event(enable_timing=timing)
+        event.record()  # made by the adapter at the first record
+        assert event.query() is True

@@ -637,6 +637,10 @@ static int32_t new_object(int which, int32_t device, int is_event, uint32_t flag
 {
     pthread_mutex_lock(&sim.lock);
     int32_t rc = enter(which, device, status);
+    if (rc == SIM_SUCCESS && (flags & ~FLAGOS_EVENT_TIMING))
+        rc = sim_fail(status, SIM_ERROR_INVALID_VALUE, "event_create: unknown flags 0x%x (the ABI "
+                      "defines FLAGOS_EVENT_TIMING only; the other bits must be 0)",
+                      (unsigned)(flags & ~FLAGOS_EVENT_TIMING));
     if (rc == SIM_SUCCESS) {
         sim_object *o = calloc(1, sizeof(*o));
         if (o == NULL) {

@@ -236,7 +236,9 @@ typedef uint64_t flagos_stream;
 /* Opaque handle of one event; 0 is never a valid event. */
 typedef uint64_t flagos_event;
 
-#define FLAGOS_EVENT_TIMING 1u                    /* event_create flag: record a timestamp */
+/* event_create flag: record a timestamp. The other bits of event_create's flags are
+ * reserved: flagos passes 0 for them, and an adapter may refuse a call that sets one. */
+#define FLAGOS_EVENT_TIMING 1u
 
 /* ---- the adapter table --------------------------------------------------- */
 
