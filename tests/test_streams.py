@@ -403,3 +403,22 @@ def test_sim_never_destroys_a_default_stream_and_refuses_unknown_event_flags():
         event = torch.flagos.Event(enable_timing=timing)
         event.record()  # made by the adapter at the first record
         assert event.query() is True
+
+
+def test_a_stream_or_event_whose_handle_cannot_be_freed_is_dropped_quietly(dev, monkeypatch):
+    """At interpreter exit the adapter may be gone before the last streams and events: their
+    destructors then fail, and the failure is swallowed, not printed as an ignored exception."""
+    class GoneAdapter:
+        def stream_destroy(self, index, handle):
+            raise flagos.DeviceError("the adapter was unloaded")
+
+        event_destroy = stream_destroy
+
+    unraisable = []
+    monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+    stream, event = torch.flagos.Stream(), torch.flagos.Event()
+    event.record()
+    stream._engine = event._engine = GoneAdapter()
+    del stream, event
+    gc.collect()
+    assert unraisable == []
