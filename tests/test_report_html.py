@@ -7,6 +7,7 @@ import torch
 from conftest import CHIP, device_mode_only
 
 import flagos
+from flagos.report._html import render
 from flagos.report._sites import short_site
 
 pytestmark = device_mode_only
@@ -226,3 +227,55 @@ def test_a_page_of_a_report_built_by_hand(tmp_path):
     _, downcast = _page_of(flagos.Report(rows, elapsed_s=1.0, chip="sim", downcast_to="torch.float32"),
                            tmp_path / "downcast.html")
     assert 'id="downcast"' in downcast and "0 calls made torch.float32 instead of bfloat16" in downcast
+
+
+def test_every_figure_and_the_chart_geometry_exactly(tmp_path):
+    """The summary's shares, milliseconds and megabytes with values large enough that a unit off
+    by one part in a million shows; the downcast and between-devices lines; and the chart's
+    geometry (hand-computed): 8 px a label character plus 16, 22 px a row, the longest bar
+    480 px, the others in proportion, each label ending left of its bar."""
+    rows = [_row("aten::sort", 7, 0, 123_456_789_000, 987_654_321_000, 123_456_789_000),
+            _row("aten::mm", 1, 3, 61_728_394_500, 0, 0),
+            _row("aten::neg", 1, 0, 1, 0, 0)]  # a single nanosecond still draws a bar
+    report = flagos.Report(rows, elapsed_s=1000.0, bytes_between_devices=1_234_567_891)
+    page, text = _page_of(report, tmp_path / "exact.html")
+    assert page.title == "flagos fallback report: -"
+    assert '<p class="meta">chip <b>-</b> · 1000.00 s tracked</p>' in text
+    assert ('<p class="verdict">fallback share of op time <b>18.5%</b> · 3 of 3 ops and 9 of 12 '
+            'calls (75.0%) fell back · 185185.18 ms in fallbacks · 987654.32 MB to host, '
+            '123456.79 MB back</p>') in text
+    assert ('<p class="meta" id="between-devices">between devices: 1234.568 MB copied from one '
+            'flagos device to another</p>') in text
+    assert 'id="downcast"' not in text
+
+    svg = next(a for tag, a in page.tags if tag == "svg")
+    label_w = 8 * len("aten::sort") + 16
+    assert (svg["width"], svg["height"]) == (str(label_w + 480 + 90), str(4 + 22 * 3 + 4)) == ("666", "74")
+    assert svg["viewbox"] == "0 0 666 74"  # the parser lowercases names
+    assert [(b["data-op"], b["x"], b["y"], b["width"], b["height"], b["data-ms"]) for b in page.bars] == [
+        ("aten::sort", "96", "7", "480.0", "16", "123456.79"),
+        ("aten::mm", "96", "29", "240.0", "16", "61728.39"),
+        ("aten::neg", "96", "51", "1.0", "16", "0.00")]
+    texts = [a for tag, a in page.tags if tag == "text"]
+    assert [(a["x"], a["y"]) for a in texts] == [
+        ("88", "19"), ("582.0", "19"), ("88", "41"), ("342.0", "41"), ("88", "63"), ("103.0", "63")]
+    assert "<title>aten::sort: 123456.79 ms in 7 calls</title>" in text
+    assert "more ops fell back" not in text  # every timed op has its bar
+
+    # the downcast line where the data has no downcast counts (an analysis of an older report)
+    data = report.to_dict()
+    del data["totals"]["downcast_calls"], data["totals"]["downcast_bytes"]
+    data["downcast_to"] = "float16"
+    assert ("downcast (dtype_policy=&#x27;downcast&#x27;): 0 calls made float16 instead of "
+            "bfloat16, 0.000 MB</p>") in render(data)
+    counted = flagos.Report([dict(rows[0], downcast_calls=3, downcast_bytes=1_234_567_891)], elapsed_s=1.0)
+    assert ("downcast (dtype_policy=&#x27;downcast&#x27;): 3 calls made another dtype instead of "
+            "bfloat16, 1234.568 MB</p>") in render(counted.to_dict())
+
+
+def test_the_chart_shows_the_25_longest_and_counts_the_rest(tmp_path):
+    rows = [_row(f"aten::op{i:02d}", 1, 0, 1_000 * (i + 1), 0, 0) for i in range(30)]
+    page, text = _page_of(flagos.Report(rows, elapsed_s=1.0), tmp_path / "many.html")
+    assert [b["data-op"] for b in page.bars] == [f"aten::op{i:02d}" for i in range(29, 4, -1)]
+    assert "5 more ops fell back; the table lists them all." in text
+    assert len(page.rows) == 30
