@@ -422,3 +422,51 @@ def test_a_stream_or_event_whose_handle_cannot_be_freed_is_dropped_quietly(dev, 
     del stream, event
     gc.collect()
     assert unraisable == []
+
+
+def test_event_record_state_decides_what_synchronize_elapsed_and_drop_do(dev):
+    """An event never recorded: synchronize() and drop do nothing. A recorded one: synchronize
+    waits for it, dropping it frees it (sim's counters). elapsed_time needs both events
+    recorded and both flagos timing events."""
+    counters = sim_counters()
+    calls = (lambda name: counters.flagos_sim_calls(name)) if counters else (lambda name: 0)
+    gc.collect()
+    synced, destroyed = calls(b"event_synchronize"), calls(b"event_destroy")
+    unrecorded = torch.flagos.Event()
+    unrecorded.synchronize()
+    del unrecorded
+    gc.collect()
+    assert (calls(b"event_synchronize"), calls(b"event_destroy")) == (synced, destroyed)
+    recorded = torch.flagos.Event()
+    recorded.record()
+    recorded.synchronize()
+    del recorded
+    gc.collect()
+    if counters:
+        assert (calls(b"event_synchronize"), calls(b"event_destroy")) == (synced + 1, destroyed + 1)
+
+    start = torch.flagos.Event(enable_timing=True)
+    start.record()
+    with pytest.raises(ValueError, match="must be recorded"):
+        start.elapsed_time(torch.flagos.Event(enable_timing=True))
+    with pytest.raises(ValueError, match="enable_timing=True"):
+        start.elapsed_time(torch.Event(device="cpu", enable_timing=True))  # not a flagos event
+
+
+def test_installed_torch_stream_and_event_are_still_pytorch_types():
+    """While flagos is installed, torch.Stream and torch.Event keep their names, and every
+    stream or event class, PyTorch's own or flagos's, is a subclass of them."""
+    for routed, own, ours in ((torch.Stream, torch._C.Stream, torch.flagos.Stream),
+                              (torch.Event, torch._C.Event, torch.flagos.Event)):
+        assert (routed.__module__, routed.__name__, routed.__qualname__) == ("torch", own.__name__, own.__name__)
+        assert issubclass(own, routed) and issubclass(ours, routed) and not issubclass(int, routed)
+
+
+def test_torch_stream_goes_to_the_current_accelerator(dev, monkeypatch):
+    """torch.Stream() without a device is a stream of the current accelerator: flagos's while
+    flagos is it, PyTorch's own otherwise."""
+    assert type(torch.Stream()) is torch.flagos.Stream
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cpu"))
+    assert type(torch.Stream()) is torch._C.Stream
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
+    assert type(torch.Stream()) is torch._C.Stream
