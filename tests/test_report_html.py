@@ -277,5 +277,16 @@ def test_the_chart_shows_the_25_longest_and_counts_the_rest(tmp_path):
     rows = [_row(f"aten::op{i:02d}", 1, 0, 1_000 * (i + 1), 0, 0) for i in range(30)]
     page, text = _page_of(flagos.Report(rows, elapsed_s=1.0), tmp_path / "many.html")
     assert [b["data-op"] for b in page.bars] == [f"aten::op{i:02d}" for i in range(29, 4, -1)]
-    assert "5 more ops fell back; the table lists them all." in text
+    assert "<p class=\"meta\">5 more ops fell back; the table lists them all.</p>" in text
     assert len(page.rows) == 30
+
+
+def test_ties_in_fallback_time_go_to_fallback_calls_then_calls():
+    """Rows and call sites with the same fallback time: most fallback calls first, then (rows)
+    most calls; the op's name or the site's path only last."""
+    rows = [_row("aten::a", 0, 5, 0, 0, 0), _row("aten::b", 0, 9, 0, 0, 0),
+            _row("aten::c", 2, 0, 0, 0, 0, site="/src/z.py:1"), _row("aten::d", 1, 0, 0, 0, 0, site="/src/a.py:1")]
+    page = Page()
+    page.feed(render(flagos.Report(rows, elapsed_s=1.0).to_dict()))
+    assert [r["op"] for r in page.rows] == ["aten::c", "aten::d", "aten::b", "aten::a"]
+    assert list(page.sites) == ["/src/z.py:1", "/src/a.py:1", "-"]
