@@ -222,6 +222,37 @@ def test_op_plugin_coverage_versions_are_read_as_the_file_states_them():
 
 
 @runs_once
+def test_op_plugin_coverage_ranges_include_both_ends_and_three_versions_are_a_list():
+    """A two-item list is an inclusive range (both ends covered); a bound the file does not list
+    counts as its newest version; a list of three or more names exactly those versions."""
+    from flagos.report.coverage.generate import op_plugin_ops
+    text = textwrap.dedent("""
+        all_version: [v2.1, v2.2, v2.3, v2.4]
+        official:
+          - func: a(Tensor self) -> Tensor
+            op_api: [v2.2, v2.3]
+          - func: b(Tensor self) -> Tensor
+            op_api: [v2.1, v2.3, v2.4]
+          - func: c(Tensor self) -> Tensor
+            op_api: [v2.9, newest]
+    """)
+    covered = {v: op_plugin_ops(text, v)[0] for v in ("2.1", "2.2", "2.3", "2.4")}
+    assert covered == {"2.1": {"aten::b"}, "2.2": {"aten::a"}, "2.3": {"aten::a", "aten::b"},
+                       "2.4": {"aten::b", "aten::c"}}
+
+
+@runs_once
+def test_coverage_generator_on_a_pytorch_without_its_operator_table_names_the_fix(monkeypatch, tmp_path):
+    import torchgen
+
+    from flagos.report.coverage.generate import kernel_table
+    monkeypatch.setattr(torchgen, "__file__", str(tmp_path / "torchgen" / "__init__.py"))
+    with pytest.raises(FileNotFoundError, match=r"native_functions\.yaml is missing: this PyTorch "
+                                                r"install does not ship .* install a PyTorch wheel"):
+        kernel_table("cuda")
+
+
+@runs_once
 def test_npu_coverage_file_from_op_plugin_names_what_the_list_lacks(tmp_path):
     from flagos.report.coverage import FileCoverage
     from flagos.report.coverage.generate import main
