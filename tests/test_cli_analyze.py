@@ -438,6 +438,25 @@ def test_cpu_coverage_file_agrees_with_the_live_dispatcher():
     assert len(both) > 2500
     assert set(shipped["kernel"]) & both == set(live["kernel"]) & both
     assert "aten::cumsum" in live["kernel"] and "aten::_flash_attention_forward" in live["no_kernel"]
+    version = torch.__version__.split("+")[0]  # "2.13.0" of "2.13.0+cpu"
+    assert live["torch"] == version and f"(torch {version}), read with" in live["source"]
+    with pytest.raises(RuntimeError, match="npu: its kernels are registered by torch_npu, which does "
+                                           "not import here .*; run this where torch_npu is installed"):
+        dispatcher_table("npu")  # no torch_npu on a test machine
+
+
+@runs_once
+def test_coverage_generator_help_and_whole_schemas_in_vendor_lists(capsys):
+    """`--help` opens with what the generator does; a vendor list's entry may be a whole schema,
+    of which the op's name is what comes before the parenthesis."""
+    from flagos.report.coverage.generate import main, vendor_functions_ops
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    words = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert "Write the coverage files of torch-native chips from PyTorch's own operator " \
+           "registrations." in words
+    listed = vendor_functions_ops("- func: abs(Tensor self) -> Tensor\n- func: mm.out\n- {}\n")
+    assert listed == {"aten::abs", "aten::mm.out"}
 
 
 def test_usage_error_exits_2():
