@@ -582,3 +582,66 @@ def test_a_script_ended_by_a_signal_exits_128_plus_the_signal(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert "sum 6.0" in out and "still running" not in out
     assert f"on chip {CHIP} (ended by signal 15)" in out and "aten::mul.Tensor" in out
+
+
+class RecordedCoverage:
+    """A target chip's coverage with the routes given, recording what it was asked."""
+    chip = "target"
+
+    def __init__(self, routes):
+        self.routes, self.asked = routes, []
+
+    def classify(self, op, dtypes):
+        self.asked.append((op, tuple(dtypes)))
+        return self.routes[op], f"{op} by hand"
+
+    def describe(self):
+        return {"chip": self.chip, "kind": "by hand"}
+
+
+def _analysis_of(ops):
+    return {"ops": [{"op": f"aten::{op}", "calls": {"override": 0, "native": calls, "fallback": 0, "error": 0},
+                     **({"dtypes": ["torch.float16"]} if op.startswith("half") else {})}
+                    for op, calls in ops]}
+
+
+def test_the_target_verdict_lists_eight_fallbacks_then_counts_the_rest(monkeypatch):
+    """The --target verdict names the first eight ops that would fall back, counts the others
+    and the ops the target's coverage does not know; each op is classified with its dtypes."""
+    def classified(ops, routes):
+        coverage = RecordedCoverage({f"aten::{op}": route for op, route in routes.items()})
+        monkeypatch.setattr(_analyze, "for_chip", lambda chip: coverage)
+        analysis = _analysis_of(ops)
+        _analyze._classify(analysis, "target")
+        return analysis, coverage
+
+    eight = [(f"op{i}", 1) for i in range(8)]
+    analysis, coverage = classified(eight + [("half_mm", 2), ("odd", 3)],
+                                    {**{op: "fallback" for op, _ in eight}, "half_mm": "native", "odd": "unknown"})
+    assert analysis["target"]["verdict"] == ("on target: 8 of 10 ops would fall back (8 of 13 calls): "
+                                             "op0, op1, op2, op3, op4, op5, op6, op7; 1 ops not in its coverage")
+    assert ("aten::half_mm", ("torch.float16",)) in coverage.asked and ("aten::odd", ()) in coverage.asked
+    assert analysis["ops"][8]["target"] == {"route": "native", "reason": "aten::half_mm by hand"}
+    assert analysis["target"]["unknown_ops"] == ["aten::odd"]
+
+    nine = [(f"op{i}", 1) for i in range(9)]
+    analysis, _ = classified(nine, {op: "fallback" for op, _ in nine})
+    assert analysis["target"]["verdict"] == ("on target: 9 of 9 ops would fall back (9 of 9 calls): "
+                                             "op0, op1, op2, op3, op4, op5, op6, op7, ... (1 more)")
+    analysis, _ = classified([("half_add", 4)], {"half_add": "native"})
+    assert analysis["target"]["verdict"] == "on target: 0 of 1 ops would fall back (0 of 4 calls)"
+
+
+def test_the_command_and_the_report_file_are_read_as_given(tmp_path):
+    """`--` before the command is dropped (only it); a script alone runs with this Python; a
+    report file that is missing, blank or not JSON reads as no report."""
+    assert _analyze._command(["--", "python3", "-c", "pass"]) == ["python3", "-c", "pass"]
+    assert _analyze._command(["train.py", "--steps", "2"]) == [sys.executable, "train.py", "--steps", "2"]
+    with pytest.raises(_analyze.UsageError, match="no command to analyze"):
+        _analyze._command(["--"])
+    for name, text in (("blank.json", " \n"), ("bad.json", "{not json"), ("good.json", '{"ops": []}')):
+        (tmp_path / name).write_text(text)
+    assert _analyze._read_report(str(tmp_path / "missing.json")) is None
+    assert _analyze._read_report(str(tmp_path / "blank.json")) is None
+    assert _analyze._read_report(str(tmp_path / "bad.json")) is None
+    assert _analyze._read_report(str(tmp_path / "good.json")) == {"ops": []}
