@@ -645,3 +645,63 @@ def test_the_command_and_the_report_file_are_read_as_given(tmp_path):
     assert _analyze._read_report(str(tmp_path / "blank.json")) is None
     assert _analyze._read_report(str(tmp_path / "bad.json")) is None
     assert _analyze._read_report(str(tmp_path / "good.json")) == {"ops": []}
+
+
+class ReportingChild:
+    """subprocess.Popen's stand-in: records the command and environment, writes the report a
+    flagos run writes at exit, and exits with `status` (its first wait() may be interrupted)."""
+    launched = []
+
+    def __init__(self, command, env, stdout=None, stderr=None, status=0, interrupted=False):
+        ReportingChild.launched.append((command, env))
+        with open(env["FLAGOS_REPORT"], "w") as f:
+            f.write(flagos.Report(chip=env["FLAGOS_DEVICE"]).to_json())
+        self.status, self.interrupted = status, interrupted
+
+    def wait(self):
+        if self.interrupted:
+            self.interrupted = False
+            raise KeyboardInterrupt
+        return self.status
+
+
+def test_analyze_runs_the_command_on_the_chip_it_resolves(monkeypatch):
+    """No chip and no FLAGOS_DEVICE: the command runs on "auto" (the best chip here); the
+    child's environment names the chip and the report path, keeps a FLAGOS_FALLBACK the caller
+    set and drops the alias FLAGOS_DEVICE_BACKEND. Ctrl-C during the run still gives the report."""
+    for name in ("FLAGOS_DEVICE", "FLAGOS_DEVICE_BACKEND", "FLAGOS_FALLBACK"):
+        monkeypatch.delenv(name, raising=False)
+    ReportingChild.launched.clear()
+    monkeypatch.setattr(_analyze.subprocess, "Popen", ReportingChild)
+    analysis = _analyze.analyze(["python3", "-c", "pass"])
+    (command, env), = ReportingChild.launched
+    assert command == ["python3", "-c", "pass"] and analysis["status"] == 0
+    assert (env["FLAGOS_DEVICE"], env["FLAGOS_FALLBACK"]) == ("auto", "allow")
+    assert env["FLAGOS_REPORT"].endswith("report.json")
+    monkeypatch.setenv("FLAGOS_FALLBACK", "warn")
+    monkeypatch.setenv("FLAGOS_DEVICE", "cpu")
+    monkeypatch.setenv("FLAGOS_DEVICE_BACKEND", "sim")  # its alias, which FLAGOS_DEVICE overrides
+    monkeypatch.setattr(_analyze.subprocess, "Popen",
+                        lambda c, env, stdout, stderr: ReportingChild(c, env, status=130, interrupted=True))
+    analysis = _analyze.analyze(["python3", "-c", "pass"])
+    assert analysis["status"] == 130 and analysis["chip"] == "cpu"
+    env = ReportingChild.launched[-1][1]
+    assert (env["FLAGOS_DEVICE"], env["FLAGOS_FALLBACK"]) == ("cpu", "warn")
+    assert "FLAGOS_DEVICE_BACKEND" not in env  # the child sees the one chip it runs on
+
+
+def test_analyze_of_a_command_that_cannot_start_is_a_usage_error(tmp_path):
+    missing = str(tmp_path / "no-such-program")
+    with pytest.raises(_analyze.UsageError) as raised:
+        _analyze.analyze([missing, "--flag"], chip="cpu")
+    assert str(raised.value) == f"cannot run {missing!r}: No such file or directory"
+
+
+def test_the_analysis_table_orders_ties_by_fallback_calls_then_calls():
+    def row(op, fallback, native):
+        return {"op": f"aten::{op}", "calls": {"override": 0, "native": native, "fallback": fallback, "error": 0},
+                "fallback_ns": 0, "site": None}
+
+    analysis = {"ops": [row("a", 0, 5), row("b", 0, 9), row("c", 2, 0), row("d", 1, 0)], "target": None}
+    lines = _analyze.coverage_table(analysis).splitlines()
+    assert [line.split()[0] for line in lines[2:]] == ["aten::c", "aten::d", "aten::b", "aten::a"]
