@@ -196,3 +196,52 @@ def test_a_crashed_smoke_child_is_reported_by_its_exit_code_and_last_error_line(
     assert answer["verdict"] == "fail"
     assert answer["checks"][0]["detail"] == ("the test process ended without an answer "
                                              "(exit code 3: RuntimeError: the device went away)")
+
+
+def _findings(**parts):
+    """Findings as diagnose() makes them, built by hand."""
+    base = {"versions": {"flagos": "0.1.0", "torch": "2.13.0", "python": "3.11.7", "os": "Linux"},
+            "chips": [], "devices": [], "adapter_path": [], "environment": {}, "config_problems": [],
+            "smoke": [], "verdict": {"text": "OK: ready: cpu"}, "seconds": 1.25, "bug_report": "-"}
+    return {**base, **parts}
+
+
+def _chip(name, status, reason="", versions=None, count=0):
+    return {"chip": name, "status": status, "reason": reason, "versions": versions or {},
+            "device_count": count, "mode": "device"}
+
+
+CHIPS = [_chip("npu", "broken", "ABI mismatch: 2.0, flagos speaks 1.x", {"torch_npu": "2.13.0"}),
+         _chip("cuda", "available", versions={"CUDA": "12.8"}, count=2),
+         _chip("cpu", "available", count=1)]
+
+
+def test_the_chips_and_devices_read_as_found_in_the_text_and_the_bug_report():
+    """Each chip's line: available ones with their devices, mode and versions (when any), the
+    others with their reason; devices that are not ok in the bug report; the smoke line names
+    further problems only when there are any."""
+    devices = [{"chip": "cuda", "index": 0, "status": "ok", "name": "GPU", "memory_used": 0,
+                "memory_total": 1 << 30, "native_dtypes": ["float32"]},
+               {"chip": "cuda", "index": 1, "status": "device lost"}]
+    check = {"name": "matmul", "level": "FAIL", "detail": "wrong values"}
+    smoke = [{"chip": "cuda", "verdict": "fail", "checks": [check]},
+             {"chip": "cpu", "verdict": "fail", "checks": [check, dict(check, name="backward")]}]
+    findings = _findings(chips=CHIPS, devices=devices, smoke=smoke)
+    chips_section = _diagnose.format_text(findings).split("Chips\n", 1)[1].split("\n\n", 1)[0]
+    assert chips_section.splitlines() == [
+        "  [FAIL] npu   broken: ABI mismatch: 2.0, flagos speaks 1.x",
+        "  [OK]   cuda  available, 2 device(s), device mode (CUDA 12.8)",
+        "  [OK]   cpu   available, 1 device(s), device mode"]
+    lines = _diagnose._bug_report(findings).splitlines()
+    assert lines[1:4] == ["chip npu: ABI mismatch: 2.0, flagos speaks 1.x [torch_npu 2.13.0]",
+                          "chip cuda: available, 2 device(s) [CUDA 12.8]", "chip cpu: available, 1 device(s)"]
+    assert lines[4] == "device cuda:1: device lost" and not any(x.startswith("device cuda:0") for x in lines)
+    assert lines[5:7] == ["smoke cuda: fail (matmul: FAIL wrong values)",
+                          "smoke cpu: fail (matmul: FAIL wrong values; then backward FAIL)"]
+
+
+def test_diagnose_counts_its_own_seconds_to_the_millisecond(monkeypatch):
+    """`seconds` is the time diagnose() took (its own clock readings), rounded to 1 ms."""
+    readings = iter([100.0, 101.23456])
+    monkeypatch.setattr(_diagnose, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(readings))}))
+    assert _diagnose.diagnose(chip="cpu", smoke=False)["seconds"] == 1.235
