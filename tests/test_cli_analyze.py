@@ -705,3 +705,19 @@ def test_the_analysis_table_orders_ties_by_fallback_calls_then_calls():
     analysis = {"ops": [row("a", 0, 5), row("b", 0, 9), row("c", 2, 0), row("d", 1, 0)], "target": None}
     lines = _analyze.coverage_table(analysis).splitlines()
     assert [line.split()[0] for line in lines[2:]] == ["aten::c", "aten::d", "aten::b", "aten::a"]
+
+
+def test_signal_one_and_an_unwritable_page_are_reported(monkeypatch, tmp_path, capsys):
+    """A run ended by signal 1 (SIGHUP) is "ended by signal 1", exit 129; a page or JSON path that
+    cannot be written is an error naming the path, the run's table still shown."""
+    from flagos.tools.cli import main
+    analysis = {"command": ["python3", "job.py"], "status": -1, "chip": "cpu", "ops": [],
+                "verdict": "nothing fell back", "target": None}
+    monkeypatch.setattr(_analyze, "analyze", lambda *a, **k: dict(analysis))
+    assert main(["analyze", "--chip", "cpu", "--", "python3", "job.py"]) == 129
+    assert "flagos analyze: python3 job.py on chip cpu (ended by signal 1)" in capsys.readouterr().out
+    page = tmp_path / "missing-folder" / "report.html"
+    assert main(["analyze", "--chip", "cpu", "--html", str(page), "--", "python3", "job.py"]) == 1
+    out, err = capsys.readouterr()
+    assert "verdict: nothing fell back" in out
+    assert f"flagos analyze: cannot write {page}: No such file or directory; give a writable path" in err

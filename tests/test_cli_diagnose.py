@@ -245,3 +245,40 @@ def test_diagnose_counts_its_own_seconds_to_the_millisecond(monkeypatch):
     readings = iter([100.0, 101.23456])
     monkeypatch.setattr(_diagnose, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(readings))}))
     assert _diagnose.diagnose(chip="cpu", smoke=False)["seconds"] == 1.235
+
+
+def test_the_text_report_reads_as_written():
+    """The whole text of a hand-built diagnosis: devices (a failed one named, an ok one with its
+    name, memory and dtypes), each adapter folder with its libraries or why it has none, the
+    environment and its problems, the smoke checks, the verdict; and what an empty one says."""
+    devices = [{"chip": "cuda", "index": 0, "status": "device lost"},
+               {"chip": "cuda", "index": 1, "status": "ok", "name": "NVIDIA H100", "memory_used": 1 << 30,
+                "memory_total": 80 << 30, "native_dtypes": ["float32", "bfloat16"]}]
+    paths = [{"folder": "/opt/a", "source": "FLAGOS_ADAPTER_PATH", "exists": True,
+              "libraries": ["libflagos_x_adapter.so", "libflagos_y_adapter.so"]},
+             {"folder": "/opt/b", "source": "FLAGOS_ADAPTER_PATH", "exists": True, "libraries": []},
+             {"folder": "/opt/c", "source": "package", "exists": False, "libraries": []}]
+    smoke = [{"chip": "cuda", "verdict": "warn", "checks": [
+        {"name": "activate", "level": "OK", "detail": "fine"}, {"name": "bfloat16", "level": "WARN", "detail": "slow"}]}]
+    text = _diagnose.format_text(_findings(chips=CHIPS, devices=devices, adapter_path=paths,
+                                           environment={"FLAGOS_DEVICE": "cuda"},
+                                           config_problems=["FLAGOS_X bad"], smoke=smoke))
+    assert text.split("\n\nDevices\n", 1)[1].split("\n\nVerdict", 1)[0].splitlines() == [
+        "  [FAIL] cuda:0  device lost",
+        "  [OK]   cuda:1  NVIDIA H100, 1.0 GiB / 80.0 GiB used, native float32 bfloat16",
+        "",
+        "Adapter search path",
+        "  /opt/a  [FLAGOS_ADAPTER_PATH]  libflagos_x_adapter.so, libflagos_y_adapter.so",
+        "  /opt/b  [FLAGOS_ADAPTER_PATH]  (empty)",
+        "  /opt/c  [package]  (no such folder)",
+        "",
+        "Environment",
+        "  FLAGOS_DEVICE=cuda",
+        "  [FAIL] FLAGOS_X bad",
+        "",
+        "Smoke test: cuda",
+        "  [OK]   activate         fine",
+        "  [WARN] bfloat16         slow"]
+    empty = _diagnose.format_text(_findings(chips=CHIPS[2:]))
+    assert "\n\nDevices\n  (none)\n\nAdapter search path\n\nEnvironment\n  (no FLAGOS_* or vendor " \
+           "variables set)\n\nVerdict: OK: ready: cpu  (1.2 s)\n" in empty
