@@ -75,7 +75,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_pinned.py": [cpu(ECOSYSTEM, k="pin"), sim(ECOSYSTEM, k="pin")],
     "flagos/runtime/_registration.py": [cpu(DEVICE, ERRORS, NATIVE), cpu(FIDELITY, k="sparse"),
                                         sim(STREAMS, k="accelerator")],
-    "flagos/report/_report.py": [cpu(ROUTES, COUNTERS, HTML)],
+    "flagos/report/_report.py": [cpu(ROUTES, COUNTERS, HTML), sim_default(T + "precision_policy.py", k="downcast")],
     "flagos/report/_html.py": [cpu(HTML)],
     "flagos/core/_routes.py": [cpu(ROUTES, POLICY), cpu(ENV, k="route"), cpu(ERRORS, k="environment")],
     "flagos/_activation.py": [cpu(DEVICE, ERRORS, VERSIONS, ENV, CHIP_NAMES, CHIP_PROFILES)],

@@ -1,8 +1,10 @@
 """Per-op routes, the CPU fallback and its report (device mode, cpu chip)."""
+import atexit
 import gc
 import inspect
 import json
 import logging
+import types
 import warnings
 import weakref
 
@@ -12,6 +14,7 @@ from conftest import CHIP, assert_close, device_mode_only, run_python, runs_once
 
 import flagos
 from flagos import _C
+from flagos.report import _report
 from flagos.runtime import _transfers
 
 pytestmark = device_mode_only
@@ -237,6 +240,40 @@ def test_unwritable_report_path_warns_and_keeps_the_run(tmp_path):
     assert proc.returncode == 0 and "result 6.0" in proc.stdout
     assert "could not be written" in proc.stderr and "Point FLAGOS_REPORT" in proc.stderr
     assert '"aten::mul.Tensor"' in proc.stderr  # the report itself went to stderr
+    # the warning at activation names the program's line that activated flagos
+    assert f"<string>:3: RuntimeWarning: FLAGOS_REPORT={str(bad)!r} is not writable" in proc.stderr
+    autoloaded = run_python("""
+        import torch
+        print("result", (torch.ones(2, device="flagos") * 3).sum().item())
+    """, env={"FLAGOS_REPORT": str(bad), "FLAGOS_DEVICE": "cpu"})
+    assert "result 6.0" in autoloaded.stdout
+    assert f"<string>:2: RuntimeWarning: FLAGOS_REPORT={str(bad)!r} is not writable" in autoloaded.stderr
+
+
+def test_activation_without_a_report_path_checks_nothing_and_registers_one_exit_hook(monkeypatch):
+    """No FLAGOS_REPORT: activation warns of nothing; the exit hook that writes the report is
+    registered once per process, however often flagos activates."""
+    monkeypatch.delenv("FLAGOS_REPORT", raising=False)
+    monkeypatch.setattr(_report, "_since", _report._since)  # on_activate restarts the clock
+    hooks = atexit._ncallbacks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _report.on_activate()
+        _report.on_activate()
+    assert atexit._ncallbacks() == hooks
+
+
+def test_a_report_spans_the_time_since_the_reset_and_a_scope_its_own(monkeypatch):
+    """elapsed_s is the clock's advance since reset_report() (or over a track() scope), read
+    from flagos's own clock readings."""
+    readings = iter([100.0, 102.5, 10.0, 10.75])
+    monkeypatch.setattr(_report, "time", types.SimpleNamespace(perf_counter=lambda: next(readings)))
+    monkeypatch.setattr(_report, "_since", _report._since)
+    flagos.reset_report()
+    assert flagos.fallback_report().elapsed_s == 2.5
+    with flagos.track() as scope:
+        pass
+    assert scope.elapsed_s == 0.75
 
 
 def test_routes_take_op_objects_as_well_as_names(dev):
