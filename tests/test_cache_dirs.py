@@ -169,6 +169,14 @@ def test_a_chip_that_cannot_tell_yet_chooses_its_folder_when_initialized(monkeyp
     finally:
         _caches.uninstall()
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    # a runtime already initialized (the architecture known): chosen at once, nothing waits
+    ready = types.SimpleNamespace(**{**vars(chip), "architecture": lambda: "sm90"})
+    try:
+        caches = _caches.install(types.SimpleNamespace(chip=ready))
+        assert caches["folder"] == str(tmp_path / "cuda-nvidia-sm90") and "pending" not in caches
+        assert waiting == []
+    finally:
+        _caches.uninstall()
 
 
 def test_info_names_the_caches_in_use():
