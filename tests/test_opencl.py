@@ -15,6 +15,7 @@ import models
 import pytest
 import torch
 from conftest import CHIP, assert_close, device_mode_only, run_pytest, run_python
+from torch.utils.dlpack import to_dlpack
 
 import flagos
 
@@ -207,6 +208,33 @@ def test_unwritable_cache_folder_is_no_cache(tmp_path):
 
 
 # ---- the table's ops run on the chip ------------------------------------------------------
+
+@from_cpu
+def test_the_adapter_broadcasts_an_operand_of_fewer_dims_and_refuses_mixed_dtypes_in_cat():
+    """The ABI directly (flagos itself describes every operand at the output's rank and sends
+    a kernel one dtype, so only another caller of the adapter meets these): an operand of fewer
+    dims broadcasts from the right, as in PyTorch; cat refuses inputs of mixed dtypes."""
+    adapter = OPENCL.adapter
+    index = {name: i for i, (name, _) in enumerate(adapter.kernels())}
+    codes = {torch.float32: 0, torch.float16: 1}  # the ABI's dtype codes
+
+    def on_device(t):
+        buffer = adapter.alloc_tensor(0, tuple(t.shape), None, t.element_size())
+        buffer.write(to_dlpack(t.contiguous()), 0)
+        return (buffer, 0, codes[t.dtype], tuple(t.shape), torch.empty(t.shape).stride()), buffer
+
+    x, y = torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([10.0, 20.0, 30.0])
+    (dx, _), (dy, _), (dout, out_buffer) = on_device(x), on_device(y), on_device(torch.zeros(2, 3))
+    adapter.run_kernel(index["aten::add.Tensor"], 0, [dx, dy], [dout], (1.0,), ())
+    adapter.synchronize(0)
+    out = torch.empty(2, 3)
+    out_buffer.read(to_dlpack(out), 0)
+    assert torch.equal(out, x + y)
+    (single, _), (half, _), (joined, _) = (on_device(torch.ones(2, 2)), on_device(torch.ones(2, 2).half()),
+                                           on_device(torch.zeros(4, 2)))
+    with pytest.raises(NotImplementedError, match="aten::cat: mixed dtypes"):
+        adapter.run_kernel(index["aten::cat"], 0, [single, half], [joined], (), (0,))
+
 
 def _native(report, op):
     row = report.op(op)
