@@ -6,6 +6,7 @@ import os
 import pathlib
 import sys
 import types
+import warnings
 
 import pytest
 from conftest import run_python
@@ -175,6 +176,40 @@ def test_a_chip_that_cannot_tell_yet_chooses_its_folder_when_initialized(monkeyp
         caches = _caches.install(types.SimpleNamespace(chip=ready))
         assert caches["folder"] == str(tmp_path / "cuda-nvidia-sm90") and "pending" not in caches
         assert waiting == []
+    finally:
+        _caches.uninstall()
+
+
+def test_a_failure_inside_the_runtimes_initialization_never_escapes_it(monkeypatch, tmp_path):
+    """The folder is chosen inside the runtime's initialization, where nothing may escape: an
+    architecture that cannot be read is "unknown"; a warning made an error (-W error) about an
+    unusable folder is kept as the caches' problem."""
+    for variable, _ in _caches.VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(tmp_path))
+    waiting = []
+
+    def unreadable():
+        raise RuntimeError("the driver is not answering")
+
+    chip = types.SimpleNamespace(name="cuda", vendor="nvidia", architecture=lambda: None,
+                                 architecture_now=unreadable, when_initialized=waiting.append)
+    try:
+        caches = _caches.install(types.SimpleNamespace(chip=chip))
+        waiting.pop()()
+        assert caches["folder"] == str(tmp_path / "cuda-nvidia-unknown")
+    finally:
+        _caches.uninstall()
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(not_a_folder))
+    chip.architecture_now = lambda: "sm90"
+    try:
+        caches = _caches.install(types.SimpleNamespace(chip=chip))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            waiting.pop()()
+        assert caches["folder"] is None and "Set FLAGOS_CACHE_DIR to a folder you can write" in caches["problem"]
     finally:
         _caches.uninstall()
 
