@@ -57,7 +57,11 @@ def test_chips_compile_into_their_own_folders(tmp_path):
         written = _files(folder / "inductor")
         assert any(name.startswith("fxgraph/") for name in written), written
         assert any(name.endswith(".so") for name in written), written
-        assert json.loads((folder / _caches.MARKER).read_text())["chip"] == folder.name.split("-")[0]
+        mark = json.loads((folder / _caches.MARKER).read_text())
+        assert mark["chip"] == folder.name.split("-")[0]
+        # the chip's own architecture names the folder (not "unknown")
+        assert mark["architecture"] == flagos.chips.profile(mark["chip"]).architecture() != "unknown"
+        assert folder.name == _caches.folder_name(mark["chip"], mark["vendor"], mark["architecture"])
 
 
 def test_a_user_set_inductor_folder_is_kept(tmp_path):
@@ -94,6 +98,7 @@ def test_an_unusable_folder_warns_and_the_process_goes_on(tmp_path):
             info = flagos.activate("cpu")
         x = torch.ones(3, device=flagos.device()) * 2
         print(json.dumps({"warnings": [str(w.message) for w in caught if w.category is RuntimeWarning],
+                          "where": [f"{w.filename}:{w.lineno}" for w in caught if w.category is RuntimeWarning],
                           "caches": info["caches"], "sum": x.sum().item(),
                           "env": [os.environ.get(v) for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")]}))
     """
@@ -106,6 +111,7 @@ def test_an_unusable_folder_warns_and_the_process_goes_on(tmp_path):
                                            "TORCHINDUCTOR_CACHE_DIR": str(marked / "inductor")}))
     assert run["sum"] == 6.0
     assert len(run["warnings"]) == 1
+    assert run["where"] == ["<string>:5"]  # the program's line that activated flagos
     assert str(not_a_folder) in run["warnings"][0] and "Set FLAGOS_CACHE_DIR to a folder you can write" in run["warnings"][0]
     # the error in words, once: its type and the system's reason, the path already said before it
     assert "(NotADirectoryError: Not a directory); Inductor and Triton keep" in run["warnings"][0]

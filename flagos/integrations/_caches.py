@@ -36,6 +36,7 @@ import threading
 import warnings
 
 from ..core import _env
+from ..core._callers import program_stacklevel
 
 MARKER = "flagos-cache.json"
 VARIABLES = (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"))
@@ -130,7 +131,7 @@ def _apply(caches: dict, chip, architecture: str) -> None:
         caches["folder"] = folder
     else:  # outside the lock: a warning turned into an error must not leave it held
         caches["problem"] = problem
-        warnings.warn(problem, RuntimeWarning, stacklevel=2)
+        warnings.warn(problem, RuntimeWarning, stacklevel=program_stacklevel())
 
 
 def _users(variable: str, sub: str) -> bool:

@@ -9,10 +9,9 @@ import time
 import warnings
 from contextlib import contextmanager
 
-import torch
-
 from .. import _C
 from ..core import _env, _state
+from ..core._callers import program_stacklevel
 from ..integrations import _compile
 from ..runtime import _transfers
 from ._html import render
@@ -228,25 +227,6 @@ def _write_at_exit() -> None:
         print(report.to_json(), file=sys.stderr)
 
 
-# Frames a warning about activation should not name: flagos's and torch's own (autoload
-# activates inside `import torch`), and importlib's.
-_NOT_THE_PROGRAM = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-                    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, "<frozen ")
-
-
-def _program_stacklevel() -> int:
-    """warnings.warn's stacklevel, for its caller, of the program's line that activated flagos
-    (`flagos.activate(...)`, or `import torch` under autoload)."""
-    level, frame = 1, sys._getframe(1)  # level 1: the caller of warnings.warn
-    while frame is not None and frame.f_code.co_filename.startswith(_NOT_THE_PROGRAM):
-        frame = frame.f_back
-        # warnings.warn steps over importlib's bootstrap frames without counting them
-        if frame is not None and not ("importlib" in frame.f_code.co_filename
-                                      and "_bootstrap" in frame.f_code.co_filename):
-            level += 1
-    return level
-
-
 def _check_writable(path: str) -> None:
     try:
         with open(path, "a"):
@@ -254,7 +234,7 @@ def _check_writable(path: str) -> None:
     except OSError as e:
         warnings.warn(f"FLAGOS_REPORT={path!r} is not writable ({e}); the report will go to "
                       f"stderr at exit instead. Point FLAGOS_REPORT at a writable file.",
-                      RuntimeWarning, stacklevel=_program_stacklevel())
+                      RuntimeWarning, stacklevel=program_stacklevel())
 
 
 def on_activate() -> None:
