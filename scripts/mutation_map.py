@@ -54,6 +54,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/integrations/_compile.py": [cpu(COMPILE)],
     "flagos/runtime/_device_module.py": [cpu(DEVICE, MULTI, T + "device_module.py"), sim(STREAMS)],
     "flagos/core/_env.py": [cpu(ENV_DOCS, ENV, ERRORS)],
+    "flagos/core/_callers.py": [cpu(ROUTES, k="unwritable"), cpu(T + "cache_dirs.py", k="unusable")],
     # sim with its default dtypes: the policy acts where bfloat16 is not native
     "flagos/core/_precision.py": [cpu(T + "precision_policy.py"), sim_default(T + "precision_policy.py")],
     "flagos/report/_exporters.py": [cpu(TOP, T + "exporters.py")],
