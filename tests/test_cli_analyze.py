@@ -199,6 +199,9 @@ def test_coverage_files_are_what_the_generator_writes(tmp_path):
     from flagos.report.coverage.generate import main  # `python -m flagos.report.coverage.generate`, here
     assert main(["--out", str(tmp_path), "cuda"]) == 0
     assert json.load(open(tmp_path / "cuda.json")) == shipped
+    # byte for byte: regenerating a shipped file changes nothing in version control
+    shipped_text = open(os.path.join(ROOT, "flagos", "report", "coverage", "cuda.json")).read()
+    assert (tmp_path / "cuda.json").read_text() == shipped_text
 
 
 EXCERPT = os.path.join(ROOT, "tests", "data", "op_plugin_functions_excerpt.yaml")
