@@ -339,3 +339,32 @@ def test_cli_a_folder_that_cannot_be_removed_is_exit_1(cache_root, monkeypatch, 
     err = capsys.readouterr().err
     assert err.startswith(f"flagos cache: cannot remove {cache_root / 'cpu-host-x86_64_avx2'}: Permission denied")
     assert "remove it by hand" in err
+
+
+def test_whose_folder_a_variable_names(monkeypatch, tmp_path):
+    """A user's folder that happens to be called `inductor` stays the user's (no flagos mark
+    beside it); the folder flagos set stays flagos's even after `flagos cache clear` removed it
+    and its mark, so activating again makes it anew."""
+    for variable, _ in _caches.VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(tmp_path / "root"))
+    chip = types.SimpleNamespace(name="cuda", vendor="nvidia", architecture=lambda: "sm90")
+    mine = tmp_path / "work" / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(mine))
+    try:
+        caches = _caches.install(types.SimpleNamespace(chip=chip))
+        assert (caches["inductor"], caches["inductor_set_by"]) == (str(mine), "user")
+        assert caches["triton_set_by"] == "flagos"
+    finally:
+        _caches.uninstall()
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        first = _caches.install(types.SimpleNamespace(chip=chip))
+        assert first["inductor_set_by"] == "flagos"
+        assert [row["folder"] for row in _caches.clear()] == ["cuda-nvidia-sm90"]
+        again = _caches.install(types.SimpleNamespace(chip=chip))
+        assert (again["inductor"], again["inductor_set_by"]) == (first["inductor"], "flagos")
+        assert os.path.isfile(os.path.join(again["folder"], _caches.MARKER))
+    finally:
+        _caches.uninstall()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
