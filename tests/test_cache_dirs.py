@@ -1,6 +1,7 @@
 """One compile cache folder per chip (integrations/_caches.py) and `flagos cache`."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
@@ -368,3 +369,53 @@ def test_whose_folder_a_variable_names(monkeypatch, tmp_path):
     finally:
         _caches.uninstall()
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_inductors_own_default_in_its_variable_is_not_the_users_choice(monkeypatch, tmp_path):
+    """Inductor writes its default folder into TORCHINDUCTOR_CACHE_DIR when it first asks for
+    it: that value is not the user's, and flagos's folder replaces it. The same path in
+    TRITON_CACHE_DIR, any other path, or any path before Inductor ran (or where its helper
+    fails) is the user's. Activating again uses the folder made the first time."""
+    module = "torch._inductor.runtime.cache_dir_utils"
+    default = importlib.import_module(module).default_cache_dir()
+    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(tmp_path / "root"))
+    chip = types.SimpleNamespace(name="cuda", vendor="nvidia", architecture=lambda: "sm90")
+
+    def set_by(inductor, triton):
+        for (variable, _), value in zip(_caches.VARIABLES, (inductor, triton)):
+            if value is None:
+                monkeypatch.delenv(variable, raising=False)
+            else:
+                monkeypatch.setenv(variable, value)
+        try:
+            caches = _caches.install(types.SimpleNamespace(chip=chip))
+            return caches["inductor_set_by"], caches["triton_set_by"]
+        finally:
+            _caches.uninstall()
+
+    assert set_by(default, None) == ("flagos", "flagos")
+    assert set_by(default, None) == ("flagos", "flagos")  # the folder exists now: used as it is
+    assert set_by(None, default) == ("flagos", "user")
+    assert set_by(str(tmp_path / "mine"), None) == ("user", "flagos")
+
+    def failing():
+        raise AttributeError("default_cache_dir moved")
+
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(default_cache_dir=failing))
+    assert set_by(default, None) == ("user", "flagos")
+    monkeypatch.delitem(sys.modules, module)
+    assert set_by(default, None) == ("user", "flagos")
+
+
+def test_a_deferred_choice_of_an_activation_already_left_does_nothing(monkeypatch, tmp_path):
+    for variable, _ in _caches.VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(tmp_path))
+    waiting = []
+    chip = types.SimpleNamespace(name="cuda", vendor="nvidia", architecture=lambda: None,
+                                 architecture_now=lambda: "sm90", when_initialized=waiting.append)
+    caches = _caches.install(types.SimpleNamespace(chip=chip))
+    _caches.uninstall()  # native mode left before the runtime initialized
+    waiting.pop()()
+    assert caches["folder"] is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert not (tmp_path / "cuda-nvidia-sm90").exists()
