@@ -470,3 +470,22 @@ def test_torch_stream_goes_to_the_current_accelerator(dev, monkeypatch):
     assert type(torch.Stream()) is torch._C.Stream
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
     assert type(torch.Stream()) is torch._C.Stream
+
+
+@runs_once
+def test_pytorch_stream_objects_name_flagos_streams_from_the_first_one():
+    """In a fresh process: PyTorch's stream 0 is the default stream before flagos made it, and
+    stream_id 1 (the process's first flagos stream) is that stream."""
+    code = """
+        import torch, flagos
+        flagos.activate("cpu")
+        from flagos.runtime import _streams
+        kind = _streams._device_type()
+        torch.flagos.set_stream(torch.Stream(stream_id=0, device_index=0, device_type=kind))
+        print("default", torch.flagos.current_stream().stream_id)
+        first = torch.flagos.Stream()
+        torch.flagos.set_stream(torch.Stream(stream_id=first.stream_id, device_index=0, device_type=kind))
+        print("first", first.stream_id, torch.flagos.current_stream() is first)
+    """
+    out = run_python(code).stdout
+    assert "default 0" in out and "first 1 True" in out
