@@ -724,3 +724,18 @@ def test_signal_one_and_an_unwritable_page_are_reported(monkeypatch, tmp_path, c
     out, err = capsys.readouterr()
     assert "verdict: nothing fell back" in out
     assert f"flagos analyze: cannot write {page}: No such file or directory; give a writable path" in err
+
+
+@runs_once
+def test_coverage_generator_picks_each_chips_source(tmp_path, capsys):
+    """npu, mlu and musa without their file go to their plugin, which a test machine lacks: one
+    error line each, exit 1; --from-dispatcher reads this process's dispatcher."""
+    from flagos.report.coverage.generate import main
+    for chip, plugin in (("npu", "torch_npu"), ("mlu", "torch_mlu"), ("musa", "torch_musa")):
+        assert main(["--out", str(tmp_path), chip]) == 1
+        assert f"{chip}: its kernels are registered by {plugin}, which does not import here" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "cpu", "--vendor-functions", "unused.yaml"]) == 0  # not a vendor chip
+    assert "shipped with PyTorch" in json.load(open(tmp_path / "cpu.json"))["source"]
+    assert main(["--out", str(tmp_path), "--from-dispatcher", "cpu"]) == 0
+    assert json.load(open(tmp_path / "cpu.json"))["generated_by"].endswith("--from-dispatcher cpu")
+    assert not (tmp_path / "npu.json").exists()
