@@ -419,3 +419,21 @@ def test_a_deferred_choice_of_an_activation_already_left_does_nothing(monkeypatc
     waiting.pop()()
     assert caches["folder"] is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     assert not (tmp_path / "cuda-nvidia-sm90").exists()
+
+
+def test_a_file_removed_while_sizes_are_counted_counts_nothing(cache_root, monkeypatch):
+    """Another process compiling or clearing may remove a file between the folder listing and
+    its size: the listing goes on and counts the files still there."""
+    real_lstat = os.lstat
+
+    def lstat(path, *args, **kwargs):
+        if os.path.basename(path) == "artefact":
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real_lstat(path, *args, **kwargs)
+
+    sizes = {row["chip"]: row["bytes"] for row in _caches.folders(str(cache_root))}
+    monkeypatch.setattr(os, "lstat", lstat)
+    gone = {row["chip"]: row["bytes"] for row in _caches.folders(str(cache_root))}
+    monkeypatch.undo()
+    marker = os.path.getsize(cache_root / _caches.folder_name("cuda", "nvidia", "sm90") / _caches.MARKER)
+    assert sizes["cuda"] == marker + 1000 and gone["cuda"] == marker
