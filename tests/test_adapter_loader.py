@@ -1,11 +1,14 @@
 """The adapter loader refuses what the ABI forbids: a table shorter than the ABI requires, and
 an adapter whose init() fails; `auto` moves past both and the process keeps working. Adapters
 built for an older minor of the ABI keep loading."""
+import os
+
 import pytest
 from conftest import device_mode_only, run_python
 from test_adapters import MAJOR, MINOR, build, guide_example
 
 import flagos
+from flagos.chips import adapter
 from flagos.chips.adapter import load
 
 pytestmark = device_mode_only
@@ -198,3 +201,17 @@ def test_sim_reads_its_configuration_again_after_its_last_user_shut_it_down():
     """, env={"FLAGOS_SIM_MEMORY": "32M"})
     assert f"FIRST {32 << 20} True" in proc.stdout, proc.stdout
     assert f"AGAIN {64 << 20} 0" in proc.stdout, proc.stdout
+
+
+def test_adapters_on_the_search_path_are_named_once_each(tmp_path, monkeypatch):
+    """FLAGOS_ADAPTER_PATH's folders in order: an adapter found in two folders is one chip,
+    `libflagos_<name>.so` and `libflagos_<name>_adapter.so` both name <name>, and a file whose
+    name is no chip name is passed over."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder, files in ((first, ("libflagos_npu2_adapter.so", "libflagos_bad-name.so")),
+                          (second, ("libflagos_npu2_adapter.so", "libflagos_toy.so"))):
+        folder.mkdir()
+        for name in files:
+            (folder / name).write_bytes(b"")
+    monkeypatch.setenv("FLAGOS_ADAPTER_PATH", os.pathsep.join([str(first), "", str(second)]))
+    assert adapter.discovered_names() == ["npu2", "toy"]

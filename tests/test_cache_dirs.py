@@ -437,3 +437,9 @@ def test_a_file_removed_while_sizes_are_counted_counts_nothing(cache_root, monke
     monkeypatch.undo()
     marker = os.path.getsize(cache_root / _caches.folder_name("cuda", "nvidia", "sm90") / _caches.MARKER)
     assert sizes["cuda"] == marker + 1000 and gone["cuda"] == marker
+
+
+def test_the_listing_reads_flagos_cache_dir_when_given_no_folder(cache_root, monkeypatch, tmp_path):
+    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(cache_root))
+    monkeypatch.chdir(tmp_path / "not-flagos")  # not the working directory
+    assert sorted(row["chip"] for row in _caches.folders()) == ["cpu", "cuda", "sim"]
