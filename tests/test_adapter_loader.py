@@ -215,3 +215,14 @@ def test_adapters_on_the_search_path_are_named_once_each(tmp_path, monkeypatch):
             (folder / name).write_bytes(b"")
     monkeypatch.setenv("FLAGOS_ADAPTER_PATH", os.pathsep.join([str(first), "", str(second)]))
     assert adapter.discovered_names() == ["npu2", "toy"]
+
+
+def test_an_adapter_is_detected_when_it_has_a_device(tmp_path, monkeypatch):
+    """detect() (what `auto` and `flagos diagnose` ask): an adapter that loads and counts one
+    device is there; one that counts none is not."""
+    one = "static int32_t toy_device_count(int32_t *count, flagos_status *st)\n{\n    *count = 1;"
+    build(tmp_path, "onecard", variant(one, one))
+    build(tmp_path, "nocard", variant(one, one.replace("*count = 1;", "*count = 0;")))
+    monkeypatch.setenv("FLAGOS_ADAPTER_PATH", str(tmp_path))
+    assert adapter.AdapterChip("onecard").detect() is True
+    assert adapter.AdapterChip("nocard").detect() is False
