@@ -1,5 +1,8 @@
 """`flagos top`: every device, and the programs that export flagos metrics with their fallback
 share. This test process is such a program: it runs a model and serves its metrics."""
+import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -85,3 +88,30 @@ def test_memory_bars_are_ten_wide_and_filled_to_the_share_used():
     assert [_top._bar(used, 8 << 30) for used in (None, 0, 2 << 30, 4 << 30, 8 << 30, 9 << 30)] == [
         "[..........]", "[..........]", "[##........]", "[#####.....]", "[##########]", "[##########]"]
     assert _top._bar(1, None) == "[..........]"
+
+
+def test_a_programs_row_adds_up_its_exporters_samples(monkeypatch):
+    """One program's row from its exporter's text (hand-computed): calls and fallback calls over
+    every op, fallback seconds to the microsecond, memory over every device."""
+    text = "\n".join([
+        '# TYPE flagos_info gauge', 'flagos_info{chip="sim",mode="device",version="0.1.0"} 1',
+        '# TYPE flagos_op_calls_total counter',
+        'flagos_op_calls_total{op="aten::add.Tensor",route="native"} 3',
+        'flagos_op_calls_total{op="aten::mm",route="fallback"} 1',
+        '# TYPE flagos_op_fallback_seconds_total counter',
+        'flagos_op_fallback_seconds_total{op="aten::mm"} 0.0000012345',
+        '# TYPE flagos_device_memory_used_bytes gauge',
+        'flagos_device_memory_used_bytes{device="0"} 1024', 'flagos_device_memory_used_bytes{device="1"} 2048',
+        '# TYPE flagos_device_memory_total_bytes gauge',
+        'flagos_device_memory_total_bytes{device="0"} 4096', ""])
+    monkeypatch.setattr(_top.urllib.request, "urlopen", lambda url, timeout: contextlib.closing(io.BytesIO(text.encode())))
+    row = _top.process_row({"pid": 7, "url": "http://127.0.0.1:9/metrics"})
+    assert row == {"pid": 7, "url": "http://127.0.0.1:9/metrics", "chip": "sim", "mode": "device",
+                   "version": "0.1.0", "calls": 4, "fallback_calls": 1, "fallback_share": 0.25,
+                   "fallback_seconds": 0.000001, "memory_used": 3072, "status": "ok"}
+
+
+def test_frames_come_every_two_seconds_by_default():
+    parser = argparse.ArgumentParser()
+    _top.add_arguments(parser)
+    assert parser.parse_args([]).interval == 2.0 and parser.parse_args(["--interval", "0.5"]).interval == 0.5
