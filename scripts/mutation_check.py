@@ -463,6 +463,21 @@ MUTATIONS = [
       "backends/opencl/opencl.c",
       "    if (rc == OCL_SUCCESS)\n        rc = choose_devices(", "    if (0)\n        rc = choose_devices(",
       cpu("tests/test_errors.py", k="loader_lists_one")),
+    M("stream_block_swallows_errors", "an exception inside `with stream:` never reaches the caller",
+      "flagos/runtime/_streams.py", "        set_stream(self._entered.pop())\n        return False",
+      "        set_stream(self._entered.pop())\n        return True",
+      cpu("tests/test_streams.py", k="lets_an_error_through")),
+    M("inductor_default_taken_for_the_users", "Inductor's own default folder in TORCHINDUCTOR_CACHE_DIR "
+      "is kept as if the user chose it", "flagos/integrations/_caches.py",
+      "    if utils is None:  # Inductor never ran here", "    if True:  # Inductor never ran here",
+      cpu("tests/test_cache_dirs.py", k="own_default")),
+    M("report_elapsed_added", "the report's elapsed time adds the clock reading at the reset",
+      "flagos/report/_report.py", "time.perf_counter() - _since, _chip()", "time.perf_counter() + _since, _chip()",
+      cpu("tests/test_routes.py", k="spans_the_time")),
+    M("opencl_cat_mixed_dtypes", "the opencl adapter's cat copies inputs of another dtype as if they "
+      "were the output's", "backends/opencl/kernels.c",
+      '        if (args->inputs[i].dtype != dtype)\n            return unsupported(status, op, "mixed dtypes");\n',
+      "", cpu("tests/test_opencl.py", k="fewer_dims")),
 ]
 
 
