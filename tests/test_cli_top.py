@@ -115,3 +115,23 @@ def test_frames_come_every_two_seconds_by_default():
     parser = argparse.ArgumentParser()
     _top.add_arguments(parser)
     assert parser.parse_args([]).interval == 2.0 and parser.parse_args(["--interval", "0.5"]).interval == 0.5
+
+
+def test_a_frame_reads_as_written():
+    """A hand-built frame: the device line with its bar, memory and utilization; a program's
+    row with its share and milliseconds; a program that could not be read shows dashes and why."""
+    view = {"time": "2026-12-05T08:00:00+00:00",
+            "devices": [{"chip": "sim", "index": 0, "name": "flagos sim device 0", "memory_used": 1 << 30,
+                         "memory_total": 4 << 30, "utilization": 0.5, "mode": "device", "status": "ok"}],
+            "processes": [
+                {"pid": 7, "url": "http://127.0.0.1:9/metrics", "chip": "sim", "mode": "device", "calls": 4,
+                 "fallback_calls": 1, "fallback_share": 0.25, "fallback_seconds": 0.0123, "memory_used": 3072,
+                 "status": "ok"},
+                {"pid": 8, "url": "http://127.0.0.1:10/metrics", "chip": None, "mode": None, "calls": None,
+                 "fallback_calls": None, "fallback_share": None, "fallback_seconds": None, "memory_used": None,
+                 "status": "error: URLError: refused"}]}
+    lines = [" ".join(line.split()) for line in _top.format_frame(view, 2.0).splitlines()]
+    assert lines[0] == "flagos top 2026-12-05T08:00:00+00:00 every 2 s, Ctrl-C to quit"
+    assert lines[4] == "sim 0 flagos sim device 0 [##........] 1.0 GiB / 4.0 GiB 50.0% device ok"
+    assert lines[-2] == "7 sim device 4 1 25.0% 12.3 3.0 KiB http://127.0.0.1:9/metrics"
+    assert lines[-1] == "8 - - - - - error: URLError: refused"
