@@ -224,5 +224,24 @@ def test_an_adapter_is_detected_when_it_has_a_device(tmp_path, monkeypatch):
     build(tmp_path, "onecard", variant(one, one))
     build(tmp_path, "nocard", variant(one, one.replace("*count = 1;", "*count = 0;")))
     monkeypatch.setenv("FLAGOS_ADAPTER_PATH", str(tmp_path))
-    assert adapter.AdapterChip("onecard").detect() is True
+    onecard = adapter.AdapterChip("onecard")
+    assert onecard.detect() is True
     assert adapter.AdapterChip("nocard").detect() is False
+    # the library's own name and ABI name its code; synchronize() without a device waits for each
+    assert onecard.architecture() == f"toy-abi{MAJOR}.{MINOR}"
+
+    class Recorded:
+        def __init__(self, inner):
+            self.inner, self.synchronized = inner, []
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def synchronize(self, index):
+            self.synchronized.append(index)
+            return self.inner.synchronize(index)
+
+    onecard._adapter = recorded = Recorded(onecard.adapter)
+    onecard.synchronize()
+    onecard.synchronize(0)
+    assert recorded.synchronized == [0, 0]
