@@ -158,15 +158,22 @@ def test_folder_names():
     assert cpu.startswith(os.uname().machine) and cpu.count("-") == 1
 
 
+def _chip_read_at_initialization(monkeypatch, root, architecture_now=lambda: "sm90"):
+    """A cuda-like chip whose architecture is known only once its runtime initializes, no cache
+    variable set and FLAGOS_CACHE_DIR at `root`: (the chip, its waiting initialization hooks)."""
+    for variable, _ in _caches.VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(root))
+    waiting = []
+    chip = types.SimpleNamespace(name="cuda", vendor="nvidia", architecture=lambda: None,
+                                 architecture_now=architecture_now, when_initialized=waiting.append)
+    return chip, waiting
+
+
 def test_a_chip_that_cannot_tell_yet_chooses_its_folder_when_initialized(monkeypatch, tmp_path):
     """The cuda chip's architecture is read when the CUDA runtime initializes (reading it
     earlier would initialize it): the folder is chosen then, before anything compiles."""
-    for variable, _ in _caches.VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(tmp_path))
-    waiting = []
-    chip = types.SimpleNamespace(name="cuda", vendor="nvidia", architecture=lambda: None,
-                                 architecture_now=lambda: "sm90", when_initialized=waiting.append)
+    chip, waiting = _chip_read_at_initialization(monkeypatch, tmp_path)
     try:
         caches = _caches.install(types.SimpleNamespace(chip=chip))
         assert caches["folder"] is None and "pending" in caches
@@ -191,16 +198,10 @@ def test_a_failure_inside_the_runtimes_initialization_never_escapes_it(monkeypat
     """The folder is chosen inside the runtime's initialization, where nothing may escape: an
     architecture that cannot be read is "unknown"; a warning made an error (-W error) about an
     unusable folder is kept as the caches' problem."""
-    for variable, _ in _caches.VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(tmp_path))
-    waiting = []
-
     def unreadable():
         raise RuntimeError("the driver is not answering")
 
-    chip = types.SimpleNamespace(name="cuda", vendor="nvidia", architecture=lambda: None,
-                                 architecture_now=unreadable, when_initialized=waiting.append)
+    chip, waiting = _chip_read_at_initialization(monkeypatch, tmp_path, unreadable)
     try:
         caches = _caches.install(types.SimpleNamespace(chip=chip))
         waiting.pop()()
@@ -408,12 +409,7 @@ def test_inductors_own_default_in_its_variable_is_not_the_users_choice(monkeypat
 
 
 def test_a_deferred_choice_of_an_activation_already_left_does_nothing(monkeypatch, tmp_path):
-    for variable, _ in _caches.VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv("FLAGOS_CACHE_DIR", str(tmp_path))
-    waiting = []
-    chip = types.SimpleNamespace(name="cuda", vendor="nvidia", architecture=lambda: None,
-                                 architecture_now=lambda: "sm90", when_initialized=waiting.append)
+    chip, waiting = _chip_read_at_initialization(monkeypatch, tmp_path)
     caches = _caches.install(types.SimpleNamespace(chip=chip))
     _caches.uninstall()  # native mode left before the runtime initialized
     waiting.pop()()
