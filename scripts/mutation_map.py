@@ -85,7 +85,9 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_streams.py": [sim(STREAMS), cpu(STREAMS)],
     "flagos/runtime/_tensor.py": [cpu(DEVICE, FIDELITY, OFFLOAD), sim(DEVICE, SIM_FIDELITY, OFFLOAD),
                                   cpu(COMPILE, k="flatten or cached_graphs or report_counts or layout_and_bits "
-                                                 "or before_activation")],
+                                                 "or before_activation"),
+                                  sim(COMPILE, k="inner_tensors"), cpu(ECOSYSTEM, k="storage_names"),
+                                  sim(ECOSYSTEM, k="storage_names")],
     "flagos/runtime/_tracing.py": [cpu(COMPILE), cpu(DEVICE, k="print"), sim(COMPILE)],
     "flagos/runtime/_guard_errors.py": [cpu(BACKWARD)],
     "flagos/core/_state.py": [cpu(DEVICE, MULTI, VERSIONS, AUTOLOAD, T + "device_module.py"), cpu(ERRORS, k="fork"), sim(MULTI)],

@@ -175,6 +175,13 @@ def test_deepcopy_of_tensors_and_modules(dev):
     inputs = {"ids": torch.arange(4).to(dev), "mask": torch.ones(4, device=dev)}
     copied = copy.deepcopy(inputs)
     assert copied["ids"].tolist() == [0, 1, 2, 3]
+    # Libraries mark tensors with attributes (transformers' `_is_hf_initialized`): a copy has
+    # its own copy of each, as on CPU.
+    for source in (torch.ones(2), torch.ones(2, device=dev)):
+        source.marks = ["initialized"]
+        copied = copy.deepcopy(source)
+        assert copied.marks == ["initialized"] and copied.marks is not source.marks
+        assert "_payload" not in vars(copied) or copied._payload is not source._payload
 
 
 # ---- layouts of results -----------------------------------------------------------------
