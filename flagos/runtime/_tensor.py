@@ -176,11 +176,6 @@ def copy_math_bits(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-def payload(tensor: torch.Tensor) -> torch.Tensor:
-    """The chip's own tensor behind a flagos tensor (the tensor itself otherwise)."""
-    return tensor._payload if isinstance(tensor, FlagosTensor) else tensor
-
-
 def take_payload_of(target: FlagosTensor, new: FlagosTensor) -> None:
     """`target.data = new` for two flagos tensors, as on any one device: PyTorch's set_data gives
     target's TensorImpl new's sizes, strides, dtype and storage, and the impl keeps its Python
