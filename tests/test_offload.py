@@ -194,6 +194,23 @@ def test_swap_tensors_between_flagos_tensors_keeps_each_object(dev):
     assert not isinstance(b, torch.nn.Parameter) and not b.requires_grad
 
 
+def test_swap_tensors_of_pairs_that_cannot_exchange_data_in_place_swaps_as_on_cpu(dev):
+    """A non-leaf, and a pair whose math bits differ (a conjugate view), cannot exchange data
+    in place: they are swapped as whole objects, values, graph and bits, as on CPU."""
+    for device in ("cpu", dev):
+        x = torch.ones(3, device=device, requires_grad=True)
+        made = x * 2
+        plain = torch.zeros(3, device=device)
+        torch.utils.swap_tensors(made, plain)
+        assert made.tolist() == [0.0, 0.0, 0.0] and made.grad_fn is None
+        assert plain.tolist() == [2.0, 2.0, 2.0] and type(plain.grad_fn).__name__ == "MulBackward0"
+        conj = torch.tensor([1 + 2j, 3 - 1j], device=device).conj()
+        other = torch.tensor([5 + 0j, 6 + 1j], device=device)
+        torch.utils.swap_tensors(conj, other)
+        assert conj.tolist() == [5 + 0j, 6 + 1j] and not conj.is_conj()
+        assert other.tolist() == [1 - 2j, 3 + 1j] and other.is_conj()
+
+
 def test_other_incompatible_pairs_keep_pytorchs_error():
     dense = torch.ones(2, 2)
     with pytest.raises(RuntimeError, match="incompatible tensor type"):
