@@ -115,6 +115,31 @@ def test_module_held_by_a_graph_moves_onto_flagos_keeping_its_parameters(dev):
         torch.testing.assert_close(p.grad.cpu(), q.grad)
 
 
+@pytest.mark.parametrize("direction", ["onto flagos", "off flagos"])
+def test_a_gradient_that_cannot_reach_its_moved_parameter_raises_as_on_cpu(dev, direction):
+    """A parameter whose data and .grad change shape while a graph holds it: backward raises
+    the error CPU raises for the same program (AccumulateGrad's), and the next step works."""
+    def step(device, move_to):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(3, 1).to(device)
+        out = lin(torch.ones(2, 3, device=device)).sum()
+        lin.to(move_to)
+        lin.weight.data = torch.ones(5, device=move_to)
+        lin.weight.grad = torch.zeros(5, device=move_to)
+        with pytest.raises(RuntimeError) as raised:
+            out.backward()
+        return str(raised.value), lin
+
+    start, end = (("cpu", dev) if direction == "onto flagos" else (dev, "cpu"))
+    on_cpu, _ = step("cpu", "cpu")
+    moved, lin = step(start, end)
+    assert moved == on_cpu and "size of tensor a (5)" in moved
+    lin.weight.data = torch.ones(1, 3, device=end)
+    lin.weight.grad = None
+    lin(torch.ones(2, 3, device=end)).sum().backward()
+    assert lin.weight.grad.tolist() == [[2.0, 2.0, 2.0]]
+
+
 def test_gradient_follows_the_data(dev):
     p = torch.nn.Parameter(torch.ones(3))
     (p * 2).sum().backward()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import copyreg
-import warnings
 import weakref
 
 import torch
@@ -309,17 +308,14 @@ class _GradientHandOver:
         if grad is None:
             return
         owner = self.owner
-        try:
-            with torch.no_grad():
-                grad = grad.to(device=owner.device, dtype=owner.dtype)
-                if owner._grad is None:
-                    owner._grad = grad
-                else:
-                    owner._grad.add_(grad)
-        except (RuntimeError, TypeError) as e:  # raised here it would end the process
-            warnings.warn(f"the gradient of a tensor that moved between flagos and another device "
-                          f"during forward/backward stays on its former memory: {e}", stacklevel=1)
-            return
+        # An error here (a .grad of another shape set meanwhile) reaches backward()'s caller as
+        # the same error AccumulateGrad raises on CPU; the process goes on.
+        with torch.no_grad():
+            grad = grad.to(device=owner.device, dtype=owner.dtype)
+            if owner._grad is None:
+                owner._grad = grad
+            else:
+                owner._grad.add_(grad)
         self.former._grad = None
         hooks = owner._post_accumulate_grad_hooks
         for hook in tuple(hooks.values()) if hooks else ():
