@@ -135,3 +135,32 @@ def test_a_frame_reads_as_written():
     assert lines[4] == "sim 0 flagos sim device 0 [##........] 1.0 GiB / 4.0 GiB 50.0% device ok"
     assert lines[-2] == "7 sim device 4 1 25.0% 12.3 3.0 KiB http://127.0.0.1:9/metrics"
     assert lines[-1] == "8 - - - - - error: URLError: refused"
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_python_call_shows_frames_as_the_command_does(monkeypatch, capsys, terminal):
+    """`flagos.tools.top()` returns one frame and prints nothing; with once=False it prints
+    frames every 2 s by default (sleeping what is left of the interval after the frame),
+    redrawn in place on a terminal, one after another elsewhere, and as JSON lines when asked,
+    never with the terminal's clear code."""
+    view = {"time": "t", "devices": [], "processes": []}
+    clock, slept = [100.0], []
+
+    def frame():
+        clock[0] += 0.5
+        if clock[0] > 200:  # a loop that should have ended: as if Ctrl-C
+            raise KeyboardInterrupt
+        return dict(view)
+
+    monkeypatch.setattr(_top, "frame", frame)
+    monkeypatch.setattr(_top.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(_top.time, "sleep", lambda s: slept.append(s) or clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)
+    assert flagos.tools.top() == view and capsys.readouterr().out == ""
+    assert _top.top(once=False, count=2) == view
+    text = _top.format_frame(view, 2.0)
+    shown = _top._CLEAR + text if terminal else text + "\n"  # a blank line between frames
+    assert capsys.readouterr().out == (shown + "\n") * 2    # and print's own newline
+    assert slept == [1.5]  # 2 s less the frame's 0.5 s; none after the last frame
+    _top.top(once=False, count=2, as_json=True)
+    assert capsys.readouterr().out == (json.dumps(view) + "\n") * 2
