@@ -164,3 +164,6 @@ def test_the_python_call_shows_frames_as_the_command_does(monkeypatch, capsys, t
     assert slept == [1.5]  # 2 s less the frame's 0.5 s; none after the last frame
     _top.top(once=False, count=2, as_json=True)
     assert capsys.readouterr().out == (json.dumps(view) + "\n") * 2
+    clock[0] = 190.0  # Ctrl-C in the sixth frame, with no count: the view returns, no traceback
+    assert _top.top(once=False, as_json=True) == view
+    assert capsys.readouterr().out == (json.dumps(view) + "\n") * 5
