@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from conftest import CHIP, device_mode_only
-from flagos_cli import run_json, run_workload
+from flagos_cli import command_env, first_line, run_json, run_workload
 
 import flagos
 from flagos.tools import _top
@@ -125,7 +125,7 @@ def test_a_frame_reads_as_written():
                          "memory_total": 4 << 30, "utilization": 0.5, "mode": "device", "status": "ok"}],
             "processes": [
                 {"pid": 7, "url": "http://127.0.0.1:9/metrics", "chip": "sim", "mode": "device", "calls": 4,
-                 "fallback_calls": 1, "fallback_share": 0.25, "fallback_seconds": 0.0123, "memory_used": 3072,
+                 "fallback_calls": 1, "fallback_share": 0.25, "fallback_seconds": 0.4567, "memory_used": 3072,
                  "status": "ok"},
                 {"pid": 8, "url": "http://127.0.0.1:10/metrics", "chip": None, "mode": None, "calls": None,
                  "fallback_calls": None, "fallback_share": None, "fallback_seconds": None, "memory_used": None,
@@ -133,7 +133,7 @@ def test_a_frame_reads_as_written():
     lines = [" ".join(line.split()) for line in _top.format_frame(view, 2.0).splitlines()]
     assert lines[0] == "flagos top 2026-12-05T08:00:00+00:00 every 2 s, Ctrl-C to quit"
     assert lines[4] == "sim 0 flagos sim device 0 [##........] 1.0 GiB / 4.0 GiB 50.0% device ok"
-    assert lines[-2] == "7 sim device 4 1 25.0% 12.3 3.0 KiB http://127.0.0.1:9/metrics"
+    assert lines[-2] == "7 sim device 4 1 25.0% 456.7 3.0 KiB http://127.0.0.1:9/metrics"
     assert lines[-1] == "8 - - - - - error: URLError: refused"
 
 
@@ -167,3 +167,16 @@ def test_the_python_call_shows_frames_as_the_command_does(monkeypatch, capsys, t
     clock[0] = 190.0  # Ctrl-C in the sixth frame, with no count: the view returns, no traceback
     assert _top.top(once=False, as_json=True) == view
     assert capsys.readouterr().out == (json.dumps(view) + "\n") * 5
+
+
+def test_a_piped_view_shows_each_frame_as_it_is_drawn(tmp_path):
+    """`flagos top | less`: each frame reaches the pipe when it is drawn, not when top ends."""
+    proc = subprocess.Popen([sys.executable, "-m", "flagos", "top", "--interval", "600"],
+                            env=command_env({"FLAGOS_RUNTIME_DIR": str(tmp_path)}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first_line(proc, timeout=60).startswith("flagos top ")
+        assert proc.poll() is None  # still waiting for its next frame
+    finally:
+        proc.kill()
+        proc.communicate()
