@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing import assert_close
 
 import flagos
+from flagos.integrations import _compile
 from flagos.runtime import _tracing
 from flagos.runtime._tensor import FlagosTensor
 
@@ -148,6 +149,21 @@ def test_the_cache_key_of_a_flagos_input_holds_the_chip(dev, monkeypatch):
     other_chip = dataclasses.replace(state_module.active(), chip=flagos.chips.profile("sim"))
     monkeypatch.setattr(state_module, "active_or_none", lambda: other_chip)
     assert first._stable_hash_for_caching() != key
+
+
+def test_the_cache_key_of_flagos_graphs_changes_with_flagos_code_and_payload_device(monkeypatch, tmp_path):
+    """What keys Inductor's cached graphs over flagos tensors: the compile and tracing code of
+    this flagos and the payload device, so another flagos version or chip never gets them."""
+    key = _compile._pass_id("cpu")
+    assert key.startswith("flagos-compile-") and key.endswith("-cpu") and key == _compile._pass_id("cpu")
+    assert _compile._pass_id("cuda") == key[:-len("cpu")] + "cuda"
+    for module in (_compile, _tracing):
+        changed = tmp_path / f"{module.__name__}.py"
+        changed.write_bytes(open(module.__file__, "rb").read() + b"# another version\n")
+        with monkeypatch.context() as patch:
+            patch.setattr(module, "__file__", str(changed))
+            assert _compile._pass_id("cpu") != key
+    assert _compile._pass_id("cpu") == key
 
 
 @pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
