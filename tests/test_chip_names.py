@@ -178,6 +178,19 @@ def test_an_empty_name_means_auto():
     assert _activation._pick_chip(" ") is _activation._pick_chip("auto")
 
 
+def test_auto_takes_the_first_chip_in_its_order_that_is_here(monkeypatch):
+    cuda, npu, cpu = chips.profile("cuda"), chips.profile("npu"), chips.profile("cpu")
+    monkeypatch.setattr(chips, "auto_order", lambda: ("npu", "cuda", "cpu"))
+    here = {"npu": False, "cuda": False, "cpu": True}
+    for profile in (cuda, npu, cpu):
+        monkeypatch.setattr(profile, "picked_by_auto", lambda p=profile: here[p.name])
+    assert _activation._pick_chip("auto") is cpu
+    here["cuda"] = True
+    assert _activation._pick_chip("auto") is cuda
+    here["npu"] = True
+    assert _activation._pick_chip("auto") is npu
+
+
 def test_the_name_tables_cannot_be_changed_through_a_lookup():
     # resolve() hands out the table's own entries: a caller must not be able to rewrite them
     alias = names.resolve("hygon", chips.known())
