@@ -8,8 +8,10 @@ from conftest import device_mode_only, run_python
 from test_adapters import MAJOR, MINOR, build, guide_example
 
 import flagos
+from flagos import _activation
 from flagos.chips import adapter
 from flagos.chips.adapter import load
+from flagos.errors import ChipNotFoundError
 
 pytestmark = device_mode_only
 
@@ -227,6 +229,10 @@ def test_an_adapter_is_detected_when_it_has_a_device(tmp_path, monkeypatch):
     onecard = adapter.AdapterChip("onecard")
     assert onecard.detect() is True
     assert adapter.AdapterChip("nocard").detect() is False
+    # asked for by name, the one without a device is refused before anything is set up
+    assert _activation._pick_chip("onecard").name == "onecard"
+    with pytest.raises(ChipNotFoundError, match="^chip 'nocard': its adapter reports no devices$"):
+        _activation._pick_chip("nocard")
     # the library's own name and ABI name its code; synchronize() without a device waits for each
     assert onecard.architecture() == f"toy-abi{MAJOR}.{MINOR}"
 
