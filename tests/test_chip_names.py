@@ -111,7 +111,7 @@ class _FoundCuda(CudaChip):
         return True
 
     def device_name(self, index):
-        return "NVIDIA A100-SXM4-80GB"
+        return ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3")[index]  # the first device named
 
 
 def test_a_vendor_name_must_match_the_vendor_found(monkeypatch):

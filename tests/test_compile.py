@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import re
+import types
 import warnings
 
 import pytest
@@ -165,6 +166,33 @@ def test_the_cache_key_of_flagos_graphs_changes_with_flagos_code_and_payload_dev
             patch.setattr(module, "__file__", str(changed))
             assert _compile._pass_id("cpu") != key
     assert _compile._pass_id("cpu") == key
+
+
+def test_inductor_learns_the_payload_device_once_and_again_after_a_failure(monkeypatch):
+    """The flagos device is compiled with the code generator of its payloads' device: cpu for
+    a host chip, the chip's own device type otherwise. A registration that fails is tried
+    again by the next compilation instead of leaving Inductor without the flagos device."""
+    asked = []
+
+    def register_for(payload_type):
+        asked.append(payload_type)
+        if len(asked) == 1:
+            raise RuntimeError("Inductor is not ready")
+
+    gpu = types.SimpleNamespace(payload_is_host=False, torch_type="cuda")
+    monkeypatch.setattr(_compile, "_ready", False)
+    monkeypatch.setattr(_compile, "_light_guards", lambda: None)
+    monkeypatch.setattr(_compile, "_register_inductor_for", register_for)
+    monkeypatch.setattr(_compile._state, "active", lambda: types.SimpleNamespace(chip=gpu))
+    with pytest.raises(RuntimeError, match="not ready"):
+        _compile._register_inductor()
+    _compile._register_inductor()
+    _compile._register_inductor()  # registered: not asked again
+    assert asked == ["cuda", "cuda"]
+    gpu.payload_is_host = True
+    monkeypatch.setattr(_compile, "_ready", False)
+    _compile._register_inductor()
+    assert asked[-1] == "cpu"
 
 
 @pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
