@@ -478,6 +478,20 @@ MUTATIONS = [
       "were the output's", "backends/opencl/kernels.c",
       '        if (args->inputs[i].dtype != dtype)\n            return unsupported(status, op, "mixed dtypes");\n',
       "", cpu("tests/test_opencl.py", k="fewer_dims")),
+    M("swap_in_place_claims_success", "swap_tensors of a non-leaf or a conjugate view does nothing and "
+      "says it is done", "flagos/runtime/_tensor.py",
+      "not _BASE_COMPATIBLE(t1, t2):\n        return False", "not _BASE_COMPATIBLE(t1, t2):\n        return True",
+      cpu("tests/test_offload.py", k="cannot_exchange")),
+    M("auto_takes_a_missing_chip", "auto takes the first chip of its order that is not here",
+      "flagos/_activation.py", "            if profile.picked_by_auto():", "            if not profile.picked_by_auto():",
+      cpu("tests/test_chip_names.py", k="first_chip_in_its_order")),
+    M("moved_gradient_dropped", "a gradient that cannot reach its moved parameter is dropped without a word",
+      "flagos/runtime/_tensor.py", "                owner._grad.add_(grad)\n",
+      "                owner._grad.add_(grad) if owner._grad.shape == grad.shape else None\n",
+      cpu("tests/test_offload.py", k="cannot_reach")),
+    M("top_loops_by_default", "flagos.tools.top() loops and prints instead of returning one frame",
+      "flagos/tools/_top.py", "def top(once: bool = True,", "def top(once: bool = False,",
+      cpu("tests/test_cli_top.py", k="python_call")),
 ]
 
 
