@@ -67,6 +67,8 @@ def test_nonexistent_device_index(dev):
     ("FLAGOS_LOG_LEVEL", "loud", r"FLAGOS_LOG_LEVEL='loud' is not valid; use one of: debug, info"),
     ("FLAGOS_MODE", "both", r"FLAGOS_MODE='both' is not valid; use one of: device, native"),
     ("FLAGOS_DEVICE", "tpu", r"unknown chip 'tpu'; known chips:"),
+    ("FLAGOS_FALLBACK_STAGING", "lots", r"FLAGOS_FALLBACK_STAGING='lots' is not a size; use bytes with an "
+                                        r"optional K, M or G suffix, e\.g\. FLAGOS_FALLBACK_STAGING=256M"),
 ])
 def test_bad_environment_values(var, value, expected):
     proc = run_python("""
