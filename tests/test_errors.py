@@ -49,7 +49,22 @@ def test_switching_chip_in_device_mode_is_refused():
             flagos.activate("cuda")
     with pytest.raises(flagos.ConfigError, match="cannot be deactivated"):
         flagos.deactivate()
+    other = "sim" if CHIP == "cpu" else "cpu"
+    with pytest.raises(flagos.ConfigError, match=f"^flagos is already active on chip '{CHIP}' in device "
+                                                 f"mode; .* Start a new process to use '{other}'.$"):
+        flagos.activate(other)
     assert flagos.info()["chip"] == CHIP  # nothing was lost
+
+
+@runs_once
+def test_native_mode_gives_way_to_another_chip_or_to_device_mode():
+    proc = run_python("""
+        import torch, flagos
+        flagos.activate("cpu", mode="native")
+        flagos.activate("sim")
+        print(flagos.info()["chip"], flagos.info()["mode"], torch.ones(2, device="flagos").device)
+    """)
+    assert proc.stdout.strip().endswith("sim device flagos:0"), proc.stdout + proc.stderr
 
 
 def test_nonexistent_device_index(dev):
