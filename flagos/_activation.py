@@ -303,9 +303,9 @@ def _probe_backward(state: Active) -> bool:
     try:
         x = torch.zeros((), device=state.flagos_devices[0], requires_grad=True)
         (x * 2).backward()
-    except RuntimeError as e:
+    except Exception as e:  # the probe is flagos's own: only the engine's failure is an answer
         if not isinstance(e, NoEngineQueueError) and _ENGINE_QUEUE not in str(e):
-            return True  # another failure (a forced route, say): not the engine's
+            return True  # another failure (a route to a kernel registered later, say): not the engine's
         log.warning("autograd's engine started before flagos was activated (a backward pass ran "
                     "earlier in this process), so backward() on flagos tensors cannot run: "
                     "PyTorch sizes its device queues once. Activate flagos before the first "

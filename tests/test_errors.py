@@ -57,6 +57,31 @@ def test_switching_chip_in_device_mode_is_refused():
 
 
 @runs_once
+def test_a_route_to_a_kernel_registered_after_activation_does_not_stop_activation():
+    """FLAGOS_ROUTE names an override the program registers once flagos is active: activation
+    (whose own backward probe multiplies) succeeds, with backward available; the op refuses
+    until the kernel is there, then runs it."""
+    proc = run_python("""
+        import torch, flagos
+        flagos.activate("cpu")
+        print("BACKWARD", flagos.info()["backward"])
+        x = torch.ones(3, device="flagos", requires_grad=True)
+        try:
+            x * x
+        except flagos.ConfigError as e:
+            print("BEFORE", e)
+        flagos.register_kernel("aten::mul.Tensor", lambda a, b: torch.mul(a, b) + 1)
+        (x * x).sum().backward()
+        print("AFTER", (x * x).tolist(), x.grad.tolist())
+    """, env={"FLAGOS_ROUTE": "aten::mul=override"})
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "BACKWARD True", proc.stdout + proc.stderr
+    assert lines[1].startswith("BEFORE aten::mul.Tensor is routed to 'override' but no kernel is registered")
+    # backward's two products (grad * x, one per operand) run the override too: 2 * (1 * 1 + 1)
+    assert lines[2] == "AFTER [2.0, 2.0, 2.0] [4.0, 4.0, 4.0]"
+
+
+@runs_once
 def test_native_mode_gives_way_to_another_chip_or_to_device_mode():
     proc = run_python("""
         import torch, flagos
