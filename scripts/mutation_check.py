@@ -489,6 +489,10 @@ MUTATIONS = [
       "flagos/runtime/_tensor.py", "                owner._grad.add_(grad)\n",
       "                owner._grad.add_(grad) if owner._grad.shape == grad.shape else None\n",
       cpu("tests/test_offload.py", k="cannot_reach")),
+    M("backward_probe_stops_activation", "activation's backward probe lets a route's error out "
+      "(activation fails half done)", "flagos/_activation.py",
+      "    except Exception as e:  # the probe is flagos's own", "    except RuntimeError as e:  # the probe is flagos's own",
+      cpu("tests/test_errors.py", k="registered_after_activation")),
     M("top_loops_by_default", "flagos.tools.top() loops and prints instead of returning one frame",
       "flagos/tools/_top.py", "def top(once: bool = True,", "def top(once: bool = False,",
       cpu("tests/test_cli_top.py", k="python_call")),
