@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import CHIP, device_mode_only, reference_device, run_python, runs_once
 from torch._dynamo import output_graph
+from torch._dynamo.guards import GuardBuilder
 from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd import graph_compile
 from torch._guards import TracingContext, tracing
@@ -193,6 +194,15 @@ def test_inductor_learns_the_payload_device_once_and_again_after_a_failure(monke
     monkeypatch.setattr(_compile, "_ready", False)
     _compile._register_inductor()
     assert asked[-1] == "cpu"
+
+
+def test_the_lighter_guards_are_installed_once():
+    """A registration tried again (above) must not wrap Dynamo's guard builders twice."""
+    _compile._light_guards()
+    installed = [GuardBuilder.TENSOR_SUBCLASS_METADATA_MATCH, GuardBuilder.EQUALS_MATCH, GuardBuilder.TENSOR_MATCH]
+    _compile._light_guards()
+    assert [GuardBuilder.TENSOR_SUBCLASS_METADATA_MATCH, GuardBuilder.EQUALS_MATCH,
+            GuardBuilder.TENSOR_MATCH] == installed
 
 
 @pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
