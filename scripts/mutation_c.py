@@ -16,8 +16,9 @@ side (the project's style), which tells `a * b` from `*p`. Every candidate of a 
 shuffled with the seed and the first --cap are taken, so a larger cap keeps the smaller one's
 mutants and an interrupted run has tested a random sample.
 
-Results: <work>/c/results.json (per file, per mutant; a file's results are dropped when its
-source changes), resumed on the next run; scores in <work>/c-scores.json and .md. A mutant
+Results: docs/mutation/c.json, the committed ledger (per file, per mutant; a file's results
+are dropped when its source changes; scripts/mutation_ledger.py), resumed on the next run, on
+this machine or another; scores in <work>/c-scores.json and .md. A mutant
 that does not compile is "not viable", not killed. Runs under `nice`, one mutant at a time.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 import mutation_common as common
+import mutation_ledger
 from mutation_check import ROOT, build, built_libraries
 from mutation_map import source_files, tests_for
 
@@ -227,15 +229,19 @@ def main() -> int:
     work = os.path.abspath(opts.work)
     os.makedirs(os.path.join(work, "c"), exist_ok=True)
     common.be_nice()
-    record = os.path.join(work, "c", "results.json")
-    results = common.load_json(record, {})
-    for f in files:
+    # Results live in the committed ledger (scripts/mutation_ledger.py), not in the work folder:
+    # a pass outlives the machine that started it.
+    ledger = mutation_ledger.load("c")
+    results = {}
+    for f in source_files("c"):
         sha = common.file_sha(os.path.join(ROOT, f))
-        if f in results and results[f].get("sha256") != sha:
-            print(f"{f}: source changed since its results; starting it again", flush=True)
-            del results[f]
-        results.setdefault(f, {"sha256": sha, "mutants": {}})
-    common.save_json(record, results)
+        entry = ledger.get(f)
+        if entry is not None and entry.get("sha256") == sha:
+            results[f] = entry
+        elif f in files:
+            if entry is not None:
+                print(f"{f}: source changed since its results; starting it again", flush=True)
+            results[f] = {"sha256": sha, "mutants": {}}
     command = "python scripts/mutation_c.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
     if not opts.report:
@@ -257,9 +263,10 @@ def main() -> int:
                 print(f"{f}: {len(todo)} mutants to run, timeout {timeout:.0f} s each", flush=True)
                 for n, m in enumerate(todo, 1):
                     outcome = run_mutant(tree, m, pristine, timeout)
-                    results[f]["mutants"][m.id] = {"status": outcome.status, "seconds": round(outcome.seconds, 1),
-                                                   "label": m.label(), "detail": outcome.detail}
-                    common.save_json(record, results)
+                    record = {"status": outcome.status, "seconds": round(outcome.seconds, 1),
+                              "label": m.label(), "detail": (outcome.detail or "")[-300:]}
+                    results[f]["mutants"][m.id] = record
+                    mutation_ledger.merge("c", f, results[f]["sha256"], {m.id: record})
                     print(f"  [{n}/{len(todo)}] {outcome.status:10} {outcome.seconds:5.0f} s  {m.label()}"
                           + (f"\n      {outcome.detail}" if outcome.status != common.KILLED else ""), flush=True)
         except KeyboardInterrupt:

@@ -34,6 +34,7 @@ except ImportError:
 
 import mutation_common as common
 import mutation_coverage
+import mutation_ledger
 import mutation_reach
 from mutation_check import ROOT
 from mutation_map import source_files
@@ -103,6 +104,78 @@ def skip_annotation_mutants(db_path: str, tree: str, module: str) -> None:
             db.set_multiple_results(inside, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output=ANNOTATION))
 
 
+def ledger_key(item) -> str:
+    m = item.mutations[0]
+    return f"{m.start_pos[0]}:{m.start_pos[1]} {m.operator_name.removeprefix('core/')} #{m.occurrence}"
+
+
+def changed_lines(diff: str | None) -> list[str]:
+    return [ln for ln in (diff or "").splitlines() if ln[:1] in "+-" and not ln.startswith(("---", "+++"))]
+
+
+def ledger_record(result: WorkResult, seconds: float) -> dict | None:
+    """What the ledger keeps of a result; None for an error (run again next time) or a skip
+    (decided again from the source)."""
+    status = classify(result)
+    if status in (common.ERROR, "skipped"):
+        return None
+    record = {"status": status, "seconds": round(seconds, 1)}
+    if status == common.SURVIVED:
+        record["diff"] = changed_lines(result.diff)
+    return record
+
+
+def result_from_record(record: dict) -> WorkResult:
+    status, note = record["status"], "from docs/mutation/python.json"
+    if status == common.NOT_VIABLE:
+        return WorkResult(worker_outcome=WorkerOutcome.NO_TEST, output=f"not viable ({note})")
+    if status == common.SURVIVED:
+        return WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome.SURVIVED,
+                          output=f"survived ({note})", diff="\n".join(record.get("diff", [])))
+    output = "timeout" if status == common.TIMEOUT else f"killed ({note})"
+    return WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome.KILLED, output=output)
+
+
+def restore_from_ledger(work: str, db_path: str, module: str, operators: str) -> None:
+    """Results the ledger holds for this very source take the place of running their mutants:
+    the session may be new on this machine while the work was done on another."""
+    _, meta_path = session_paths(work, module)
+    meta = common.load_json(meta_path, {})
+    known = mutation_ledger.entry_for("python", module, meta.get("sha256"), operators=operators)
+    if not known:
+        return
+    with use_db(db_path, WorkDB.Mode.open) as db:
+        done = {job for job, _ in db.results}
+        restored = 0
+        for item in db.work_items:
+            record = known.get(ledger_key(item))
+            if item.job_id not in done and record is not None:
+                db.set_result(item.job_id, result_from_record(record))
+                meta.setdefault("seconds", {})[item.job_id] = record.get("seconds", 0.0)
+                restored += 1
+    if restored:
+        common.save_json(meta_path, meta)
+        print(f"{module}: {restored} results taken from docs/mutation/python.json", flush=True)
+
+
+def sync_ledger(work: str, module: str) -> None:
+    """Every result of the module's session merged into the ledger (a session run by an older
+    runner, or one whose per-mutant merge was interrupted)."""
+    db_path, meta_path = session_paths(work, module)
+    meta = common.load_json(meta_path, {})
+    if not os.path.exists(db_path) or "sha256" not in meta:
+        return
+    seconds = meta.get("seconds", {})
+    with use_db(db_path, WorkDB.Mode.open) as db:
+        records = {ledger_key(item): rec for item, result in db.completed_work_items
+                   if (rec := ledger_record(result, seconds.get(item.job_id, 0.0))) is not None}
+        skipped = {job for job, r in db.results if r.worker_outcome == WorkerOutcome.SKIPPED}
+        total = sum(1 for item in db.work_items if item.job_id not in skipped)
+    if records:
+        mutation_ledger.merge("python", module, meta["sha256"], records, match={"operators": meta["operators"]},
+                              info={"mutants_total": total})
+
+
 def item_key(item) -> tuple:
     m = item.mutations[0]
     return (tuple(m.start_pos), m.operator_name, m.occurrence)
@@ -159,6 +232,9 @@ def run_module(work: str, tree: str, module: str, opts, tree_print: str) -> None
         with open(os.path.join(tree, module)) as f:
             source = f.read()
         only_path = os.path.join(work, "python", "only-tests.json")
+        sha = common.file_sha(os.path.join(tree, module))
+        skipped = {job for job, r in db.results if r.worker_outcome == WorkerOutcome.SKIPPED}
+        total = sum(1 for it in db.work_items if it.job_id not in skipped)
         print(f"{module}: {len(todo)} mutants to run, timeout {timeout:.0f} s each", flush=True)
         for n, item in enumerate(todo, 1):
             t0 = time.monotonic()
@@ -179,6 +255,10 @@ def run_module(work: str, tree: str, module: str, opts, tree_print: str) -> None
             meta = common.load_json(meta_path, {})
             meta.setdefault("seconds", {})[item.job_id] = round(spent, 1)
             common.save_json(meta_path, meta)
+            record = ledger_record(result, spent)
+            if record is not None:
+                mutation_ledger.merge("python", module, sha, {ledger_key(item): record},
+                                      match={"operators": opts.operators}, info={"mutants_total": total})
             status = classify(result)
             print(f"  [{n}/{len(todo)}] {status:10} {spent:5.0f} s  {label(item)}  ({ran})", flush=True)
             if status == common.ERROR:
@@ -188,7 +268,7 @@ def run_module(work: str, tree: str, module: str, opts, tree_print: str) -> None
 def module_score(work: str, module: str, opts) -> common.Score | None:
     db_path, meta_path = session_paths(work, module)
     if not os.path.exists(db_path):
-        return None
+        return ledger_score(module, opts)
     seconds = common.load_json(meta_path, {}).get("seconds", {})
     score = common.Score(module)
     with use_db(db_path, WorkDB.Mode.open) as db:
@@ -201,17 +281,35 @@ def module_score(work: str, module: str, opts) -> common.Score | None:
     return score
 
 
+def ledger_score(module: str, opts) -> common.Score | None:
+    """The module's score from the ledger alone (no session on this machine), when the ledger
+    holds results for the source as it is now."""
+    sha = common.file_sha(os.path.join(ROOT, module))
+    entry = mutation_ledger.load("python").get(module, {})
+    known = mutation_ledger.entry_for("python", module, sha, operators=opts.operators)
+    if not known:
+        return None
+    score = common.Score(module)
+    for key, record in known.items():
+        score.add(record["status"], record.get("seconds", 0.0), f"{module}:{key}")
+    for _ in range(max(0, entry.get("mutants_total", 0) - len(known))):
+        score.add(common.PENDING)
+    return score
+
+
 def survivor_diffs(work: str, modules: list[str]) -> None:
     for module in modules:
         db_path, _ = session_paths(work, module)
         if not os.path.exists(db_path):
+            known = mutation_ledger.entry_for("python", module, common.file_sha(os.path.join(ROOT, module)))
+            for key, record in sorted(known.items(), key=lambda kv: mutation_ledger.mutant_order(kv[0])):
+                if record["status"] == common.SURVIVED:
+                    print(f"{module}:{key}\n    " + "\n    ".join(record.get("diff", [])))
             continue
         with use_db(db_path, WorkDB.Mode.open) as db:
             for item, result in sorted(db.completed_work_items, key=lambda p: item_key(p[0])):
                 if classify(result) == common.SURVIVED:
-                    changed = [ln for ln in (result.diff or "").splitlines()
-                               if ln[:1] in "+-" and not ln.startswith(("---", "+++"))]
-                    print(f"{label(item)}\n    " + "\n    ".join(changed))
+                    print(f"{label(item)}\n    " + "\n    ".join(changed_lines(result.diff)))
 
 
 def main() -> int:
@@ -246,7 +344,9 @@ def main() -> int:
         os.chdir(tree)  # cosmic-ray applies each mutant to the module path relative to here
         tree_print = common.fingerprint(tree)
         for module in modules:
-            skip_annotation_mutants(open_session(work, tree, module, opts.operators), tree, module)
+            db_path = open_session(work, tree, module, opts.operators)
+            skip_annotation_mutants(db_path, tree, module)
+            restore_from_ledger(work, db_path, module, opts.operators)
         if opts.count:
             total = 0
             for module in modules:
@@ -260,7 +360,9 @@ def main() -> int:
                 run_module(work, tree, module, opts, tree_print)
         except KeyboardInterrupt:
             print("\ninterrupted: the results so far are kept; run the same command to continue")
-    # every module with a session, not only this run's: the file always shows the whole picture
+    for module in source_files("python"):
+        sync_ledger(work, module)
+    # every module with a session or ledger entry, not only this run's: the whole picture
     scores = [s for s in (module_score(work, m, opts) for m in source_files("python")) if s is not None]
     out = os.path.join(work, "python-scores")
     note = f"{opts.operators} operators" + (f", {opts.sample} per module, seed {opts.seed}" if opts.sample else "")

@@ -1,7 +1,8 @@
 """scripts/mutation_check.py's planted bugs stay plantable: each edit's original text is in its
 file exactly once, so a refactor that moves a line fails here, in every CI run, rather than in
 the next mutation check (which is not part of CI). And the systematic pass's narrowing (scripts/mutation_reach.py, the
-pytest plugin of scripts/mutation_pytest/) never leaves out a test that reaches a mutant."""
+pytest plugin of scripts/mutation_pytest/) never leaves out a test that reaches a mutant, and
+its committed ledger (scripts/mutation_ledger.py) keeps what a run found for the source it ran on."""
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import mutation_check  # noqa: E402
+import mutation_ledger  # noqa: E402
 import mutation_map  # noqa: E402
 import mutation_reach  # noqa: E402
 
@@ -110,3 +112,42 @@ def test_mutants_inside_postponed_annotations_are_found_and_nothing_else():
     assert mutation_reach.in_annotation(spans, (3, 55))       # the return annotation
     # without the future import, annotations are evaluated: nothing is set aside
     assert mutation_reach.annotation_spans(source.split("\n", 1)[1]) == []
+
+
+# ---- scripts/mutation_ledger.py: results outlive the machine, and never outlive their source
+
+@pytest.fixture
+def ledger_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(mutation_ledger, "LEDGER_DIR", str(tmp_path / "ledger"))
+    monkeypatch.setattr(mutation_ledger, "ROOT", str(tmp_path))  # its lock file, under .mutation/
+    return tmp_path / "ledger"
+
+
+def test_ledger_keeps_results_per_source_and_operator_set(ledger_dir):
+    killed = {"status": "killed", "seconds": 3.0}
+    survived = {"status": "survived", "seconds": 9.5, "diff": ["-    if a < b:", "+    if a <= b:"]}
+    mutation_ledger.merge("python", "flagos/a.py", "sha1", {"10:4 X #0": killed},
+                          match={"operators": "reduced"}, info={"mutants_total": 3})
+    mutation_ledger.merge("python", "flagos/a.py", "sha1", {"2:0 Y #1": survived},
+                          match={"operators": "reduced"}, info={"mutants_total": 3})
+    mutation_ledger.merge("python", "flagos/b.py", "shaB", {"1:0 Z #0": killed}, match={"operators": "reduced"})
+    assert mutation_ledger.entry_for("python", "flagos/a.py", "sha1", operators="reduced") == \
+        {"10:4 X #0": killed, "2:0 Y #1": survived}
+    assert mutation_ledger.load("python")["flagos/a.py"]["mutants_total"] == 3
+    # another source, or another operator set: nothing of the old results is served
+    assert mutation_ledger.entry_for("python", "flagos/a.py", "sha2", operators="reduced") == {}
+    assert mutation_ledger.entry_for("python", "flagos/a.py", "sha1", operators="all") == {}
+    # and the first result for a new source replaces the entry, the other file untouched
+    mutation_ledger.merge("python", "flagos/a.py", "sha2", {"5:0 W #0": killed}, match={"operators": "reduced"})
+    data = mutation_ledger.load("python")
+    assert data["flagos/a.py"]["mutants"] == {"5:0 W #0": killed} and data["flagos/a.py"]["sha256"] == "sha2"
+    assert data["flagos/b.py"]["mutants"] == {"1:0 Z #0": killed}
+
+
+def test_ledger_is_one_line_per_mutant_in_line_order(ledger_dir):
+    mutants = {f"{line}:0 X #0": {"status": "killed", "seconds": 1.0} for line in (100, 9, 20)}
+    mutation_ledger.merge("c", "csrc/x.c", "s", mutants)
+    text = (ledger_dir / "c.json").read_text()
+    lines = [ln.strip() for ln in text.splitlines() if '"status"' in ln]
+    assert [ln.split(":")[0] for ln in lines] == ['"9', '"20', '"100']
+    assert len(text.splitlines()) == 10  # braces, the file's sha and one line for each mutant

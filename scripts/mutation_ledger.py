@@ -1,0 +1,106 @@
+"""The committed record of every mutant's outcome: docs/mutation/python.json and c.json.
+
+A run's working state (cosmic-ray's sessions, the scratch trees) lives in .mutation/, which
+does not outlive the machine; a full pass takes longer than one machine's life. So every result
+is also merged into this ledger, and a run on a new checkout takes the results whose file is
+unchanged from it instead of running those mutants again.
+
+Per file: the sha256 of the source the results belong to, and per mutant (keyed the way the
+runner names it) its status, the seconds it took and, for a survivor, what changed. A file
+whose source changed starts an empty entry the first time a result for the new source is
+merged. Two runs in two work folders may merge into the same ledger: each merge reads, updates
+and rewrites the file under a lock.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from contextlib import contextmanager
+
+from mutation_check import ROOT
+
+LEDGER_DIR = os.path.join(ROOT, "docs", "mutation")
+
+
+def ledger_path(kind: str) -> str:
+    return os.path.join(LEDGER_DIR, f"{kind}.json")
+
+
+def load(kind: str) -> dict:
+    try:
+        with open(ledger_path(kind)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def entry_for(kind: str, path: str, sha: str, **fields) -> dict:
+    """The file's mutants when the ledger holds results for this very source (and, for
+    Python, the same operator set); {} otherwise."""
+    entry = load(kind).get(path)
+    if entry is None or entry.get("sha256") != sha or any(entry.get(k) != v for k, v in fields.items()):
+        return {}
+    return entry.get("mutants", {})
+
+
+@contextmanager
+def _locked(kind: str):
+    # The lock file lives in the ignored .mutation/ folder: the ledger itself is replaced on
+    # every write, so it cannot carry the lock.
+    lock_dir = os.path.join(ROOT, ".mutation")
+    os.makedirs(lock_dir, exist_ok=True)
+    with open(os.path.join(lock_dir, f"ledger-{kind}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def merge(kind: str, path: str, sha: str, mutants: dict[str, dict], match: dict | None = None,
+          info: dict | None = None) -> None:
+    """Adds or replaces `mutants` in the file's entry. A different sha, or a different value of
+    a `match` field (the operator set), replaces the entry as a whole; `info` fields (the
+    number of mutants) are only updated."""
+    match = match or {}
+    with _locked(kind):
+        data = load(kind)
+        entry = data.get(path)
+        if entry is None or entry.get("sha256") != sha or any(entry.get(k) != v for k, v in match.items()):
+            entry = {"sha256": sha, **match, "mutants": {}}
+        entry.update(info or {})
+        entry["mutants"].update(mutants)
+        data[path] = entry
+        _write(ledger_path(kind), data)
+
+
+def _write(target: str, data: dict) -> None:
+    """One line per mutant, files and mutants sorted: a run's changes read as a small diff."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    lines = ["{"]
+    for i, path in enumerate(sorted(data)):
+        entry = data[path]
+        lines.append(f"  {json.dumps(path)}: {{")
+        for key in sorted(k for k in entry if k != "mutants"):
+            lines.append(f"    {json.dumps(key)}: {json.dumps(entry[key])},")
+        lines.append('    "mutants": {')
+        mutants = entry.get("mutants", {})
+        names = sorted(mutants, key=mutant_order)
+        for j, name in enumerate(names):
+            comma = "," if j < len(names) - 1 else ""
+            lines.append(f"      {json.dumps(name)}: {json.dumps(mutants[name], sort_keys=True)}{comma}")
+        lines.append("    }")
+        lines.append("  }" + ("," if i < len(data) - 1 else ""))
+    lines.append("}")
+    tmp = target + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(tmp, target)
+
+
+def mutant_order(name: str) -> tuple:
+    """By line and column where the name starts with them (both runners' keys do)."""
+    head = name.split(" ", 1)[0].split(":")
+    numbers = tuple(int(p) for p in head[:2] if p.isdigit())
+    return numbers, name
