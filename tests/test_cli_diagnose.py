@@ -47,6 +47,7 @@ def broken_adapters(tmp_path_factory):
     build(folder, "nosymbol", calls_vendor)  # the symbol is nowhere
     runtime = folder / "runtime"
     runtime.mkdir()
+    (folder / "libflagos_notes.txt").write_text("not a library: the search path lists only libflagos_*.so\n")
     (runtime / "vendor.c").write_text("int vendor_runtime_init(void) { return 0; }\n")
     subprocess.run(["cc", "-fPIC", "-shared", str(runtime / "vendor.c"), "-o",
                     str(runtime / "libtoyvendor.so")], check=True)

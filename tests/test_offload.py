@@ -1,6 +1,7 @@
 """CPU offloading onto flagos: `.data` across flagos and the host, parameters rebuilt by type,
 and every Diffusers offload mode, each pipeline compared with the same pipeline on plain CPU.
 Runs on the suite's chip (cpu, and sim with FLAGOS_TEST_CHIP=sim)."""
+import types
 import weakref
 
 import numpy as np
@@ -8,6 +9,8 @@ import pytest
 import torch
 from conftest import CHIP, device_mode_only, run_python, same_on_every_chip
 from models import ddpm_pipeline, run_ddpm
+
+from flagos.integrations import _libraries
 
 pytestmark = device_mode_only
 
@@ -368,8 +371,8 @@ pipe = ddpm_pipeline()
 pipe.enable_model_cpu_offload()  # no device given: Diffusers' own accelerator detection
 assert str(pipe._offload_device) == "flagos:0", pipe._offload_device
 np.testing.assert_allclose(run_ddpm(pipe, steps=1), expected, atol=1e-5, rtol=0)
-from diffusers.utils.torch_utils import get_device
-print("accelerator", get_device())
+from diffusers.utils import torch_utils
+print("accelerator", torch_utils.get_device(), "default", torch_utils.torch_device)
 """
 
 
@@ -387,7 +390,22 @@ def test_enable_model_cpu_offload_finds_flagos_when_diffusers_came_first(order):
         code = "import torch, diffusers.pipelines\n"
         env["FLAGOS_DEVICE"] = CHIP
     proc = run_python(code + ORDER_CHECK.format(tests=tests), env=env)
-    assert "accelerator flagos" in proc.stdout
+    # the module's default device, computed at its import, follows too
+    assert "accelerator flagos default flagos" in proc.stdout
+
+
+def test_a_default_device_the_user_set_in_diffusers_is_kept():
+    """Activation replaces Diffusers' import-time default only where it is the "cpu" that
+    Diffusers computed before flagos existed; a device a user assigned stays theirs."""
+    def stub(default):
+        module = types.ModuleType("torch_utils_stub")
+        module.get_device = lambda: "flagos"
+        module.torch_device = default
+        _libraries._diffusers_torch_utils(module)
+        return module.torch_device
+
+    assert stub("cpu") == "flagos"
+    assert stub("meta") == "meta"
 
 
 @pytest.mark.parametrize("kind", ["buffer with a view", "intermediate result"])

@@ -2,11 +2,15 @@
 (flagos/report/_probe.py), checked against hand-computed answers with the sources stubbed."""
 import types
 
+import pytest
 import torch
 
 import flagos
+from flagos.chips.adapter import AdapterChip
 from flagos.chips.base import TorchChip
+from flagos.errors import AdapterError, DeviceError
 from flagos.report import _probe
+from flagos.runtime._registration import device_mode_supported
 
 
 def test_the_cpu_chip_status_names_its_threads_and_simd_and_no_other_chip_does():
@@ -42,3 +46,66 @@ def test_a_gpu_reports_its_utilization_in_percent_and_flagos_as_a_fraction(monke
     monkeypatch.setattr(torch, "flagosfake", types.SimpleNamespace(utilization=no_library))
     assert _probe.device_utilization(chip, 0) is None
     assert _probe.device_utilization(flagos.chips.profile("sim"), 0) is None
+
+
+class _NowhereChip(AdapterChip):
+    """An adapter chip whose library is in no folder."""
+    install = "build libflagos_nowhere_adapter.so from the vendor's kit"
+
+
+class _VendorFails(AdapterChip):
+    @property
+    def vendor(self) -> str:
+        raise AdapterError("the adapter cannot be loaded to ask it")
+
+
+def test_a_missing_adapter_library_names_the_folders_searched_and_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLAGOS_ADAPTER_PATH", str(tmp_path))
+    found = _probe._adapter_status(_NowhereChip("nowhere", vendor="Acme"))
+    assert found == {
+        "chip": "nowhere", "kind": "adapter", "status": _probe.UNAVAILABLE, "problem": "library_missing",
+        "reason": f"library missing: no libflagos_nowhere_adapter.so in {tmp_path}, {_probe.PACKAGE_DIR}; "
+                  "build libflagos_nowhere_adapter.so from the vendor's kit",
+        "vendor": "Acme", "device_count": 0, "mode": "device", "versions": {}, "source": ""}
+    # no install hint: the reason ends with the folders
+    plain = _probe._adapter_status(AdapterChip("nowhere"))
+    assert plain["reason"] == f"library missing: no libflagos_nowhere_adapter.so in {tmp_path}, {_probe.PACKAGE_DIR}"
+    assert plain["vendor"] == ""
+    # a vendor that cannot be read (its adapter does not load) is reported empty, not raised
+    assert _probe._adapter_status(_VendorFails("nowhere"))["vendor"] == ""
+
+
+class _StubAdapter:
+    abi = (1, 2)
+
+    def __init__(self, count):
+        self._count = count
+
+    def device_count(self):
+        if isinstance(self._count, Exception):
+            raise self._count
+        return self._count
+
+
+@pytest.mark.parametrize("count, expected", [
+    (DeviceError("toy_device_count failed: TOY_ERROR_BUS", chip="nowhere"),
+     ("broken", "device_error", "device error: toy_device_count failed: TOY_ERROR_BUS", 0, {})),
+    (0, ("unavailable", "no_devices", "no devices: the adapter reports 0 devices; "
+         "build libflagos_nowhere_adapter.so from the vendor's kit", 0, {"adapter_abi": "1.2"})),
+    (1, ("available", "", "", 1, {"adapter_abi": "1.2"})),
+])
+def test_an_adapter_that_loads_is_judged_by_its_device_count(monkeypatch, count, expected):
+    monkeypatch.setattr(_probe, "find_library", lambda name: f"/opt/{name}/libflagos_{name}_adapter.so")
+    monkeypatch.setattr(_probe, "load", lambda path: _StubAdapter(count))
+    found = _probe._adapter_status(_NowhereChip("nowhere"))
+    assert (found["status"], found["problem"], found["reason"], found["device_count"], found["versions"]) == expected
+    assert found["source"] == "/opt/nowhere/libflagos_nowhere_adapter.so"
+
+
+def test_the_natural_mode_is_native_only_for_a_chip_that_owns_privateuse1():
+    device = "device" if device_mode_supported() else "native"
+    assert _probe.chip_status("cpu")["mode"] == device
+    assert _probe.chip_status("sim")["mode"] == "device"  # an adapter chip always wraps
+    owner = TorchChip(name="owner", torch_type="flagosfake", vendor="Fake", collective_backend="gloo")
+    owner.owns_privateuse1 = True
+    assert _probe.natural_mode(owner) == "native"
