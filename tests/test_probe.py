@@ -1,5 +1,6 @@
 """What `flagos diagnose`, `flagos devices` and `flagos top` read about the machine
 (flagos/report/_probe.py), checked against hand-computed answers with the sources stubbed."""
+import sys
 import types
 
 import pytest
@@ -109,3 +110,54 @@ def test_the_natural_mode_is_native_only_for_a_chip_that_owns_privateuse1():
     owner = TorchChip(name="owner", torch_type="flagosfake", vendor="Fake", collective_backend="gloo")
     owner.owns_privateuse1 = True
     assert _probe.natural_mode(owner) == "native"
+
+
+@pytest.mark.parametrize("error, expected", [
+    (OSError("/opt/torch_npu/lib/libtorch_npu.so: undefined symbol: _ZN3c104impl3cow\nsecond line"),
+     ("abi_mismatch", "ABI mismatch: torch_npu was built for another PyTorch than {torch} (OSError: "
+      "/opt/torch_npu/lib/libtorch_npu.so: undefined symbol: _ZN3c104impl3cow); install the torch_npu "
+      "release made for this PyTorch")),
+    (ImportError("module compiled against an INCOMPATIBLE torch"),
+     ("abi_mismatch", "ABI mismatch: torch_npu was built for another PyTorch than {torch} (ImportError: "
+      "module compiled against an INCOMPATIBLE torch); install the torch_npu release made for this PyTorch")),
+    (ImportError("libhccl.so: cannot open shared object file: No such file or directory"),
+     ("driver_missing", "driver missing: torch_npu cannot load a vendor library (ImportError: libhccl.so: "
+      "cannot open shared object file: No such file or directory); install the vendor driver/toolkit and "
+      "source its environment script")),
+    (RuntimeError("LibAscend_hal not found"),
+     ("driver_missing", "driver missing: torch_npu cannot load a vendor library (RuntimeError: LibAscend_hal "
+      "not found); install the vendor driver/toolkit and source its environment script")),
+    (RuntimeError(""), ("load_error", "load error: import torch_npu failed (RuntimeError: )")),
+])
+def test_a_vendor_plugin_that_fails_to_import_is_told_apart_by_its_message(error, expected):
+    problem, reason = _probe._import_failure("torch_npu", error)
+    assert (problem, reason) == (expected[0], expected[1].format(torch=torch.__version__))
+
+
+def test_versions_name_the_plugin_and_the_gpu_runtime_libraries(monkeypatch):
+    plugin = TorchChip(name="fake", torch_type="flagosfake", vendor="Fake", collective_backend="gloo",
+                       plugin="flagos_fake_plugin")
+    monkeypatch.setitem(sys.modules, "flagos_fake_plugin", types.SimpleNamespace(__version__="2.1.0"))
+    assert _probe._torch_versions(plugin) == {"flagos_fake_plugin": "2.1.0"}
+    monkeypatch.setitem(sys.modules, "flagos_fake_plugin", types.SimpleNamespace())
+    assert _probe._torch_versions(plugin) == {"flagos_fake_plugin": "unknown"}
+
+    cuda = flagos.chips.profile("cuda")
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 90100)
+    monkeypatch.setattr(_probe, "_nvidia_driver_version", lambda: "550.54.15")
+    assert _probe._torch_versions(cuda) == {"cuda_runtime": "12.4", "cudnn": "90100", "driver": "550.54.15"}
+
+    def no_cudnn():
+        raise RuntimeError("cuDNN not loadable")
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", "6.2.4", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "version", no_cudnn)
+    monkeypatch.setattr(_probe, "_nvidia_driver_version", lambda: "")
+    assert _probe._torch_versions(cuda) == {"hip": "6.2.4"}
+
+    monkeypatch.setattr(torch.version, "xpu", "20250101", raising=False)
+    assert _probe._torch_versions(flagos.chips.profile("xpu")) == {"xpu": "20250101"}
+    assert "xpu" not in _probe._torch_versions(flagos.chips.profile("cpu"))
