@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import CHIP, device_mode_only, run_python
+from conftest import CHIP, device_mode_only, run_python, same_on_every_chip
 
 import flagos
 
@@ -338,6 +338,22 @@ def test_accelerate_imported_before_activation_finds_flagos():
     assert "device flagos:0" in proc.stdout
     assert f"memory {list(range(count))}" in proc.stdout
     assert f"transformers {list(range(count))}" in proc.stdout
+
+
+@same_on_every_chip
+def test_native_mode_and_deactivation_leave_accelerate_its_own_default_device():
+    """Only device mode makes flagos accelerate's default device: in native mode a chip's own
+    device is PyTorch's (the host, for the cpu chip), and after deactivate() nothing of flagos
+    is asked."""
+    proc = run_python("""
+        import accelerate, flagos
+        from accelerate import PartialState
+        flagos.activate("cpu", mode="native")
+        print("native", PartialState().default_device)
+        flagos.deactivate()
+        print("after", PartialState().default_device)
+    """, env={"FLAGOS_FALLBACK": "allow"})
+    assert "native cpu" in proc.stdout and "after cpu" in proc.stdout
 
 
 def test_get_max_memory_accepts_every_device_and_no_other():

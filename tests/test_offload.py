@@ -373,25 +373,35 @@ assert str(pipe._offload_device) == "flagos:0", pipe._offload_device
 np.testing.assert_allclose(run_ddpm(pipe, steps=1), expected, atol=1e-5, rtol=0)
 from diffusers.utils import torch_utils
 print("accelerator", torch_utils.get_device(), "default", torch_utils.torch_device)
+# loaded straight onto flagos: Diffusers accepts only the devices of a list made at its import
+import tempfile
+from diffusers import DDPMPipeline
+with tempfile.TemporaryDirectory() as folder:
+    ddpm_pipeline().save_pretrained(folder)
+    loaded = DDPMPipeline.from_pretrained(folder, device_map="flagos")
+    assert str(loaded.unet.device) == "flagos:0", loaded.unet.device
+    np.testing.assert_allclose(run_ddpm(loaded, steps=1), expected, atol=1e-5, rtol=0)
+print("device_map ok")
 """
 
 
 @same_on_every_chip  # the offload itself runs on every chip: the test above
 @pytest.mark.parametrize("order", ["diffusers-first", "autoload"])
 def test_enable_model_cpu_offload_finds_flagos_when_diffusers_came_first(order):
-    """Diffusers caches its accelerator when `diffusers.pipelines` is imported: imported before
-    activation it cached "cpu", which activation clears."""
+    """Diffusers caches its accelerator, its default device and the devices `device_map` may
+    name when its pipeline module is imported: imported before activation they say "cpu",
+    which activation answers."""
     import os
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {"FLAGOS_FALLBACK": "allow", "PYTHONPATH": os.path.dirname(tests)}
     if order == "diffusers-first":
-        code = f"import diffusers.pipelines, flagos\nflagos.activate({CHIP!r})\n"
+        code = f"import diffusers.pipelines.pipeline_utils, flagos\nflagos.activate({CHIP!r})\n"
     else:  # FLAGOS_DEVICE: activation at `import torch`, before Diffusers
         code = "import torch, diffusers.pipelines\n"
         env["FLAGOS_DEVICE"] = CHIP
     proc = run_python(code + ORDER_CHECK.format(tests=tests), env=env)
     # the module's default device, computed at its import, follows too
-    assert "accelerator flagos default flagos" in proc.stdout
+    assert "accelerator flagos default flagos" in proc.stdout and "device_map ok" in proc.stdout
 
 
 def test_a_default_device_the_user_set_in_diffusers_is_kept():
