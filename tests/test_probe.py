@@ -161,3 +161,47 @@ def test_versions_name_the_plugin_and_the_gpu_runtime_libraries(monkeypatch):
     monkeypatch.setattr(torch.version, "xpu", "20250101", raising=False)
     assert _probe._torch_versions(flagos.chips.profile("xpu")) == {"xpu": "20250101"}
     assert "xpu" not in _probe._torch_versions(flagos.chips.profile("cpu"))
+
+
+def test_the_nvidia_driver_version_is_read_through_nvml_when_it_loads(monkeypatch):
+    read = _probe._nvidia_driver_version.__wrapped__  # the function without its cache
+    for answer in (b"550.54.15", "550.54.15"):  # older pynvml answers bytes
+        monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(
+            nvmlInit=lambda: None, nvmlSystemGetDriverVersion=lambda answer=answer: answer))
+        assert read() == "550.54.15"
+
+    class NVMLError(Exception):  # pynvml's own errors derive from Exception only
+        pass
+
+    def no_driver():
+        raise NVMLError("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=no_driver))
+    assert read() == ""
+
+
+def test_a_chip_this_pytorch_build_cannot_have_is_named_as_not_built(monkeypatch):
+    version = torch.__version__
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    cuda = flagos.chips.profile("cuda")
+    assert _probe._not_built_reason(cuda) == f"this PyTorch ({version}) is built without CUDA or ROCm"
+    monkeypatch.setattr(torch.version, "hip", "6.2.4")
+    assert _probe._not_built_reason(cuda) == ""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    assert _probe._not_built_reason(cuda) == ""
+
+    mps = flagos.chips.profile("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: False)
+    assert _probe._not_built_reason(mps) == f"this PyTorch ({version}) is built without MPS (macOS builds only)"
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
+    assert _probe._not_built_reason(mps) == ""
+
+    xpu = flagos.chips.profile("xpu")
+    monkeypatch.setattr(torch.version, "xpu", None, raising=False)
+    monkeypatch.setattr(torch.xpu, "_is_compiled", lambda: False)
+    assert _probe._not_built_reason(xpu) == f"this PyTorch ({version}) is built without XPU"
+    monkeypatch.setattr(torch.xpu, "_is_compiled", lambda: True)
+    assert _probe._not_built_reason(xpu) == ""
+    assert _probe._not_built_reason(flagos.chips.profile("cpu")) == ""
