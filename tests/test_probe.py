@@ -205,3 +205,51 @@ def test_a_chip_this_pytorch_build_cannot_have_is_named_as_not_built(monkeypatch
     monkeypatch.setattr(torch.xpu, "_is_compiled", lambda: True)
     assert _probe._not_built_reason(xpu) == ""
     assert _probe._not_built_reason(flagos.chips.profile("cpu")) == ""
+
+
+class _Board:
+    """A torch-native chip's device queries, stubbed: what `flagos devices` reads of a device."""
+    name, vendor, native_dtypes = "board", "Acme", ("float32", "float16")
+
+    def __init__(self, device_wide=True, broken=False):
+        self.device_wide, self.broken = device_wide, broken
+
+    def device_name(self, index):
+        if self.broken:
+            raise RuntimeError("device 1 is lost")
+        return f"Acme {index}"
+
+    def mem_get_info(self, index):
+        if not self.device_wide:
+            raise NotImplementedError
+        return 3_000, 10_000  # free, total
+
+    def memory_reserved(self, index):
+        return 1_234
+
+    def total_memory(self, index):
+        return 8_000
+
+
+def test_a_device_row_reads_memory_device_wide_where_it_can_and_reports_a_failed_device():
+    assert _probe.device_row(_Board(), 1, "device") == {
+        "chip": "board", "index": 1, "name": "Acme 1", "vendor": "Acme", "memory_used": 7_000,
+        "memory_total": 10_000, "native_dtypes": ["float32", "float16"], "mode": "device", "status": "ok"}
+    # no device-wide query (mps): what this process holds, of the device's total
+    row = _probe.device_row(_Board(device_wide=False), 0, "native", utilization=True)
+    assert (row["memory_used"], row["memory_total"], row["utilization"]) == (1_234, 8_000, None)
+    broken = _probe.device_row(_Board(broken=True), 1, "device", utilization=True)
+    assert broken["status"] == "error: RuntimeError: device 1 is lost"
+    assert (broken["name"], broken["memory_used"], broken["native_dtypes"], broken["utilization"]) == \
+        (None, None, [], None)
+
+
+def test_device_rows_list_the_devices_of_available_chips_in_the_mode_they_run_in():
+    statuses = [_probe.chip_status("cpu"), _probe.chip_status("sim"),
+                {**_probe.chip_status("sim"), "chip": "npu", "status": _probe.UNAVAILABLE}]
+    rows = _probe.device_rows(statuses)
+    assert [(r["chip"], r["index"]) for r in rows] == [("cpu", 0), ("sim", 0), ("sim", 1)]
+    info = flagos.info()
+    for row in rows:  # the active chip says the mode it was activated in, the others their natural one
+        natural = statuses[0 if row["chip"] == "cpu" else 1]["mode"]
+        assert row["mode"] == (info["mode"] if row["chip"] == info["chip"] else natural), row
