@@ -9,6 +9,8 @@ import torch
 from conftest import CHIP, device_mode_only, run_python, same_on_every_chip
 
 import flagos
+from flagos.core import _state
+from flagos.integrations import _libraries
 
 pytestmark = device_mode_only
 accelerate = pytest.importorskip("accelerate")
@@ -367,3 +369,53 @@ def test_get_max_memory_accepts_every_device_and_no_other():
         with pytest.raises(ValueError, match=rf"names device {missing}, but flagos has {count} "
                                              rf"device\(s\).*use indices 0 to {count - 1}"):
             get_max_memory({missing: 100, "cpu": 100})
+
+
+class _Kinds:
+    NO, MULTI_GPU, MULTI_CPU = "NO", "MULTI_GPU", "MULTI_CPU"
+
+
+def _launched_state(found_kind):
+    """A stand-in for accelerate's PartialState: what its own backend choice and set_device do,
+    with flagos's answers put around them as on the real class."""
+    class State:
+        device = None
+        local_process_index = 0
+
+        def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+            return backend or "gloo", found_kind
+
+        def set_device(self):
+            self.device = "accelerate's own"
+
+    _libraries._accelerate_distributed(State, _Kinds)
+    return State()
+
+
+def test_a_launched_process_forms_its_group_on_flagos_unless_told_otherwise(monkeypatch):
+    """Under a launcher (LOCAL_RANK set) accelerate's backend becomes flagos's and the kind
+    data-parallel over devices; a CPU run, SageMaker's data parallel, a kind accelerate decided
+    otherwise, or no launcher keeps accelerate's own answer, as does an explicit backend only
+    where it is "nccl" under the CUDA redirect."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    state = _launched_state(_Kinds.NO)
+    assert state._prepare_backend(False, False, None) == ("flagos", _Kinds.MULTI_GPU)
+    assert state._prepare_backend(True, False, None) == ("gloo", _Kinds.NO)       # cpu=True
+    assert state._prepare_backend(False, True, None) == ("gloo", _Kinds.NO)       # sagemaker_dp
+    assert _launched_state(_Kinds.MULTI_CPU)._prepare_backend(False, False, None) == ("gloo", _Kinds.MULTI_CPU)
+    assert state._prepare_backend(False, False, "nccl") == ("flagos", _Kinds.MULTI_GPU)
+    monkeypatch.setattr(_state.active(), "redirect_cuda", True)
+    assert state._prepare_backend(False, False, "nccl") == ("nccl", _Kinds.MULTI_GPU)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert state._prepare_backend(False, False, None) == ("gloo", _Kinds.NO)
+
+
+def test_a_process_in_a_flagos_group_takes_the_device_of_its_local_rank(dev):
+    state = _launched_state(_Kinds.NO)
+    state.backend = "flagos"
+    state.set_device()
+    assert state.device == torch.device("flagos", 0) and torch.flagos.current_device() == 0
+    other = _launched_state(_Kinds.NO)
+    other.backend = "gloo"  # a group accelerate formed itself: its own device choice
+    other.set_device()
+    assert other.device == "accelerate's own"

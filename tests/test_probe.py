@@ -253,3 +253,47 @@ def test_device_rows_list_the_devices_of_available_chips_in_the_mode_they_run_in
     for row in rows:  # the active chip says the mode it was activated in, the others their natural one
         natural = statuses[0 if row["chip"] == "cpu" else 1]["mode"]
         assert row["mode"] == (info["mode"] if row["chip"] == info["chip"] else natural), row
+
+
+def _fake_chip(**kw) -> TorchChip:
+    return TorchChip(name="fake", torch_type="flagosfake", vendor="Fake", collective_backend="gloo", **kw)
+
+
+def test_a_torch_native_chip_is_judged_by_its_plugin_then_its_torch_module(monkeypatch, tmp_path):
+    def judged(chip):
+        found = _probe._torch_status(chip)
+        return found["status"], found["problem"], found["reason"], found["device_count"], found["source"]
+
+    assert judged(_fake_chip(plugin="flagos_absent_plugin")) == (
+        "unavailable", "package_missing", "package missing: flagos_absent_plugin is not installed", 0,
+        "flagos_absent_plugin")
+    (tmp_path / "flagos_broken_plugin.py").write_text(
+        "raise ImportError('libhccl.so: cannot open shared object file: No such file or directory')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status, problem, reason, _, source = judged(_fake_chip(plugin="flagos_broken_plugin"))
+    assert (status, problem, source) == ("broken", "driver_missing", "flagos_broken_plugin")
+    assert reason.startswith("driver missing: flagos_broken_plugin cannot load a vendor library (ImportError: ")
+
+    monkeypatch.setattr(torch, "flagosfake", types.SimpleNamespace(is_available=lambda: False,
+                                                                  device_count=lambda: 0), raising=False)
+    assert judged(_fake_chip()) == (
+        "unavailable", "driver_missing",
+        "driver missing or no device: torch.flagosfake.is_available() is False", 0, "torch.flagosfake")
+    torch.flagosfake.is_available = lambda: True
+    assert judged(_fake_chip()) == ("unavailable", "no_devices", "no devices", 0, "torch.flagosfake")
+    torch.flagosfake.device_count = lambda: 2
+    assert judged(_fake_chip()) == ("available", "", "", 2, "torch.flagosfake")
+
+    def lost():
+        raise RuntimeError("driver/library version mismatch")
+
+    torch.flagosfake.is_available = lost
+    assert judged(_fake_chip()) == (
+        "broken", "load_error",
+        "load error: torch.flagosfake failed (RuntimeError: driver/library version mismatch)", 0, "torch.flagosfake")
+
+
+def test_the_active_mode_is_the_active_chips_alone():
+    info = flagos.info()
+    assert _probe._active_mode(info["chip"]) == info["mode"]
+    assert _probe._active_mode("npu" if info["chip"] != "npu" else "mlu") is None
