@@ -1,10 +1,12 @@
 """What `flagos diagnose`, `flagos devices` and `flagos top` read about the machine
 (flagos/report/_probe.py), checked against hand-computed answers with the sources stubbed."""
+import io
 import sys
 import types
 
 import pytest
 import torch
+from conftest import run_python
 
 import flagos
 from flagos.chips.adapter import AdapterChip
@@ -297,3 +299,32 @@ def test_the_active_mode_is_the_active_chips_alone():
     info = flagos.info()
     assert _probe._active_mode(info["chip"]) == info["mode"]
     assert _probe._active_mode("npu" if info["chip"] != "npu" else "mlu") is None
+
+
+def test_cpu_times_are_read_from_proc_stat_with_iowait_counted_idle(monkeypatch):
+    def stat(text):
+        monkeypatch.setattr(_probe, "open", lambda path: io.StringIO(text), raising=False)
+        return _probe._read_cpu_times()
+
+    # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
+    assert stat("cpu  100 5 50 800 20 0 5 0 0 0\ncpu0 1 2 3 4\n") == (160, 980)
+    assert stat("cpu 1 2 3 4\n") == (6, 10)  # an old kernel: no iowait column
+    assert stat("cpu  x y z\n") is None
+
+    def unreadable(path):
+        raise PermissionError(path)
+
+    monkeypatch.setattr(_probe, "open", unreadable, raising=False)
+    assert _probe._read_cpu_times() is None
+
+
+def test_host_utilization_is_zero_before_a_clock_tick_and_none_without_proc_stat(monkeypatch):
+    # a fresh process: its first answer, when no clock tick passed, is the initial one
+    proc = run_python("""
+        from flagos.report import _probe
+        _probe._read_cpu_times = lambda: (1_000, 10_000)
+        print("first", _probe.cpu_utilization())
+        _probe._read_cpu_times = lambda: None
+        print("unreadable", _probe.cpu_utilization())
+    """)
+    assert "first 0.0\nunreadable None" in proc.stdout
