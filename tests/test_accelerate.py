@@ -410,7 +410,7 @@ def test_a_launched_process_forms_its_group_on_flagos_unless_told_otherwise(monk
     assert state._prepare_backend(False, False, None) == ("gloo", _Kinds.NO)
 
 
-def test_a_process_in_a_flagos_group_takes_the_device_of_its_local_rank(dev):
+def test_a_process_in_a_flagos_group_takes_the_device_of_its_local_rank(dev, monkeypatch):
     state = _launched_state(_Kinds.NO)
     state.backend = "flagos"
     state.set_device()
@@ -419,3 +419,12 @@ def test_a_process_in_a_flagos_group_takes_the_device_of_its_local_rank(dev):
     other.backend = "gloo"  # a group accelerate formed itself: its own device choice
     other.set_device()
     assert other.device == "accelerate's own"
+    nccl = _launched_state(_Kinds.NO)
+    nccl.backend = "nccl"  # a CUDA script's group: flagos's only under the CUDA redirect
+    nccl.set_device()
+    assert nccl.device == "accelerate's own"
+    monkeypatch.setattr(_state.active(), "redirect_cuda", True)
+    redirected = _launched_state(_Kinds.NO)
+    redirected.backend = "nccl"
+    redirected.set_device()
+    assert redirected.device == torch.device("flagos", 0)
