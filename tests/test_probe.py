@@ -328,3 +328,12 @@ def test_host_utilization_is_zero_before_a_clock_tick_and_none_without_proc_stat
         print("unreadable", _probe.cpu_utilization())
     """)
     assert "first 0.0\nunreadable None" in proc.stdout
+
+
+def test_host_utilization_is_rounded_to_four_places_and_taken_after_a_single_tick(monkeypatch):
+    readings = iter([(0, 0), (1, 3), (2, 4)])
+    monkeypatch.setattr(_probe, "_read_cpu_times", lambda: next(readings))
+    monkeypatch.setattr(_probe, "time", types.SimpleNamespace(sleep=lambda s: None))
+    monkeypatch.setattr(_probe, "_cpu_sample", None)
+    assert _probe.cpu_utilization() == 0.3333   # 1 busy of 3
+    assert _probe.cpu_utilization() == 1.0      # one tick, busy
