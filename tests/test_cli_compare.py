@@ -1,5 +1,6 @@
 """`flagos compare` run as a user runs it, and `flagos.compare(...)` from Python: a deliberately
 wrong override kernel on sim is found at the first module that uses its op."""
+import argparse
 import json
 import os
 import subprocess
@@ -145,8 +146,24 @@ def test_python_api_runs_another_chip_in_a_child():
 
 
 @runs_once
+def test_the_command_line_defaults_are_the_ones_its_help_names():
+    parser = argparse.ArgumentParser()
+    _compare.add_arguments(parser)
+    args = parser.parse_args(["mlp"])
+    assert (args.chip, args.ref, args.dtype, args.batch, args.seed, args.show, args.upcast, args.json) == \
+        ("auto", "torch-cpu", "float32", 1, 0, 20, False, None)
+    helps = {a.dest: a.help for a in parser._actions}
+    assert "(default 1)" in helps["batch"] and "(default 20" in helps["show"] and "(default float32)" in helps["dtype"]
+
+
+@runs_once
 def test_verdict_thresholds():
     ref = torch.linspace(-1, 1, 1000)
+    # max abs err over 1e-3 alone is not a failure while the cosine stays at or above 0.99
+    close = _compare.judge([ref + 2e-3 * torch.sin(ref * 50)], [ref])
+    assert close["cosine"] > 0.999 and close["max_abs_err"] > 1e-3 and close["passed"], close
+    # the relative error's denominator is at least 1e-6: a reference of 0 does not divide by 0
+    assert _compare.judge([torch.tensor([1e-6, 2.0])], [torch.tensor([0.0, 2.0])])["max_rel_err"] == pytest.approx(1.0)
     # cosine < 0.99 alone is not a failure while max abs err stays under 1e-3 (tiny values)
     tiny = _compare.judge([ref * 1e-4 + 3e-5 * torch.sin(ref * 50)], [ref * 1e-4])
     assert 0.9 < tiny["cosine"] < 0.99 and tiny["passed"], tiny
