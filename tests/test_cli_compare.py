@@ -253,3 +253,49 @@ def test_a_module_that_ran_on_the_reference_only_fails(tmp_path):
     assert (first["name"], first["type"], first["reason"]) == \
         ("check#0", "Identity", "ran on the reference only")
     assert all(r["passed"] for r in data["modules"] if r["name"] != "check#0")
+
+
+class _Twice(torch.nn.Module):
+    """One Linear called twice, and an in-place ReLU after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.act = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.act(self.lin(self.lin(x)))
+
+
+@runs_once
+def test_each_call_of_a_module_is_recorded_apart_and_before_later_in_place_ops():
+    torch.manual_seed(0)
+    model, x = _Twice(), torch.randn(4, 3)
+    records, order, types = {}, [], {}
+    handles = _compare._hook_every_module(model, records, order, types)
+    with torch.no_grad():
+        out = model(x)
+    for h in handles:
+        h.remove()
+    assert order == ["lin#0", "lin#1", "act#0", "(model)#0"]
+    assert types == {"lin#0": "Linear", "lin#1": "Linear", "act#0": "ReLU", "(model)#0": "_Twice"}
+    with torch.no_grad():
+        first = model.lin(x)
+        second = model.lin(first)
+    torch.testing.assert_close(records["lin#0"][0], first)
+    torch.testing.assert_close(records["lin#1"][0], second)  # negatives kept: copied before the ReLU
+    assert (second < 0).any() and torch.equal(records["(model)#0"][0], out)
+
+
+@device_mode_only
+def test_fallbacks_before_a_comparison_are_not_counted_in_it(dev):
+    """The chip run lists the ops that fell back in it, not what this process ran before."""
+    flagos.set_route("aten::neg", "fallback")
+    try:
+        torch.neg(torch.ones(2, device=dev))
+    finally:
+        flagos.set_route("aten::neg", "auto")
+    assert "aten::neg" in [r["op"] for r in flagos.fallback_report().rows if r["calls"]["fallback"]]
+    model, x = _torch_model()
+    data = flagos.compare(model, (x,), chip=CHIP, ref="torch-cpu")
+    assert data["passed"] and "aten::neg" not in data["chip_run"]["fallback_ops"]
