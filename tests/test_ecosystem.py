@@ -238,3 +238,10 @@ def test_safetensors_load_file_onto_flagos(dev, tmp_path):
         for key, value in tensors.items():
             torch.testing.assert_close(loaded[key].cpu(), value)
     assert safetensors_torch.load_file(str(path))["w"].device.type == "cpu"
+    # a name that is no device at all gets safetensors' own error, as without flagos
+    with pytest.raises(Exception) as flagos_error:
+        safetensors_torch.load_file(str(path), device="nonsense")
+    with pytest.raises(Exception) as own_error:
+        safetensors_torch.load_file.__wrapped__(str(path), device="nonsense")
+    assert (type(flagos_error.value), str(flagos_error.value)) == (type(own_error.value), str(own_error.value))
+    assert "device nonsense is invalid" in str(own_error.value)
