@@ -428,3 +428,19 @@ def test_a_process_in_a_flagos_group_takes_the_device_of_its_local_rank(dev, mon
     redirected.backend = "nccl"
     redirected.set_device()
     assert redirected.device == torch.device("flagos", 0)
+
+
+@pytest.mark.parametrize("error", [AttributeError("module has no attribute 'PartialState'"),
+                                   TypeError("default_device() takes 1 positional argument")])
+def test_a_library_version_flagos_cannot_answer_is_left_working_with_a_warning(monkeypatch, caplog, error):
+    """Another release of a library (a renamed attribute, another signature): its import and
+    everything else go on; the log says to pass flagos.device() to it explicitly."""
+    def patch(module):
+        raise error
+
+    monkeypatch.setitem(_libraries._PATCHES, "flagos_test_library", patch)
+    monkeypatch.setattr(_libraries, "_done", set())
+    with caplog.at_level("WARNING", logger="flagos"):
+        _libraries._patch("flagos_test_library", object())
+    assert f"flagos could not answer flagos_test_library's device detection ({type(error).__name__}: " \
+           f"{error}); pass flagos.device() to it explicitly" in caplog.text

@@ -46,6 +46,23 @@ def test_storage_names_the_memory_a_tensor_views(dev):
     assert ids["a"] == ids["b"] != ids["c"]
 
 
+def test_huggingface_hub_judges_flagos_views_as_it_judges_cpu_ones(dev):
+    """Whether a tensor covers its whole storage (huggingface_hub clones the ones that do not
+    before saving), its storage's size and which tensors share one: the answers for views of
+    a flagos tensor are those for the same views of a CPU tensor."""
+    hub = pytest.importorskip("huggingface_hub.serialization._torch")
+
+    def views(base):
+        return [base, base[0], base[1], base.t(), base.view(-1)[:5], base.view(-1), base.detach()]
+
+    cpu, on_dev = torch.arange(6.0).view(2, 3), torch.arange(6.0).view(2, 3).to(dev)
+    assert [hub._is_complete(v) for v in views(on_dev)] == [hub._is_complete(v) for v in views(cpu)] == \
+        [True, False, False, True, False, True, True]
+    assert [hub.get_torch_storage_size(v) for v in views(on_dev)] == [24] * 7
+    ids = [hub._get_unique_id(v) for v in views(on_dev)] + [hub._get_unique_id(on_dev.clone())]
+    assert len(set(ids[:-1])) == 1 and ids[-1] != ids[0]
+
+
 def test_safetensors_save_file_writes_the_bytes_of_a_cpu_save(dev, tmp_path):
     safetensors_torch = pytest.importorskip("safetensors.torch")
     torch.manual_seed(0)
