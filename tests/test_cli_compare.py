@@ -176,6 +176,21 @@ def test_verdict_thresholds():
     assert flipped_tiny["max_abs_err"] < 1e-3 and "< 0.9" in flipped_tiny["reason"]
     big = _compare.judge([ref * 1000 + 2], [ref * 1000])
     assert big["cosine"] > 0.999 and big["reason"] == "max abs err 2 > 1.0"
+    # rounding can put the cosine of equal (or opposite) vectors past 1: it is kept to [-1, 1]
+    g = torch.Generator().manual_seed(0)
+    vec = torch.randn(1000, generator=g)
+    assert float((vec.double() ** 2).sum()) / float(vec.double().norm()) ** 2 > 1  # past 1 unclamped
+    assert _compare.judge([vec], [vec.clone()])["cosine"] == 1.0
+    assert _compare.judge([-vec], [vec])["cosine"] == -1.0
+    # zero vectors: the same only if both are zero
+    zeros = torch.zeros(4)
+    assert _compare.judge([zeros], [zeros.clone()])["cosine"] == 1.0
+    assert _compare.judge([zeros], [zeros + 1e-5])["reason"] == "cosine 0.0000 < 0.9"
+    # nothing finite on both sides (NaN in the same places): no error to measure
+    nan = torch.full((3,), float("nan"))
+    assert {k: v for k, v in _compare.judge([nan], [nan.clone()]).items() if k != "shapes"} == {
+        "cosine": 1.0, "max_abs_err": 0.0, "max_rel_err": 0.0, "rmse": 0.0, "nonfinite_chip": 3,
+        "nonfinite_ref": 3, "passed": True, "reason": None}
     # NaN where the reference has NaN too is agreement; shapes that differ are not
     both_nan = torch.tensor([float("nan"), 1.0])
     assert _compare.judge([both_nan], [both_nan.clone()])["passed"]
