@@ -197,8 +197,14 @@ def test_verdict_thresholds():
     assert _compare.judge([ref[:10]], [ref[:11]]) == {
         "shapes": [[10]], "cosine": None, "max_abs_err": None, "max_rel_err": None, "rmse": None,
         "nonfinite_chip": 0, "nonfinite_ref": 0, "passed": False, "reason": "shapes differ: [[10]] vs ref [[11]]"}
-    # the relative error divides by the reference's magnitude
-    assert _compare.judge([torch.tensor([1.0, 2.0])], [torch.tensor([1.0, 4.0])])["max_rel_err"] == 0.5
+    # the relative error divides by the reference's magnitude; rmse over the elements
+    two = _compare.judge([torch.tensor([1.0, 2.0])], [torch.tensor([1.0, 4.0])])
+    assert (two["max_rel_err"], two["rmse"]) == (0.5, pytest.approx(2 ** 0.5))
+    # an infinity is agreement only where the reference has the same one
+    inf = float("inf")
+    assert _compare.judge([torch.tensor([inf, 1.0])], [torch.tensor([inf, 1.0])])["passed"]
+    assert _compare.judge([torch.tensor([inf, 1.0])], [torch.tensor([-inf, 1.0])])["reason"] == \
+        "NaN/inf on one side only (more on ref)"
     # NaN on one side fails, and the figures describe the elements finite on both sides
     one_sided = _compare.judge([torch.tensor([1.0, float("nan"), 3.0])], [torch.tensor([1.0, 2.0, 3.5])])
     assert not one_sided["passed"] and one_sided["reason"].startswith("NaN/inf on one side only")
