@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -371,6 +372,28 @@ def test_dist_backend_names_the_flagos_backend():
     assert flagos.dist_backend() == "flagos"
     assert dist.Backend.default_device_backend_map.get("flagos") == "flagos"
     assert "flagos" in dist.Backend.backend_list
+
+
+def test_installing_the_backend_again_changes_nothing():
+    """Activation registers the backend once per process; asking again (a second activation
+    path, a library calling install) neither fails nor registers it twice."""
+    before = list(dist.Backend.backend_list)
+    _distributed.install()
+    _distributed.install()
+    assert dist.Backend.backend_list == before and flagos.dist_backend() == "flagos"
+
+
+def test_native_mode_backend_is_the_chips_own_or_gloo(monkeypatch):
+    """In native mode: the chip's collective backend (hccl, cncl, ...), gloo for a chip that
+    names none."""
+    def backend_of(mode, collective):
+        state = types.SimpleNamespace(mode=mode, chip=types.SimpleNamespace(collective_backend=collective))
+        monkeypatch.setattr(_distributed._state, "active", lambda: state)
+        return _distributed.dist_backend()
+
+    assert backend_of("native", "hccl") == "hccl"
+    assert backend_of("native", None) == "gloo"
+    assert backend_of("device", "hccl") == "flagos"
 
 
 def test_payload_route_per_chip():
