@@ -176,6 +176,20 @@ def test_verdict_thresholds():
     assert flipped_tiny["max_abs_err"] < 1e-3 and "< 0.9" in flipped_tiny["reason"]
     big = _compare.judge([ref * 1000 + 2], [ref * 1000])
     assert big["cosine"] > 0.999 and big["reason"] == "max abs err 2 > 1.0"
+    # every threshold is a limit the verdict still passes at (float64 values that hit it exactly)
+    unit = 2.0 ** -20
+    at_floor = _compare.judge([torch.tensor([9.0, 3, 3, 1], dtype=torch.float64) * unit],
+                              [torch.tensor([10.0, 0, 0, 0], dtype=torch.float64) * unit])
+    assert at_floor["cosine"] == 0.9 and at_floor["passed"], at_floor
+    at_ceiling = _compare.judge([torch.tensor([1000.0, 2000.0], dtype=torch.float64)],
+                                [torch.tensor([999.0, 2000.0], dtype=torch.float64)])
+    assert at_ceiling["max_abs_err"] == 1.0 and at_ceiling["passed"], at_ceiling
+    at_cosine = _compare.judge([torch.tensor([99.0, 14, 1, 1, 1], dtype=torch.float64) / 1024],
+                               [torch.tensor([100.0, 0, 0, 0, 0], dtype=torch.float64) / 1024])
+    assert at_cosine["cosine"] == 0.99 and 1e-3 < at_cosine["max_abs_err"] < 1 and at_cosine["passed"], at_cosine
+    at_abs = _compare.judge([torch.tensor([1e-3, 3e-3], dtype=torch.float64)],
+                            [torch.tensor([0.0, 3e-3], dtype=torch.float64)])
+    assert at_abs["max_abs_err"] == 1e-3 and 0.9 < at_abs["cosine"] < 0.99 and at_abs["passed"], at_abs
     # rounding can put the cosine of equal (or opposite) vectors past 1: it is kept to [-1, 1]
     g = torch.Generator().manual_seed(0)
     vec = torch.randn(1000, generator=g)
