@@ -404,6 +404,23 @@ def test_payload_route_per_chip():
     assert _distributed._payload_route(sim) == ("gloo", None)
 
 
+def test_payload_route_of_vendor_chips(monkeypatch):
+    """A backend flagos can build a group of (gloo, nccl, xccl) for a payload device it serves
+    runs on the payloads; a vendor backend flagos cannot build (hccl, cncl), even one
+    registered for the device, goes through host copies and gloo's group; a chip that names no
+    backend is gloo's."""
+    def chip(backend, torch_type):
+        return types.SimpleNamespace(collective_backend=backend, torch_type=torch_type)
+
+    monkeypatch.setitem(dist.Backend.backend_capability, "vendorccl", ["flagosfake"])
+    monkeypatch.setitem(dist.Backend.backend_capability, "gloo",
+                        [*dist.Backend.backend_capability["gloo"], "flagosfake"])
+    assert _distributed._payload_route(chip("vendorccl", "flagosfake")) == ("vendorccl", None)
+    assert _distributed._payload_route(chip("gloo", "flagosfake")) == ("gloo", "flagosfake")
+    assert _distributed._payload_route(chip(None, "cpu")) == ("gloo", "cpu")
+    assert _distributed._payload_route(chip("gloo", "meta")) == ("gloo", None)  # not one gloo serves
+
+
 def test_one_process_group_and_a_hashstore(dev):
     """init_process_group() without a backend picks flagos (PyTorch asks the accelerator), and
     device_id=flagos:0 is accepted."""
