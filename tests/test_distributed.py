@@ -435,6 +435,24 @@ def test_one_process_group_and_a_hashstore(dev):
             dist.destroy_process_group()
 
 
+def test_a_collective_on_a_non_contiguous_view_writes_into_the_view(dev):
+    """Collectives need contiguous memory: a transposed view runs on a contiguous copy whose
+    result is written back into the view, as on a CPU tensor."""
+    dist.init_process_group(backend="flagos", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        base = torch.arange(6.0).reshape(2, 3).to(dev)
+        view = base.t()
+        assert not view.is_contiguous()
+        dist.all_reduce(view)
+        dist.broadcast(view, src=0)
+        torch.testing.assert_close(base.cpu(), torch.arange(6.0).reshape(2, 3))
+        gathered = torch.zeros(3, 2).to(dev).t()  # an output view: the result lands in it
+        dist.all_gather([gathered], torch.arange(6.0).reshape(2, 3).to(dev))
+        torch.testing.assert_close(gathered.cpu(), torch.arange(6.0).reshape(2, 3))
+    finally:
+        dist.destroy_process_group()
+
+
 @runs_once
 def test_native_mode_names_the_chips_own_backend():
     """In native mode tensors are the chip's own, and so is the backend (gloo for cpu); before
