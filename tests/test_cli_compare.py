@@ -336,3 +336,18 @@ def test_fallbacks_before_a_comparison_are_not_counted_in_it(dev):
     model, x = _torch_model()
     data = flagos.compare(model, (x,), chip=CHIP, ref="torch-cpu")
     assert data["passed"] and "aten::neg" not in data["chip_run"]["fallback_ops"]
+
+
+@runs_once
+def test_rows_follow_the_chips_order_and_fail_a_call_one_side_made_alone():
+    one = [torch.ones(2)]
+    chip = {"order": ["a#0", "extra#0", "(model)#0"], "records": {"a#0": one, "extra#0": one, "(model)#0": one},
+            "types": {"a#0": "Linear", "extra#0": "Dropout", "(model)#0": "Net"}}
+    ref = {"order": ["a#0", "skipped#0", "(model)#0"], "records": {"a#0": one, "skipped#0": one, "(model)#0": one},
+           "types": {"a#0": "Linear", "skipped#0": "GELU", "(model)#0": "Net"}}
+    rows = _compare._rows(chip, ref)
+    assert [(r["name"], r["module"], r["call"], r["type"], r["passed"], r.get("reason")) for r in rows] == [
+        ("a#0", "a", 0, "Linear", True, None),
+        ("extra#0", "extra", 0, "Dropout", False, "ran on the chip only"),
+        ("(model)#0", "(model)", 0, "Net", True, None),
+        ("skipped#0", "skipped", 0, "GELU", False, "ran on the reference only")]
