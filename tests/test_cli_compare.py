@@ -135,6 +135,13 @@ def test_python_api_in_this_process_catches_nan_on_one_side():
     assert flagos.compare(model, (x,), chip=CHIP, ref="torch-cpu")["passed"] is True
 
 
+@device_mode_only
+def test_python_api_with_a_workload_name_takes_the_documented_defaults():
+    data = flagos.compare("mlp", chip=CHIP)
+    assert (data["passed"], data["ref"], data["dtype"], data["upcast"], data["batch"], data["seed"]) == \
+        (True, "torch-cpu", "float32", False, 1, 0)
+
+
 def test_python_api_runs_another_chip_in_a_child():
     other = "cpu" if CHIP == "sim" else "sim"
     model, x = _torch_model()
@@ -252,6 +259,12 @@ def test_usage_errors():
         flagos.compare(model)
     with pytest.raises(ValueError, match="unknown chip 'gpu0'.*torch-cpu"):
         flagos.compare(model, (x,), chip="gpu0")
+    with pytest.raises(ValueError, match="batch must be at least 1, not 0"):
+        flagos.compare("mlp", batch=0)
+    unpicklable = torch.nn.Sequential(torch.nn.Linear(6, 3))
+    unpicklable.hook = lambda: None  # a lambda cannot be pickled for the other process
+    with pytest.raises(ValueError, match="the model cannot be pickled for the other process"):
+        flagos.compare(unpicklable, (x,))
 
 
 # A model with a module that runs on the host only (a check a chip's fast path skips): the
