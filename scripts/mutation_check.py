@@ -496,6 +496,18 @@ MUTATIONS = [
     M("top_loops_by_default", "flagos.tools.top() loops and prints instead of returning one frame",
       "flagos/tools/_top.py", "def top(once: bool = True,", "def top(once: bool = False,",
       cpu("tests/test_cli_top.py", k="python_call")),
+    M("compare_floor_inclusive", "compare fails a module whose cosine is exactly the 0.9 floor",
+      "flagos/tools/_compare.py", '    elif cosine < t["cosine_floor"]:', '    elif cosine <= t["cosine_floor"]:',
+      cpu("tests/test_cli_compare.py", k="thresholds")),
+    M("probe_lists_any_library", "the adapter search path lists files that are not libflagos_*.so",
+      "flagos/report/_probe.py", 'n.startswith("libflagos_") and n.endswith(".so")',
+      'n.startswith("libflagos_") or n.endswith(".so")', cpu("tests/test_cli_diagnose.py", k="broken_adapters")),
+    M("launcher_ignores_cpu_flag", "accelerate asked for a CPU run under a launcher still gets flagos's backend",
+      "flagos/integrations/_libraries.py", "        if (device is None or cpu or sagemaker_dp",
+      "        if (device is None or cpu and sagemaker_dp", cpu("tests/test_accelerate.py", k="launched")),
+    M("diffusers_device_map_list_untouched", "Diffusers imported first refuses device_map='flagos'",
+      "flagos/integrations/_libraries.py", '    if "flagos" not in names:', '    if "flagos" in names:',
+      cpu("tests/test_offload.py", k="came_first")),
 ]
 
 
