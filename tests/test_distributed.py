@@ -435,6 +435,16 @@ def test_one_process_group_and_a_hashstore(dev):
             dist.destroy_process_group()
 
 
+def test_the_group_says_how_its_collectives_run(dev, caplog):
+    """The log names the backend the collectives go through and whether they run on the
+    payloads (the cpu chip: gloo on its CPU tensors) or on host copies (sim's buffers)."""
+    with caplog.at_level("INFO", logger="flagos"):
+        dist.init_process_group(backend="flagos", store=dist.HashStore(), rank=0, world_size=1)
+        dist.destroy_process_group()
+    how = "on the payloads" if CHIP == "cpu" else "on host copies"
+    assert f"flagos process group: rank 0 of 1, collectives through gloo ({how})" in caplog.text
+
+
 def test_a_collective_on_a_non_contiguous_view_writes_into_the_view(dev):
     """Collectives need contiguous memory: a transposed view runs on a contiguous copy whose
     result is written back into the view, as on a CPU tensor."""
