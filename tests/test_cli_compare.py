@@ -364,3 +364,37 @@ def test_rows_follow_the_chips_order_and_fail_a_call_one_side_made_alone():
         ("extra#0", "extra", 0, "Dropout", False, "ran on the chip only"),
         ("(model)#0", "(model)", 0, "Net", True, None),
         ("skipped#0", "skipped", 0, "GELU", False, "ran on the reference only")]
+
+
+def _row(name, typ, cosine, max_abs):
+    blank = cosine is None  # no element finite on both sides
+    return {"name": name, "module": name.split("#")[0], "call": 0, "type": typ, "cosine": cosine,
+            "max_abs_err": max_abs, "max_rel_err": None if blank else 2e-3, "rmse": None if blank else 5e-5,
+            "passed": True, "reason": None}
+
+
+@runs_once
+def test_the_report_of_a_passing_comparison_shows_the_lowest_cosines_first_seen():
+    rows = [_row("a#0", "Linear", 0.9999, 1e-4), _row("b#0", "Flatten", None, None),
+            _row("c#0", "GELU", 0.99, 0.5), _row("(model)#0", "Net", 1.0, 0.0)]
+    data = {"model": "Net", "chip": "sim", "ref": "torch-cpu", "dtype": "float32", "upcast": True, "failed": 0,
+            "passed": True, "compared": 4, "first_failure": None, "modules": rows,
+            "chip_run": {"fallback_ops": ["aten::gelu"], "override_ops": []}}
+    assert _compare.format_result(data, 2) == textwrap.dedent("""\
+        compare Net: sim (float32) vs torch-cpu (float64)
+
+        2 of 4 module calls, with the lowest cosine (--show 0 for all):
+        module  type     cosine    max abs err  max rel err  rmse   verdict
+        ------  -------  --------  -----------  -----------  -----  -------
+        b#0     Flatten  -         -            -            -      ok
+        c#0     GELU     0.990000  0.5          0.002        5e-05  ok
+
+        ops that fell back to the CPU on sim: aten::gelu
+        4 module calls compared, 0 failed
+        PASS""")
+    many = _compare.format_result({**data, "modules": rows * 6})  # 20 rows by default
+    assert "\n20 of 24 module calls" in many and len(many.split("\n")) == 9 + 20
+    nothing = _compare.format_result({**data, "modules": [], "compared": 0, "passed": False, "upcast": False,
+                                      "chip_run": {}})
+    assert nothing.startswith("compare Net: sim (float32) vs torch-cpu\n")
+    assert nothing.endswith("0 module calls compared, 0 failed\nFAIL: no module produced a tensor")
