@@ -105,13 +105,17 @@ def test_an_adapter_that_loads_is_judged_by_its_device_count(monkeypatch, count,
     assert found["source"] == "/opt/nowhere/libflagos_nowhere_adapter.so"
 
 
-def test_the_natural_mode_is_native_only_for_a_chip_that_owns_privateuse1():
+def test_the_natural_mode_is_native_only_for_a_chip_that_owns_privateuse1(monkeypatch):
     device = "device" if device_mode_supported() else "native"
     assert _probe.chip_status("cpu")["mode"] == device
     assert _probe.chip_status("sim")["mode"] == "device"  # an adapter chip always wraps
     owner = TorchChip(name="owner", torch_type="flagosfake", vendor="Fake", collective_backend="gloo")
     owner.owns_privateuse1 = True
     assert _probe.natural_mode(owner) == "native"
+    # a PyTorch without device mode: only adapter chips (which need it) still say device
+    monkeypatch.setattr(_probe, "device_mode_supported", lambda: False)
+    assert _probe.natural_mode(flagos.chips.profile("cpu")) == "native"
+    assert _probe.natural_mode(flagos.chips.profile("sim")) == "device"
 
 
 @pytest.mark.parametrize("error, expected", [
