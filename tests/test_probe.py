@@ -313,6 +313,7 @@ def test_cpu_times_are_read_from_proc_stat_with_iowait_counted_idle(monkeypatch)
     # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
     assert stat("cpu  100 5 50 800 20 0 5 0 0 0\ncpu0 1 2 3 4\n") == (160, 980)
     assert stat("cpu 1 2 3 4\n") == (6, 10)  # an old kernel: no iowait column
+    assert stat("cpu 1 2 3 4 5\n") == (6, 15)  # iowait the last column
     assert stat("cpu  x y z\n") is None
 
     def unreadable(path):
