@@ -35,13 +35,16 @@ def load(kind: str) -> dict:
         return {}
 
 
+def _belongs(entry: dict | None, sha: str, fields: dict) -> bool:
+    """Whether an entry holds results for this very source (and these fields' values)."""
+    return entry is not None and entry.get("sha256") == sha and all(entry.get(k) == v for k, v in fields.items())
+
+
 def entry_for(kind: str, path: str, sha: str, **fields) -> dict:
     """The file's mutants when the ledger holds results for this very source (and, for
     Python, the same operator set); {} otherwise."""
     entry = load(kind).get(path)
-    if entry is None or entry.get("sha256") != sha or any(entry.get(k) != v for k, v in fields.items()):
-        return {}
-    return entry.get("mutants", {})
+    return entry.get("mutants", {}) if _belongs(entry, sha, fields) else {}
 
 
 @contextmanager
@@ -67,7 +70,7 @@ def merge(kind: str, path: str, sha: str, mutants: dict[str, dict], match: dict 
     with _locked(kind):
         data = load(kind)
         entry = data.get(path)
-        if entry is None or entry.get("sha256") != sha or any(entry.get(k) != v for k, v in match.items()):
+        if not _belongs(entry, sha, match):
             entry = {"sha256": sha, **match, "mutants": {}}
         entry.update(info or {})
         entry["mutants"].update(mutants)

@@ -158,6 +158,12 @@ def restore_from_ledger(work: str, db_path: str, module: str, operators: str) ->
         print(f"{module}: {restored} results taken from docs/mutation/python.json", flush=True)
 
 
+def countable(db: WorkDB) -> int:
+    """The module's mutants that are run and scored (all but the skipped ones)."""
+    skipped = {job for job, r in db.results if r.worker_outcome == WorkerOutcome.SKIPPED}
+    return sum(1 for item in db.work_items if item.job_id not in skipped)
+
+
 def sync_ledger(work: str, module: str) -> None:
     """Every result of the module's session merged into the ledger (a session run by an older
     runner, or one whose per-mutant merge was interrupted)."""
@@ -169,8 +175,7 @@ def sync_ledger(work: str, module: str) -> None:
     with use_db(db_path, WorkDB.Mode.open) as db:
         records = {ledger_key(item): rec for item, result in db.completed_work_items
                    if (rec := ledger_record(result, seconds.get(item.job_id, 0.0))) is not None}
-        skipped = {job for job, r in db.results if r.worker_outcome == WorkerOutcome.SKIPPED}
-        total = sum(1 for item in db.work_items if item.job_id not in skipped)
+        total = countable(db)
     if records:
         mutation_ledger.merge("python", module, meta["sha256"], records, match={"operators": meta["operators"]},
                               info={"mutants_total": total})
@@ -233,8 +238,7 @@ def run_module(work: str, tree: str, module: str, opts, tree_print: str) -> None
             source = f.read()
         only_path = os.path.join(work, "python", "only-tests.json")
         sha = common.file_sha(os.path.join(tree, module))
-        skipped = {job for job, r in db.results if r.worker_outcome == WorkerOutcome.SKIPPED}
-        total = sum(1 for it in db.work_items if it.job_id not in skipped)
+        total = countable(db)
         print(f"{module}: {len(todo)} mutants to run, timeout {timeout:.0f} s each", flush=True)
         for n, item in enumerate(todo, 1):
             t0 = time.monotonic()
