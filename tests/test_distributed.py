@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -101,6 +102,11 @@ def _collectives(rank: int, dev, group=None) -> dict[str, torch.Tensor]:
     rt = torch.empty(3, device=dev)
     dist.reduce_scatter_tensor(rt, _values(rank).to(dev), group=group)
     out["reduce_scatter_tensor"] = rt
+    pair = [_values(rank, 4).to(dev), -_values(rank, 2).to(dev)]
+    with warnings.catch_warnings():  # PyTorch marks the coalesced form as going away
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_reduce_coalesced(pair, op=dist.ReduceOp.MAX, group=group)
+    out["all_reduce_coalesced_max"] = torch.cat(pair)
     i = torch.tensor([rank + 1, 10 * rank], dtype=torch.int64, device=dev)
     dist.all_reduce(i, group=group)
     out["all_reduce_int64"] = i
@@ -155,6 +161,7 @@ def test_collectives_match_the_same_on_cpu_tensors(tmp_path):
     r0, r1 = torch.load(tmp_path / "rank0.pt")["cpu"], torch.load(tmp_path / "rank1.pt")["cpu"]
     torch.testing.assert_close(r0["all_reduce"], _values(0) + _values(1))
     torch.testing.assert_close(r0["broadcast"], _values(1))
+    torch.testing.assert_close(r0["all_reduce_coalesced_max"], torch.cat([_values(1, 4), -_values(0, 2)]))
     torch.testing.assert_close(r1["reduce_scatter"], _values(0, 3) + _values(1, 3) + 2)
     torch.testing.assert_close(r1["reduce_to_1"], _values(0) + _values(1))
     torch.testing.assert_close(r1["all_to_all"], torch.cat([_values(0, 4)[2:], _values(1, 4)[2:]]))
@@ -459,6 +466,32 @@ def test_a_collective_on_a_non_contiguous_view_writes_into_the_view(dev):
         gathered = torch.zeros(3, 2).to(dev).t()  # an output view: the result lands in it
         dist.all_gather([gathered], torch.arange(6.0).reshape(2, 3).to(dev))
         torch.testing.assert_close(gathered.cpu(), torch.arange(6.0).reshape(2, 3))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_collective_leaves_its_inputs_alone(dev):
+    """A collective's read-only input is not written: its version stays, so autograd can still
+    use it where it was saved for backward (sin saves its input), and the gradient is CPU's."""
+    dist.init_process_group(backend="flagos", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        grads = []
+        for device in ("cpu", dev):
+            w = torch.linspace(-1, 1, 6, device=device).requires_grad_()
+            x = (w.reshape(2, 3) * 2).t()  # a view that is not contiguous: copied for gloo
+            y = x.sin()
+            version = x._version
+            gathered = torch.empty(3, 2, device=device)
+            dist.all_gather([gathered], x)
+            whole = torch.empty(3, 2, device=device)
+            dist.all_gather_into_tensor(whole, x)
+            assert x._version == version
+            y.sum().backward()
+            grads.append(w.grad.cpu())
+            torch.testing.assert_close(gathered.cpu(), x.detach().cpu())
+            torch.testing.assert_close(whole.cpu(), x.detach().cpu())
+        torch.testing.assert_close(grads[1], grads[0])
+        torch.testing.assert_close(grads[0], 2 * torch.cos(2 * torch.linspace(-1, 1, 6)))
     finally:
         dist.destroy_process_group()
 
