@@ -226,6 +226,11 @@ def test_verdict_thresholds():
     assert _compare.judge([torch.tensor([inf, 1.0])], [torch.tensor([inf, 1.0])])["passed"]
     assert _compare.judge([torch.tensor([inf, 1.0])], [torch.tensor([-inf, 1.0])])["reason"] == \
         "NaN/inf on one side only (more on ref)"
+    # NaN against inf is no agreement, whichever side has which
+    for a, b in ((float("nan"), inf), (inf, float("nan")), (float("nan"), -inf)):
+        verdict = _compare.judge([torch.tensor([a, 1.0])], [torch.tensor([b, 1.0])])
+        assert not verdict["passed"] and verdict["reason"].startswith("NaN/inf on one side only"), (a, b)
+    assert _compare.judge([torch.tensor([float("nan"), 1.0])], [torch.tensor([float("nan"), 1.0])])["passed"]
     # NaN on one side fails, and the figures describe the elements finite on both sides
     one_sided = _compare.judge([torch.tensor([1.0, float("nan"), 3.0])], [torch.tensor([1.0, 2.0, 3.5])])
     assert not one_sided["passed"] and one_sided["reason"].startswith("NaN/inf on one side only")
@@ -237,6 +242,11 @@ def test_the_table_shows_the_rows_from_the_first_failure():
     assert [r["module"] for r in _compare._shown(rows, 1)] == ["2"]
     assert [r["module"] for r in _compare._shown(rows, 2)] == ["2", "3"]
     assert _compare._shown(rows, 0) == rows and _compare._shown(rows, 5) == rows
+    # all passed: the lowest cosines, a row without one (nothing finite on both sides) lowest
+    # of all, below even a cosine of -1 seen before it
+    rows = [{"module": m, "passed": True, "cosine": c} for m, c in (("a", -1.0), ("b", None), ("c", 1.0))]
+    assert [r["module"] for r in _compare._shown(rows, 1)] == ["b"]
+    assert [r["module"] for r in _compare._shown(rows, 2)] == ["a", "b"]
 
 
 @runs_once
@@ -392,6 +402,8 @@ def test_the_report_of_a_passing_comparison_shows_the_lowest_cosines_first_seen(
         ops that fell back to the CPU on sim: aten::gelu
         4 module calls compared, 0 failed
         PASS""")
+    every = _compare.format_result(data, 4)  # every row shown: no line saying which
+    assert "module calls, with" not in every and len(every.split("\n")) == 8 + 4
     many = _compare.format_result({**data, "modules": rows * 6})  # 20 rows by default
     assert "\n20 of 24 module calls" in many and len(many.split("\n")) == 9 + 20
     nothing = _compare.format_result({**data, "modules": [], "compared": 0, "passed": False, "upcast": False,
