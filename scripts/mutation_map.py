@@ -124,7 +124,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/tools/_metrics.py": [cpu(METRICS)],
     "flagos/tools/_models.py": [cpu(BENCH, COMPARE)],
     "flagos/report/_probe.py": [cpu(DIAGNOSE, DEVICES, T + "probe.py")],
-    "flagos/tools/_smoke.py": [cpu(DIAGNOSE, T + "smoke_checks.py"), sim(T + "smoke_checks.py")],
+    "flagos/tools/_smoke.py": [cpu(DIAGNOSE, T + "smoke_checks.py"), sim_default(T + "smoke_checks.py")],
     "flagos/tools/_top.py": [cpu(TOP)],
     # ---- the C router and loader ----
     "csrc/module.c": [cpu(DEVICE, ROUTES, ERRORS, NATIVE), sim(DEVICE), cpu(T + "benchmarks.py", k="floor"),
