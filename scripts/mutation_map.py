@@ -122,7 +122,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/tools/_devices.py": [cpu(DEVICES)],
     "flagos/tools/_diagnose.py": [cpu(DIAGNOSE)],
     "flagos/tools/_metrics.py": [cpu(METRICS)],
-    "flagos/tools/_models.py": [cpu(BENCH, COMPARE)],
+    "flagos/tools/_models.py": [cpu(T + "workloads.py", BENCH, COMPARE)],
     "flagos/report/_probe.py": [cpu(DIAGNOSE, DEVICES, T + "probe.py")],
     "flagos/tools/_smoke.py": [cpu(DIAGNOSE, T + "smoke_checks.py"), sim_default(T + "smoke_checks.py")],
     "flagos/tools/_top.py": [cpu(TOP)],

@@ -140,11 +140,11 @@ def test_a_child_runs_with_the_defaults_and_finds_this_flagos(monkeypatch):
     for name in _smoke._CHILD_UNSET:
         monkeypatch.setenv(name, "x")
     monkeypatch.setenv("FLAGOS_FALLBACK", "error")
-    monkeypatch.setenv("FLAGOS_SOMETHING_ELSE", "kept")
+    monkeypatch.setenv("FLAGOS_SIM_DEVICES", "3")
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     env = _smoke._child_environment()
     assert not set(_smoke._CHILD_UNSET) & set(env)
-    assert env["FLAGOS_FALLBACK"] == "allow" and env["FLAGOS_SOMETHING_ELSE"] == "kept"
+    assert env["FLAGOS_FALLBACK"] == "allow" and env["FLAGOS_SIM_DEVICES"] == "3"
     assert env["PYTHONPATH"] == root + os.pathsep + "/elsewhere"
     monkeypatch.delenv("PYTHONPATH")
     assert _smoke._child_environment()["PYTHONPATH"] == root
