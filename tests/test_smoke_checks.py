@@ -191,3 +191,15 @@ def test_a_forked_child_past_its_deadline_is_killed(monkeypatch):
     assert killed == [(child.pid, signal.SIGKILL)]  # killed, not waited for
     with pytest.raises(ChildProcessError):
         os.waitpid(child.pid, os.WNOHANG)  # and reaped
+
+
+def test_the_smoke_tests_get_60_seconds_together(monkeypatch):
+    """docs/cli.md: every chip's test has the same deadline, 60 s after the results are asked for."""
+    deadlines = []
+    monkeypatch.setattr(_smoke.time, "monotonic", lambda: 1000.0)
+    monkeypatch.setattr(_smoke._Child, "__init__", lambda self, chip, fork: setattr(self, "chip", chip))
+    monkeypatch.setattr(_smoke._Child, "result", lambda self, deadline: deadlines.append(deadline) or self.chip)
+    tests = _smoke.SmokeTests()
+    for chip in ("cpu", "sim"):
+        tests.start(chip)
+    assert tests.results() == ["cpu", "sim"] and deadlines == [1060.0, 1060.0]
