@@ -107,6 +107,22 @@ def _collectives(rank: int, dev, group=None) -> dict[str, torch.Tensor]:
         warnings.simplefilter("ignore", FutureWarning)
         dist.all_reduce_coalesced(pair, op=dist.ReduceOp.MAX, group=group)
     out["all_reduce_coalesced_max"] = torch.cat(pair)
+    # the coalesced forms (FSDP-style code): one call per kind for a list of tensors
+    firsts, seconds = torch.empty(WORLD * 2, device=dev), torch.empty(WORLD * 3, device=dev)
+    with dist._coalescing_manager(group=group):
+        dist.all_gather_into_tensor(firsts, _values(rank, 2).to(dev), group=group)
+        dist.all_gather_into_tensor(seconds, -_values(rank, 3).to(dev), group=group)
+    out["all_gather_into_tensor_coalesced"] = torch.cat([firsts, seconds])
+    halves, thirds = torch.empty(2, device=dev), torch.empty(3, device=dev)
+    with dist._coalescing_manager(group=group):
+        dist.reduce_scatter_tensor(halves, _values(rank, 2 * WORLD).to(dev), op=dist.ReduceOp.MAX, group=group)
+        dist.reduce_scatter_tensor(thirds, -_values(rank, 3 * WORLD).to(dev), op=dist.ReduceOp.MAX, group=group)
+    out["reduce_scatter_tensor_coalesced_max"] = torch.cat([halves, thirds])
+    lists = [[torch.empty(2, device=dev), torch.empty(3, device=dev)] for _ in range(WORLD)]  # per rank
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_gather_coalesced(lists, [_values(rank, 2).to(dev), -_values(rank, 3).to(dev)], group=group)
+    out["all_gather_coalesced"] = torch.cat([t for ts in lists for t in ts])
     i = torch.tensor([rank + 1, 10 * rank], dtype=torch.int64, device=dev)
     dist.all_reduce(i, group=group)
     out["all_reduce_int64"] = i
@@ -162,6 +178,12 @@ def test_collectives_match_the_same_on_cpu_tensors(tmp_path):
     torch.testing.assert_close(r0["all_reduce"], _values(0) + _values(1))
     torch.testing.assert_close(r0["broadcast"], _values(1))
     torch.testing.assert_close(r0["all_reduce_coalesced_max"], torch.cat([_values(1, 4), -_values(0, 2)]))
+    gathered = torch.cat([_values(0, 2), _values(1, 2), -_values(0, 3), -_values(1, 3)])
+    torch.testing.assert_close(r1["all_gather_into_tensor_coalesced"], gathered)
+    torch.testing.assert_close(r0["reduce_scatter_tensor_coalesced_max"],
+                               torch.cat([_values(1, 4)[:2], -_values(0, 6)[:3]]))
+    torch.testing.assert_close(r1["all_gather_coalesced"],
+                               torch.cat([_values(0, 2), -_values(0, 3), _values(1, 2), -_values(1, 3)]))
     torch.testing.assert_close(r1["reduce_scatter"], _values(0, 3) + _values(1, 3) + 2)
     torch.testing.assert_close(r1["reduce_to_1"], _values(0) + _values(1))
     torch.testing.assert_close(r1["all_to_all"], torch.cat([_values(0, 4)[2:], _values(1, 4)[2:]]))
