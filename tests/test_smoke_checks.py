@@ -203,3 +203,14 @@ def test_the_smoke_tests_get_60_seconds_together(monkeypatch):
     for chip in ("cpu", "sim"):
         tests.start(chip)
     assert tests.results() == ["cpu", "sim"] and deadlines == [1060.0, 1060.0]
+
+
+def test_a_chip_that_cannot_activate_is_one_failed_check():
+    """This process has the suite's chip active in device mode, so activating another fails:
+    the smoke test answers with that one failed check, and raises nothing."""
+    other = "sim" if CHIP == "cpu" else "cpu"
+    found = _smoke.run_checks(other)
+    assert (found["chip"], found["verdict"], len(found["checks"])) == (other, "fail", 1)
+    (check,) = found["checks"]
+    assert (check["name"], check["level"]) == ("activate", "FAIL")
+    assert check["detail"].startswith(f"ConfigError: flagos is already active on chip '{CHIP}'")
