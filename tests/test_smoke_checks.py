@@ -216,3 +216,15 @@ def test_a_chip_that_cannot_activate_is_one_failed_check():
     (check,) = found["checks"]
     assert (check["name"], check["level"]) == ("activate", "FAIL")
     assert check["detail"].startswith(f"ConfigError: flagos is already active on chip '{CHIP}'")
+
+
+@pytest.mark.parametrize("wrong, said", [
+    (lambda t: t.double(), "matmul gave torch.float64 (32, 16), expected torch.float32 (32, 16)"),
+    (lambda t: t[:, :8], "matmul gave torch.float32 (32, 8), expected torch.float32 (32, 16)"),
+])
+def test_a_matmul_of_the_wrong_dtype_or_shape_is_a_failed_check(monkeypatch, wrong, said):
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: wrong(real_cpu(self, *a, **k)))
+    found = _smoke.run_checks(CHIP)
+    check = next(c for c in found["checks"] if c["name"] == "matmul vs CPU")
+    assert (check["level"], check["detail"]) == ("FAIL", f"RuntimeError: {said}")
