@@ -145,7 +145,9 @@ def _collectives(rank: int, dev, group=None) -> dict[str, torch.Tensor]:
     # point to point with the default tag on both sides: rank 0 sends, rank 1 receives
     message = _values(rank, 4).to(dev) if rank == 0 else torch.empty(4, device=dev)
     if rank == 0:
+        version = message._version
         dist.send(message, dst=1, group=group)
+        assert message._version == version  # what is sent is only read
     else:
         dist.recv(message, src=0, group=group)
     out["send_recv"] = message
@@ -507,7 +509,26 @@ def test_a_collective_leaves_its_inputs_alone(dev):
             dist.all_gather([gathered], x)
             whole = torch.empty(3, 2, device=device)
             dist.all_gather_into_tensor(whole, x)
-            assert x._version == version
+            lists = [[torch.empty(3, 2, device=device)]]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                dist.all_gather_coalesced(lists, [x])
+            at_0 = [torch.empty(3, 2, device=device)]
+            dist.gather(x, at_0, dst=0)
+            dense = x.contiguous()  # gloo's scatter and all_to_all_single take contiguous inputs only
+            scattered = torch.empty(3, 2, device=device)
+            dist.scatter(scattered, [dense], src=0)
+            reduced = torch.empty(3, 2, device=device)
+            dist.reduce_scatter(reduced, [x])
+            reduced_whole = torch.empty(3, 2, device=device)
+            dist.reduce_scatter_tensor(reduced_whole, x)
+            parts = [torch.empty(3, 2, device=device)]
+            dist.all_to_all(parts, [x])
+            single = torch.empty(3, 2, device=device)
+            dist.all_to_all_single(single, dense)
+            assert x._version == version and dense._version == 0
+            for result in (lists[0][0], at_0[0], scattered, reduced, reduced_whole, parts[0], single):
+                torch.testing.assert_close(result.cpu(), x.detach().cpu())
             y.sum().backward()
             grads.append(w.grad.cpu())
             torch.testing.assert_close(gathered.cpu(), x.detach().cpu())
