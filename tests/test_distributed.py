@@ -99,6 +99,10 @@ def _collectives(rank: int, dev, group=None) -> dict[str, torch.Tensor]:
     r = torch.empty(3, device=dev)
     dist.reduce_scatter(r, [_values(rank, 3).to(dev) + i for i in range(WORLD)], group=group)
     out["reduce_scatter"] = r
+    r_max = torch.empty(3, device=dev)
+    dist.reduce_scatter(r_max, [-_values(rank, 3).to(dev) * (i + 1) for i in range(WORLD)],
+                        op=dist.ReduceOp.MAX, group=group)
+    out["reduce_scatter_max"] = r_max
     rt = torch.empty(3, device=dev)
     dist.reduce_scatter_tensor(rt, _values(rank).to(dev), group=group)
     out["reduce_scatter_tensor"] = rt
@@ -138,6 +142,9 @@ def _collectives(rank: int, dev, group=None) -> dict[str, torch.Tensor]:
     gathered_at_0 = [torch.empty(6, device=dev) for _ in range(WORLD)] if rank == 0 else None
     dist.gather(_values(rank).to(dev), gathered_at_0, dst=0, group=group)
     out["gather"] = torch.stack(gathered_at_0) if rank == 0 else torch.zeros(WORLD, 6)
+    gathered_at_1 = [torch.empty(2, device=dev) for _ in range(WORLD)] if rank == 1 else None
+    dist.gather(-_values(rank, 2).to(dev), gathered_at_1, dst=1, group=group)
+    out["gather_to_1"] = torch.stack(gathered_at_1) if rank == 1 else torch.zeros(WORLD, 2)
     scattered = torch.empty(6, device=dev)
     dist.scatter(scattered, [_values(1, 6).to(dev) + i for i in range(WORLD)] if rank == 1 else None,
                  src=1, group=group)
@@ -191,6 +198,8 @@ def test_collectives_match_the_same_on_cpu_tensors(tmp_path):
     torch.testing.assert_close(r1["all_to_all"], torch.cat([_values(0, 4)[2:], _values(1, 4)[2:]]))
     torch.testing.assert_close(r1["scatter"], _values(1, 6) + 1)
     torch.testing.assert_close(r0["gather"], torch.stack([_values(0), _values(1)]))
+    torch.testing.assert_close(r1["reduce_scatter_max"], -_values(0, 3) * 2)
+    torch.testing.assert_close(r1["gather_to_1"], -torch.stack([_values(0, 2), _values(1, 2)]))
     torch.testing.assert_close(r1["send_recv"], _values(0, 4))
 
 
