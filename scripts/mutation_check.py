@@ -508,6 +508,16 @@ MUTATIONS = [
     M("diffusers_device_map_list_untouched", "Diffusers imported first refuses device_map='flagos'",
       "flagos/integrations/_libraries.py", '    if "flagos" not in names:', '    if "flagos" in names:',
       cpu("tests/test_offload.py", k="came_first")),
+    M("collective_writes_its_inputs", "a collective's read-only inputs are written back from their host copies",
+      "flagos/integrations/_distributed.py", "        if written and inner is not target:",
+      "        if written or inner is not target:", sim("tests/test_distributed.py", k="inputs_alone")),
+    M("compare_nan_meets_inf", "compare takes NaN on one side and inf on the other as agreement",
+      "flagos/tools/_compare.py", "~(a.isnan() & b.isnan())", "~(a.isnan() | b.isnan())",
+      cpu("tests/test_cli_compare.py", k="thresholds")),
+    M("smoke_counts_memory_in_use", "diagnose's allocate check reports all memory in use, not its own MiB",
+      "flagos/tools/_smoke.py", "    grown = state.chip.memory_allocated(state.current) - before",
+      "    grown = state.chip.memory_allocated(state.current) + before",
+      sim("tests/test_smoke_checks.py", k="reads_as_measured")),
 ]
 
 
