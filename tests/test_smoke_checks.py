@@ -4,6 +4,7 @@ each matmul check at its limit, a check that raises, the verdict, and the child 
 runs a chip's checks (its environment, and how it ends when it gives no answer)."""
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -228,3 +229,28 @@ def test_a_matmul_of_the_wrong_dtype_or_shape_is_a_failed_check(monkeypatch, wro
     found = _smoke.run_checks(CHIP)
     check = next(c for c in found["checks"] if c["name"] == "matmul vs CPU")
     assert (check["level"], check["detail"]) == ("FAIL", f"RuntimeError: {said}")
+
+
+def test_children_fork_only_when_allowed_and_torch_warms_up_once_before_the_first(monkeypatch):
+    started, warmed = [], []
+    monkeypatch.setattr(_smoke._Child, "__init__", lambda self, chip, fork: started.append((chip, fork)))
+    monkeypatch.setattr(_smoke, "_warm_up_torch", lambda: warmed.append(len(started)))
+    monkeypatch.setattr(_smoke, "can_fork", lambda chip: chip != "opencl")
+    default = _smoke.SmokeTests()  # a caller that did not ask: new interpreters only
+    default.start("cpu")
+    assert started == [("cpu", False)] and warmed == []
+    started.clear()
+    forking = _smoke.SmokeTests(allow_fork=True)
+    forking.start("opencl")  # not forked: nothing to warm up for
+    assert warmed == []
+    for chip in ("cpu", "sim"):
+        forking.start(chip)
+    assert started == [("opencl", False), ("cpu", True), ("sim", True)]
+    assert warmed == [1]  # once, before the first fork
+
+
+def test_warming_up_a_pytorch_without_distributed_is_no_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.distributed.tensor", None)  # its import now fails
+    with pytest.raises(ImportError):
+        import torch.distributed.tensor  # noqa: F401
+    _smoke._warm_up_torch()
