@@ -364,6 +364,24 @@ def test_entry_point_runs_on_the_active_chip(redirect, entry):
     _check(entry, redirect)
 
 
+@pytest.mark.skipif(CHIP != "sim", reason="needs a chip with two devices (sim has two)")
+def test_a_cuda_index_is_the_chips_device_of_that_index(redirect):
+    """"cuda:1" and torch.device("cuda", 1) are flagos:1, whichever device is current; "cuda"
+    without an index is the current one."""
+    one = torch.device("flagos", 1)
+    for d in ("cuda:1", torch.device("cuda", 1)):
+        _on_chip(torch.ones(2, device=d), one)
+        _on_chip(_x.to(d), one)
+        _on_chip(_x.new_zeros(2, device=d), one)
+    _on_chip(_x.cuda(1), one)
+    torch.flagos.set_device(1)
+    try:
+        _on_chip(torch.ones(2, device="cuda"), one)
+        _on_chip(torch.ones(2, device="cuda:0"), torch.device("flagos", 0))
+    finally:
+        torch.flagos.set_device(0)
+
+
 def test_every_entry_point_is_replaced(redirect):
     replaced = {(id(owner), name) for owner, name, _ in _redirect._saved}
     for name in _redirect.FACTORIES:

@@ -28,6 +28,12 @@ def test_weights_follow_the_seed_and_the_model_is_in_eval_mode(name):
     assert not first.model.training and first.name == name
 
 
+def test_a_workload_is_one_row_of_seed_0_unless_asked():
+    plain, asked = _models.load("mlp"), _models.load("mlp", batch=1, seed=0)
+    assert plain.inputs[0].shape == (1, 256) and _same_weights(plain.model, asked.model)
+    assert torch.equal(plain.inputs[0], asked.inputs[0])
+
+
 def test_mlp_is_256_512_512_10_with_gelu_and_layer_norm():
     work = _models.load("mlp", batch=3)
     layers = list(work.model)
@@ -115,7 +121,11 @@ def test_a_user_function_is_called_with_the_seed_set_and_batch_when_it_takes_one
         "def wrong():\n    return torch.nn.Linear(4, 2)\n\n"
         "def three():\n    return torch.nn.Linear(4, 2), 1, 2\n\n"
         "def not_a_module():\n    return 'model', torch.ones(1)\n\n"
+        "class Net(torch.nn.Linear):\n    pass\n\n"
+        "def own_class():\n    return Net(4, 2), torch.ones(1, 4)\n\n"
         "NOT_CALLABLE = 3\n")
+    # the file's classes belong to a module named after it, as tracebacks and reprs show them
+    assert type(_models.load(f"{tmp_path / 'work.py'}:own_class").model).__module__ == "flagos_user_model_work"
     spec = f"{tmp_path / 'work.py'}:with_batch"
     work = _models.load(spec, batch=5, seed=7)
     torch.manual_seed(7)
