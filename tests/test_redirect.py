@@ -377,6 +377,8 @@ def test_a_cuda_index_is_the_chips_device_of_that_index(redirect):
     torch.flagos.set_device(1)
     try:
         _on_chip(torch.ones(2, device="cuda"), one)
+        _on_chip(_x.cuda(), one)  # .cuda() with no device: the current one, as on CUDA
+        _on_chip(torch.nn.Linear(2, 2).cuda().weight, one)
         _on_chip(torch.ones(2, device="cuda:0"), torch.device("flagos", 0))
     finally:
         torch.flagos.set_device(0)
