@@ -274,11 +274,17 @@ def module_score(work: str, module: str, opts) -> common.Score | None:
     if not os.path.exists(db_path):
         return ledger_score(module, opts)
     seconds = common.load_json(meta_path, {}).get("seconds", {})
+    # a mutant this session has not run may have run in another lane or on another machine
+    known = mutation_ledger.entry_for("python", module, common.file_sha(os.path.join(ROOT, module)),
+                                      operators=opts.operators) or {}
     score = common.Score(module)
     with use_db(db_path, WorkDB.Mode.open) as db:
         results = dict(db.results)
         for item in sorted(db.work_items, key=item_key):
-            result = results.get(item.job_id)
+            result, record = results.get(item.job_id), known.get(ledger_key(item))
+            if result is None and record is not None:
+                score.add(record["status"], record.get("seconds", 0.0), label(item))
+                continue
             status = common.PENDING if result is None else classify(result)
             if status != "skipped":
                 score.add(status, seconds.get(item.job_id, 0.0), label(item))

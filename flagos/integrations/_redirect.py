@@ -94,9 +94,8 @@ def _map(value):
 
 def _map_index(device):
     """`.cuda(device)` / `torch.cuda.set_device(device)`: None or an index is a CUDA index."""
-    if device is None:
-        index = _state.active().current if _target_type == "flagos" else 0
-        return torch.device(_target_type, index)
+    if device is None:  # the current device, as `.cuda()` means on CUDA, in either mode
+        return torch.device(_target_type, _state.active().current)
     if isinstance(device, int) and not isinstance(device, bool):
         return torch.device(_target_type, device)
     return _map(device)
