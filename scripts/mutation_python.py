@@ -276,7 +276,7 @@ def module_score(work: str, module: str, opts) -> common.Score | None:
     seconds = common.load_json(meta_path, {}).get("seconds", {})
     # a mutant this session has not run may have run in another lane or on another machine
     known = mutation_ledger.entry_for("python", module, common.file_sha(os.path.join(ROOT, module)),
-                                      operators=opts.operators) or {}
+                                      operators=opts.operators)
     score = common.Score(module)
     with use_db(db_path, WorkDB.Mode.open) as db:
         results = dict(db.results)
