@@ -115,7 +115,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/tools/__init__.py": [cpu(DEVICES)],
     "flagos/tools/cli.py": [cpu(DEVICES, DIAGNOSE)],
     "flagos/tools/_analyze.py": [cpu(ANALYZE)],
-    "flagos/tools/_bench.py": [cpu(BENCH)],
+    "flagos/tools/_bench.py": [cpu(T + "bench_figures.py", BENCH)],
     "flagos/tools/_childrun.py": [cpu(BENCH, COMPARE)],
     "flagos/tools/_common.py": [cpu(DEVICES, ANALYZE, T + "cli_common.py")],
     "flagos/tools/_compare.py": [cpu(COMPARE)],
