@@ -64,7 +64,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD), cpu(DISTRIBUTED, k="accelerate or ddp"),
                                           sim(ECOSYSTEM, ACCELERATE)],
     "flagos/integrations/_caches.py": [cpu(T + "cache_dirs.py")],
-    "flagos/parallel.py": [cpu(T + "parallel.py"), sim(T + "parallel.py")],
+    "flagos/parallel.py": [cpu(T + "parallel_units.py", T + "parallel.py"), sim(T + "parallel_units.py", T + "parallel.py")],
     "flagos/runtime/_transfers.py": [cpu(T + "sharding.py"), sim(T + "sharding.py")],
     "flagos/tools/_cache.py": [cpu(T + "cache_dirs.py", k="cli or python_call")],
     "flagos/integrations/_distributed.py": [cpu(DISTRIBUTED, k="not recipe"), sim(DISTRIBUTED, k="not recipe")],
