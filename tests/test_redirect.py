@@ -6,6 +6,7 @@ and GradScaler) run unchanged with FLAGOS_REDIRECT_CUDA=1 and match the same scr
 CPU with "cuda" replaced by "cpu"."""
 from __future__ import annotations
 
+import inspect
 import io
 import os
 import subprocess
@@ -400,6 +401,34 @@ def test_every_entry_point_is_replaced(redirect):
         assert getattr(torch.cuda, name) is not getattr(real, name), name
 
 
+def _replaced_original(owner, name):
+    """What `owner.name` was before the redirect: its own attribute, or the inherited one."""
+    for saved_owner, saved_name, original in _redirect._saved:
+        if (saved_owner, saved_name) == (owner, name) and original is not _redirect._ABSENT:
+            return original
+    return getattr(owner.__mro__[1], name)
+
+
+def test_redirected_functions_keep_pytorchs_names_docs_and_signatures(redirect):
+    """Libraries read them: transformers asks `inspect.signature(torch.load)` whether it takes
+    `weights_only`, `help(torch.zeros)` shows PyTorch's text."""
+    assert "weights_only" in inspect.signature(torch.load).parameters
+    wrapped = [(torch, n) for n in (*_redirect.FACTORIES, "load", "set_default_device")]
+    wrapped += [(torch.Tensor, n) for n in _redirect.TENSOR_METHODS if n != "cuda"]
+    wrapped += [(torch.amp.autocast_mode.autocast, "__init__"), (torch.amp.grad_scaler.GradScaler, "__init__"),
+                (dist, "init_process_group")]
+    for owner, name in wrapped:
+        now, before = getattr(owner, name), _replaced_original(owner, name)
+        assert now is not before and now.__wrapped__ is before, name
+        assert (now.__name__, now.__qualname__, now.__doc__) == \
+            (before.__name__, before.__qualname__, before.__doc__), name
+        try:
+            signature = inspect.signature(before)
+        except ValueError:  # a builtin without one
+            continue
+        assert inspect.signature(now) == signature, name
+
+
 def test_uninstall_gives_everything_back(redirect):
     before = torch.zeros
     _redirect.uninstall()
@@ -567,6 +596,9 @@ def test_native_mode_entry_points_and_deactivate():
         assert torch.randn(3, device="cuda").device == cpu
         assert torch.zeros(2).cuda().device == cpu
         assert torch.nn.Linear(2, 2).cuda().weight.device == cpu
+        # an index is a CUDA index: the chip's device of that index (the host for the cpu chip)
+        assert torch.zeros(2).cuda(0).device == cpu and torch.zeros(2).to(0).device == cpu
+        assert torch.nn.Linear(2, 2).cuda(0).weight.device == cpu
         assert torch.Generator("cuda").device == cpu
         with torch.autocast("cuda", dtype=torch.bfloat16):
             assert (torch.ones(2, 2, device="cuda") @ torch.ones(2, 2)).dtype == torch.bfloat16
