@@ -176,23 +176,24 @@ class _Stderr(io.StringIO):
         return self.tty
 
 
-def _bar(monkeypatch, mode, tty=True, total=4):
+def _bar(monkeypatch, mode, tty=True, total=4, start=100.0):
     clock, err = _Clock(), _Stderr(tty)
+    clock.now = start
     monkeypatch.setattr(_bench.time, "perf_counter", clock.perf_counter)
     monkeypatch.setattr(_bench.sys, "stderr", err)
     return _bench._ProgressBar("sim", total, mode), clock, err
 
 
 def test_the_progress_bar_draws_at_most_ten_times_a_second_and_always_the_end(monkeypatch):
-    bar, clock, err = _bar(monkeypatch, "always")
-    clock.now = 100.0625               # binary fractions of a second: exact sums
+    bar, clock, err = _bar(monkeypatch, "always", start=0.0)
+    clock.now = 0.0625
     bar.update(1)                      # 62.5 ms after the start: not yet
     assert err.getvalue() == ""
-    clock.now = 100.125
-    bar.update(1)                      # 125 ms: drawn
+    clock.now = 0.1
+    bar.update(1)                      # 100 ms (exactly: 0.1 - 0.0): drawn
     assert err.getvalue() == "\rsim          [#######.......................] 1/4    0.1s"
-    clock.now = 100.1875
-    bar.update(3)                      # 62.5 ms after the last drawing: not yet
+    clock.now = 0.1875
+    bar.update(3)                      # 87.5 ms after the last drawing: not yet
     assert err.getvalue().count("\r") == 1
     bar.update(4)                      # the end is drawn whenever it comes
     assert err.getvalue().endswith("\rsim          [##############################] 4/4    0.2s")
