@@ -8,9 +8,10 @@ import statistics
 
 import numpy
 import pytest
+import torch
 from conftest import CHIP, device_mode_only
 
-from flagos.tools import _bench, _childrun, cli
+from flagos.tools import _bench, _childrun, _models, cli
 
 
 def _row(chip, latencies, **extra):
@@ -264,3 +265,35 @@ def test_measure_counts_only_the_measured_iterations(monkeypatch):
                                dtype="float32", seed=0)
     assert reference["fallback"] is None and reference["kernel_time_share"] is None
     assert reference["output_checksum"] == pytest.approx(row["output_checksum"], rel=1e-5)
+
+
+def test_measure_times_each_iteration_in_milliseconds_and_counts_its_progress(monkeypatch):
+    """Each iteration's latency is the time its call took, in ms (a fake clock that only the
+    model's call moves: 4 ms a call); the progress bar hears of every iteration, warm-up first."""
+    clock, seen = _Clock(), []
+
+    def call(net, inputs):
+        clock.now += 0.004
+        return net(*inputs)
+
+    class Recorder:
+        def __init__(self, label, total, mode):
+            seen.append((label, total, mode))
+
+        def update(self, done):
+            seen.append(done)
+
+        def close(self):
+            seen.append("closed")
+
+    torch_linear = _models.load("mlp").model[0]
+    monkeypatch.setattr(_models, "load", lambda spec, batch, seed: _models.Workload(
+        spec, torch_linear, (torch.ones(batch, 256),), call))
+    monkeypatch.setattr(_bench.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(_bench, "_ProgressBar", Recorder)
+    row = _bench.measure(_childrun.REFERENCE, "mlp", batch=2, warmup=2, iters=3, dtype="float32",
+                         seed=0, progress="always")
+    assert (len(row["warmup_ms"]), len(row["latencies_ms"])) == (2, 3)
+    assert row["warmup_ms"] + row["latencies_ms"] == pytest.approx([4.0] * 5, rel=1e-9)
+    assert seen == [("torch-cpu", 5, "always"), 1, 2, 3, 4, 5, "closed"]
+    assert row["output_checksum"] == pytest.approx(float(torch_linear(torch.ones(2, 256)).detach().double().sum()))
