@@ -297,3 +297,40 @@ def test_measure_times_each_iteration_in_milliseconds_and_counts_its_progress(mo
     assert row["warmup_ms"] + row["latencies_ms"] == pytest.approx([4.0] * 5, rel=1e-9)
     assert seen == [("torch-cpu", 5, "always"), 1, 2, 3, 4, 5, "closed"]
     assert row["output_checksum"] == pytest.approx(float(torch_linear(torch.ones(2, 256)).detach().double().sum()))
+
+
+class _Report:
+    def __init__(self, calls, fallback_calls, fallback_seconds):
+        self._calls = {None: calls, "fallback": fallback_calls}
+        self.fallback_seconds, self.fallback_ops = fallback_seconds, ["aten::gelu"]
+
+    def calls(self, route=None):
+        return self._calls[route]
+
+
+@device_mode_only
+@pytest.mark.parametrize("report, kernels, shares", [
+    (_Report(40, 10, 0.003), [0.5, 0.506], (0.25, 0.25, 0.5)),
+    (_Report(0, 0, 0.0), [0.0, 0.0], (0.0, 0.0, 0.0)),
+    (_Report(8, 8, 0.5), [0.0, 0.5], (1.0, 1.0, 1.0))])   # more than the measured time: 1
+def test_the_shares_are_of_the_measured_time(monkeypatch, report, kernels, shares):
+    """3 iterations of 4 ms (a fake clock the model's call moves): the fallback's and the
+    kernels' seconds are shares of those 12 ms; the fallback calls a share of all calls."""
+    clock = _Clock()
+
+    def call(net, inputs):
+        clock.now += 0.004
+        return net(*inputs)
+
+    monkeypatch.setattr(_models, "load", lambda spec, batch, seed: _models.Workload(
+        spec, torch.nn.Linear(4, 2), (torch.ones(batch, 4),), call))
+    monkeypatch.setattr(_bench.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(_bench, "_kernel_seconds", iter(kernels).__next__)
+    monkeypatch.setattr(_bench.flagos, "fallback_report", lambda: report)
+    row = _bench.measure(CHIP, "mine", batch=1, warmup=1, iters=3, dtype="float32", seed=0)
+    assert row["latencies_ms"] == pytest.approx([4.0] * 3, rel=1e-9)
+    fallback = row["fallback"]
+    assert (fallback["calls"], fallback["fallback_calls"], fallback["ops"]) == \
+        (report.calls(), report.calls("fallback"), ["aten::gelu"])
+    assert (fallback["call_share"], fallback["time_share"], row["kernel_time_share"]) == \
+        pytest.approx(shares, rel=1e-9, abs=1e-12)
