@@ -53,6 +53,7 @@ def test_summary_of_latencies_and_batch():
         "mean_ms": 3.0, "std_ms": pytest.approx(statistics.stdev(latencies)), "max_ms": 5.0,
         # 4 samples in each of 5 iterations, 15 ms in all
         "throughput_per_s": pytest.approx(4 * 5 / 0.015)}
+    assert _bench.summarize([1.0, 3.0], batch=1)["std_ms"] == pytest.approx(2 ** 0.5)
     one = _bench.summarize([2.5], batch=1)
     assert one["std_ms"] == 0.0 and one["min_ms"] == one["p99_ms"] == one["max_ms"] == 2.5
     assert one["throughput_per_s"] == pytest.approx(400.0)
@@ -77,6 +78,17 @@ def test_ratios_are_against_the_first_chip(measured):
     assert asked[0][1] == "flagos.tools._bench:measure"
     assert asked[0][2] == {"model": "mlp", "batch": 2, "warmup": 1, "iters": 3, "dtype": "float32",
                            "seed": 7, "progress": "never", "compile": False}
+
+
+def test_the_python_api_defaults_are_the_command_lines(measured):
+    rows, asked = measured
+    rows.update({"torch-cpu": _row("torch-cpu", [1.0]), "auto": _row("sim", [2.0])})
+    data = _bench.bench("bert")
+    assert [chip for chip, _, _ in asked] == ["torch-cpu", "auto"]
+    assert asked[0][2] == {"model": "bert", "batch": 1, "warmup": 3, "iters": 20, "dtype": "float32",
+                           "seed": 0, "progress": "never", "compile": False}
+    assert (data["batch"], data["warmup"], data["iters"], data["seed"], data["compile"]) == (1, 3, 20, 0, False)
+    assert data["results"][1]["requested"] == "auto" and data["results"][1]["chip"] == "sim"
 
 
 def test_a_failed_chip_has_no_ratio_and_a_failed_base_leaves_none(measured):
