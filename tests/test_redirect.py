@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import io
 import os
+import pickle
 import subprocess
 import sys
 import types
@@ -131,6 +132,12 @@ def _check_load(dev):
         w = torch.load(buf, loc, weights_only=True)["w"]   # map_location given positionally
         _on_chip(w, dev)
         assert torch.equal(w.cpu(), _x)
+        buf.seek(0)
+        w = torch.load(buf, loc, pickle, weights_only=False)["w"]   # and pickle_module too
+        _on_chip(w, dev)
+        assert torch.equal(w.cpu(), _x)
+    with pytest.raises(TypeError, match="positional argument"):   # PyTorch's own error
+        torch.load(buf, "cuda", pickle, "one too many")
 
 
 def _check_generator(dev):
