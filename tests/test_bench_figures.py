@@ -152,7 +152,7 @@ def _data(**extra):
     base.update(_bench.summarize(base["latencies_ms"], 2))
     return {"model": "mlp", "batch": 2, "dtype": "float16", "warmup": 1, "iters": 3,
             "base": "torch-cpu", "compile": False,
-            "results": [base, cpu, {"chip": "sim", "error": "chip sim: OSError: gone", "ratio": None}],
+            "results": [base, {"chip": "sim", "error": "chip sim: OSError: gone", "ratio": None}, cpu],
             **extra}
 
 
@@ -161,7 +161,7 @@ def test_the_table_shows_every_figure_of_each_chip():
     assert lines[0] == "bench mlp: batch 2, float16, 1 warm-up + 3 measured iterations"
     assert lines[1] == ""
     assert lines[2].split("  ")[0] == "chip" and lines[2].endswith("ratio vs torch-cpu")
-    base, cpu, sim = (line.split() for line in lines[4:7])
+    base, sim, cpu = (line.split() for line in lines[4:7])   # a failed chip keeps its place
     assert base == ["torch-cpu", "2.000", "2.000", "2.000", "2.000", "2.000", "0.000", "1000.0",
                     "-", "-", "-", "-", "1.00x"]
     assert cpu == ["cpu", "1.000", "2.000", "2.800", "2.980", "2.000", "1.000", "1000.0",
@@ -243,7 +243,7 @@ def test_the_commands_exit_codes_and_where_it_writes(monkeypatch, tmp_path, caps
     monkeypatch.setattr(_bench, "bench", lambda *a, **k: data)
     assert _bench.run(_Args()) == 1          # a chip failed
     assert capsys.readouterr().out.startswith("bench mlp: batch 2")
-    data["results"].pop()
+    data["results"].pop(1)   # the failed chip
     path = tmp_path / "out.json"
     assert _bench.run(_Args(json=str(path))) == 0
     assert capsys.readouterr().out.startswith("bench mlp: batch 2")
