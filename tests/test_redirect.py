@@ -148,6 +148,12 @@ def _check_generator(dev):
     b = torch.randn(4, device=dev, generator=torch.Generator(dev).manual_seed(3))
     assert torch.equal(a.cpu(), b.cpu())
     assert isinstance(torch.default_generator, torch.Generator)
+    assert issubclass(torch._C.Generator, torch.Generator) and not issubclass(int, torch.Generator)
+
+    class Seeded(torch.Generator):   # a library's own generator class is built as it asks
+        pass
+    own = Seeded("cpu")
+    assert type(own) is Seeded and own.device == torch.device("cpu")
 
 
 def _check_set_default_device(dev):
@@ -196,7 +202,8 @@ def _check_init_process_group(dev):
     """"nccl" (positional, keyword, or in "device:backend" pairs) is the chip's backend
     (flagos.dist_backend()), and a collective on "cuda" tensors runs on the chip."""
     for args, kwargs in ((("nccl",), {}), ((), {"backend": "nccl"}),
-                         (("cpu:gloo,cuda:nccl",), {}), ((), {"backend": "nccl", "device_id": 0})):
+                         (("cpu:gloo,cuda:nccl",), {}), ((), {"backend": "nccl", "device_id": 0}),
+                         ((), {"backend": "nccl", "device_id": torch.device("cuda", 0)})):
         dist.init_process_group(*args, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         try:
             backend = dist.get_backend()
@@ -269,6 +276,7 @@ def _check_cuda_module(name, dev):
     elif name == "is_bf16_supported":
         assert c.is_bf16_supported() is ("bfloat16" in chip.native_dtypes)
     elif name == "Event":
+        assert c.Event is torch.flagos.Event   # the chip's own events, in device mode
         start, end = c.Event(enable_timing=True), c.Event(enable_timing=True)
         start.record()
         torch.ones(8, device="cuda").sum()
@@ -638,6 +646,11 @@ def test_host_events_time_in_milliseconds(monkeypatch):
     with pytest.raises(RuntimeError, match="both events must be recorded"):
         start.elapsed_time(end)
     start.record()
+    with pytest.raises(RuntimeError, match="both events must be recorded"):
+        start.elapsed_time(end)   # the end not yet
+    with pytest.raises(RuntimeError, match="both events must be recorded"):
+        end.elapsed_time(start)   # nor the start
+    assert start.query() is True and end.query() is True   # host work is done when issued
     end.record()
     assert start.elapsed_time(end) == pytest.approx(2.5, rel=1e-9)
 
