@@ -141,11 +141,6 @@ def _load(load):
     return redirected
 
 
-def _is_cuda(value) -> bool:
-    return (type(value) is str and value.startswith("cuda")) or \
-        (type(value) is torch.device and value.type == "cuda")
-
-
 def _set(owner, name: str, value) -> None:
     _saved.append((owner, name, vars(owner).get(name, _ABSENT)))
     setattr(owner, name, value)
