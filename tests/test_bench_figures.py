@@ -5,6 +5,7 @@ the tool prints can be checked exactly."""
 import io
 import json
 import statistics
+import struct
 
 import numpy
 import pytest
@@ -253,7 +254,9 @@ def test_the_commands_exit_codes_and_where_it_writes(monkeypatch, tmp_path, caps
     chart = tmp_path / "chart.png"
     assert _bench.run(_Args(plot=str(chart))) == 0
     assert capsys.readouterr().out.endswith(f"chart written to {chart}\n")
-    assert chart.read_bytes()[:4] == b"\x89PNG"
+    png = chart.read_bytes()
+    # a PNG of 11 x 4 inches at 100 dpi: its header's width and height
+    assert png[:4] == b"\x89PNG" and struct.unpack(">II", png[16:24]) == (1100, 400)
     assert _bench.run(_Args(json="-", plot=str(chart))) == 0
     assert "chart written" not in capsys.readouterr().out
 
