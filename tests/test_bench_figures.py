@@ -11,6 +11,7 @@ import numpy
 import pytest
 import torch
 from conftest import CHIP, device_mode_only
+from matplotlib import pyplot
 
 from flagos.tools import _bench, _childrun, _models, cli
 
@@ -349,3 +350,27 @@ def test_the_shares_are_of_the_measured_time(monkeypatch, report, kernels, share
         (report.calls(), report.calls("fallback"), ["aten::gelu"])
     assert (fallback["call_share"], fallback["time_share"], row["kernel_time_share"]) == \
         pytest.approx(shares, rel=1e-9, abs=1e-12)
+
+
+def test_the_chart_draws_each_chips_latencies_spread_and_ratio(monkeypatch, tmp_path):
+    """What the PNG shows, read from the figure before it is closed: one line per chip that
+    ran, its median as a bar with whiskers from the fastest run to p90, the ratio above it."""
+    kept, close = [], pyplot.close
+    monkeypatch.setattr(pyplot, "close", kept.append)
+    _bench.plot(_data(), str(tmp_path / "chart.png"))
+    (fig,) = kept
+    lines, bars = fig.axes
+    assert [(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in lines.lines] == \
+        [("torch-cpu", [1], [2.0]), ("cpu", [1, 2, 3], [1.0, 2.0, 3.0])]   # the failed chip: none
+    assert (lines.get_xlabel(), lines.get_ylabel(), lines.get_title()) == \
+        ("iteration", "latency (ms)", "per-iteration latency")
+    assert [t.get_text() for t in lines.get_legend().get_texts()] == ["torch-cpu", "cpu"]
+    assert [bar.get_height() for bar in bars.patches] == [2.0, 2.0]
+    (whiskers,) = bars.collections
+    assert [[tuple(p) for p in segment] for segment in whiskers.get_segments()] == \
+        [[(0.0, 2.0), (0.0, 2.0)], [(1.0, 1.0), (1.0, pytest.approx(2.8))]]
+    assert [(t.get_text(), tuple(t.xy)) for t in bars.texts] == \
+        [("1.00x", (0, 2.0)), ("1.50x", (1, pytest.approx(2.8)))]
+    assert (bars.get_ylabel(), bars.get_title()) == ("p50 latency (ms), bars min to p90", "ratio vs torch-cpu")
+    assert fig.get_suptitle() == "flagos bench mlp (batch 2, float16)"
+    close(fig)
