@@ -518,6 +518,17 @@ MUTATIONS = [
       "flagos/tools/_smoke.py", "    grown = state.chip.memory_allocated(state.current) - before",
       "    grown = state.chip.memory_allocated(state.current) + before",
       sim("tests/test_smoke_checks.py", k="reads_as_measured")),
+    M("bench_failed_row_hides_the_rest", "bench's table stops at the first chip that failed",
+      "flagos/tools/_bench.py", '            errors.append(r["error"])\n            continue',
+      '            errors.append(r["error"])\n            break',
+      cpu("tests/test_bench_figures.py", k="every_figure")),
+    M("pool_retries_once_too_few", "a failed request is tried once less than `retries` allows",
+      "flagos/parallel.py", "if len(tried[job]) <= self.retries and", "if len(tried[job]) < self.retries and",
+      cpu("tests/test_parallel_units.py", k="retries_on_itself")),
+    M("redirect_int_index_unmapped", "in native mode `.to(0)` and `.cuda(0)` go to PrivateUse1, not the chip's device",
+      "flagos/integrations/_redirect.py", "    if isinstance(device, int) and not isinstance(device, bool):",
+      "    if isinstance(device, int) and isinstance(device, bool):",
+      cpu("tests/test_redirect.py", k="native_mode_entry_points")),
 ]
 
 
