@@ -266,6 +266,16 @@ def test_close_asks_idle_workers_to_stop_and_stops_the_rest(fake_pool):
         pool.map(noop, [1])
 
 
+def test_close_gives_the_workers_five_seconds_together(fake_pool, monkeypatch):
+    """The grace period is one deadline for all workers (a frozen clock: each gets all of it)."""
+    pool = fake_pool(2)
+    given, stop = [], pool._stop
+    monkeypatch.setattr(parallel.time, "monotonic", lambda: 50.0)
+    monkeypatch.setattr(pool, "_stop", lambda worker, timeout=0.0: (given.append(timeout), stop(worker, timeout)))
+    pool.close()
+    assert given == [5.0, 5.0] and parallel.CLOSE_GRACE_S == 5.0
+
+
 def test_leaving_the_block_on_an_error_stops_the_workers_at_once(fake_pool):
     pool = fake_pool(2)
     assert repr(pool) == "<flagos.parallel.PipelinePool chip=sim 2 worker(s): fake 0, fake 1>"
