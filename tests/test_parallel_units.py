@@ -404,8 +404,17 @@ def test_on_the_cpu_chip_a_pool_takes_workers_not_devices(monkeypatch):
         {"FLAGOS_DEVICE": None, "FLAGOS_DEVICE_BACKEND": None}
 
 
-def test_the_host_cores_are_those_this_process_may_run_on():
+def test_the_host_cores_are_those_this_process_may_run_on(monkeypatch):
     assert parallel._host_cores() == len(os.sched_getaffinity(0))
+    # this process's own set (pid 0), not another's
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: {0, 2, 5} if pid == 0 else {0})
+    assert parallel._host_cores() == 3
+    # where there is no affinity (not Linux): every core, or 1 when even that is unknown
+    monkeypatch.delattr(parallel.os, "sched_getaffinity")
+    monkeypatch.setattr(parallel.os, "cpu_count", lambda: 6)
+    assert parallel._host_cores() == 6
+    monkeypatch.setattr(parallel.os, "cpu_count", lambda: None)
+    assert parallel._host_cores() == 1
 
 
 @pytest.mark.parametrize("chip, cores, devices, threads", [
