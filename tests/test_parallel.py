@@ -37,7 +37,7 @@ class Model:
         y.square().sum().backward()
         name = flagos.info()["devices"][0] if flagos.core._state.active_or_none() else "cpu"
         return {"y": y, "grad": self.layer.weight.grad, "device": str(self.device), "name": name,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "threads": torch.get_num_threads()}
 
 
 def build(device):
@@ -120,6 +120,9 @@ def test_results_in_input_order_match_one_cpu_process(pool):
         torch.testing.assert_close(got["y"], want["y"])
         torch.testing.assert_close(got["grad"], want["grad"])  # backward ran in the worker
     assert len({r["pid"] for r in results}) == 2  # both workers served
+    # each worker runs the threads the pool gave it (the host's cores shared between them)
+    assert pool.threads == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert {r["threads"] for r in results} == {pool.threads}
     if pool.chip == "sim":  # the first two requests go to the two workers at once
         assert results[0]["name"] == "flagos sim device 0"
         assert results[1]["name"] == "flagos sim device 1"  # its flagos:0, backward included

@@ -46,6 +46,11 @@ class FakeProcess:
         self._thread.start()
 
     def _serve(self):
+        if self._ready is None:   # dies while building
+            self.exitcode = -signal.SIGKILL
+            self._conn.close()
+            os.close(self._alive_fd)
+            return
         self._conn.send(self._ready)
         while not self._stopped.is_set():
             try:
@@ -365,6 +370,17 @@ def test_a_build_that_fails_is_reported_and_every_worker_stopped(monkeypatch):
                                  "RuntimeError: no memory\n--- worker traceback ---\nits traceback")
     assert (raised.value.device, raised.value.request, raised.value.worker_traceback) == \
         ("sim device 1", None, "its traceback")
+
+
+def test_a_worker_that_dies_while_building_is_reported(monkeypatch):
+    context = FakeContext(lambda index: None if index == 0 else ("ready", None, "flagos:0", ""))
+    monkeypatch.setattr(parallel.mp, "get_context", lambda kind: context)
+    monkeypatch.setattr(parallel._activation, "_pick_chip", lambda name: ThreeDevices("sim"))
+    with pytest.raises(WorkerError) as raised:
+        PipelinePool(parallel._to_host, devices=[0, 2], chip="sim")
+    assert str(raised.value) == ("flagos.parallel: the worker for sim device 0 was killed by SIGKILL "
+                                 "before its pipeline was built")
+    assert (raised.value.device, raised.value.request, raised.value.worker_traceback) == ("sim device 0", None, "")
 
 
 # ---- the devices a pool takes --------------------------------------------------------
