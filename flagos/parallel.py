@@ -15,7 +15,8 @@ The one-machine convenience over torch.multiprocessing (spawn), with no schedule
 each worker sees only its device, as `flagos:0` (so backward works in every worker: autograd
 has a queue for flagos:0 only, docs/parallel.md), builds its pipeline once and serves one
 request at a time; `map` hands each idle worker the next request. `build` and `fn` are pickled
-by reference: define them at module level. Results come back pickled, tensors moved to the CPU.
+by reference: define them at module level. Results come back pickled, every tensor in them
+moved to the CPU and detached, whatever holds it.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing as mp
@@ -98,15 +100,21 @@ def _visible(variable: str, index: int) -> str:
     return str(index)
 
 
-def _to_host(value):
-    """Tensors moved to the CPU, inside lists, tuples and dicts, so a result can be pickled."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_to_host(v) for v in value)
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: _to_host(v) for k, v in value.items()}
-    return value
+def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What unpickles a tensor `_ResultPickler` moved to the host: the tensor itself."""
+    return tensor
+
+
+class _ResultPickler(ForkingPickler):
+    """Pickles a worker's result with every tensor in it as a detached CPU tensor, wherever it
+    sits (a dict, a namedtuple, a library's output class such as transformers' ModelOutput, an
+    object of the user's): the parent need not have flagos active to unpickle it. CPU tensors
+    go the way torch.multiprocessing sends them (shared memory)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu" or obj.requires_grad):
+            return _host_tensor, (obj.detach().cpu(),)
+        return NotImplemented
 
 
 def _serve(conn, build, chip: str, mode, threads, index: int) -> None:
@@ -135,8 +143,8 @@ def _serve(conn, build, chip: str, mode, threads, index: int) -> None:
             return
         job, fn, item = message
         try:
-            result = _to_host(fn(obj, item) if fn is not None else obj(**item))
-            conn.send(("ok", job, result, ""))
+            result = fn(obj, item) if fn is not None else obj(**item)
+            conn.send_bytes(_ResultPickler.dumps(("ok", job, result, "")))
         except Exception as e:
             conn.send(("error", job, f"{type(e).__name__}: {e}", traceback.format_exc()))
 

@@ -2,6 +2,7 @@
 one plain-CPU process with the same seeds, failures that name their device, no process left.
 
 Each pool costs seconds (every worker imports torch), so the tests share one pool per chip."""
+import collections
 import os
 import re
 import signal
@@ -66,6 +67,15 @@ def kill_for_seed(model, seed):
     return model(seed)
 
 
+Pair = collections.namedtuple("Pair", "y grad")
+
+
+def call_in_containers(model, seed):
+    """The result in containers of other types than dict and list: as a library's output is."""
+    out = model(seed)
+    return collections.OrderedDict(out=Pair(out["y"], out["grad"]))
+
+
 def sleep_for(model, seconds):
     time.sleep(seconds)
 
@@ -126,6 +136,18 @@ def test_results_in_input_order_match_one_cpu_process(pool):
     if pool.chip == "sim":  # the first two requests go to the two workers at once
         assert results[0]["name"] == "flagos sim device 0"
         assert results[1]["name"] == "flagos sim device 1"  # its flagos:0, backward included
+
+
+def test_results_in_any_container_come_back_on_the_host(pool):
+    """An OrderedDict of namedtuples (transformers' outputs are OrderedDicts) of flagos tensors:
+    the parent gets CPU tensors in the same containers."""
+    (got,) = pool.map(call_in_containers, SEEDS[:1])
+    assert type(got) is collections.OrderedDict and type(got["out"]) is Pair
+    want = expected(SEEDS[0])
+    for name in ("y", "grad"):
+        t = getattr(got["out"], name)
+        assert t.device.type == "cpu" and not t.requires_grad
+        torch.testing.assert_close(t, want[name].detach())
 
 
 def test_list_of_kwargs_calls_the_built_object(pool):

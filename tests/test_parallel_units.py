@@ -5,10 +5,11 @@ and failed, how the pool closes. The workers here are threads in this process be
 each request. test_parallel.py runs real worker processes on cpu and sim."""
 import itertools
 import os
+import pickle
 import re
 import signal
 import threading
-from collections import namedtuple
+from collections import OrderedDict, namedtuple
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
@@ -343,7 +344,7 @@ def test_each_worker_is_started_seeing_only_its_device(monkeypatch):
     monkeypatch.setenv("FLAGOS_DEVICE", "sim")
     monkeypatch.setenv("FLAGOS_VISIBLE_DEVICES", "4,6,7")
     monkeypatch.delenv("FLAGOS_DEVICE_BACKEND", raising=False)
-    pool = PipelinePool(parallel._to_host, devices=[2, 0], chip="sim", mode="device", threads=3)
+    pool = PipelinePool(noop, devices=[2, 0], chip="sim", mode="device", threads=3)
     try:
         assert context.started == [
             ("flagos-pool-sim-device-2", 2, "sim", "device", 3,
@@ -365,7 +366,7 @@ def test_a_build_that_fails_is_reported_and_every_worker_stopped(monkeypatch):
     monkeypatch.setattr(parallel.mp, "get_context", lambda kind: context)
     monkeypatch.setattr(parallel._activation, "_pick_chip", lambda name: ThreeDevices("sim"))
     with pytest.raises(WorkerError) as raised:
-        PipelinePool(parallel._to_host, devices=2, chip="sim")
+        PipelinePool(noop, devices=2, chip="sim")
     assert str(raised.value) == ("flagos.parallel: building the pipeline on sim device 1 failed: "
                                  "RuntimeError: no memory\n--- worker traceback ---\nits traceback")
     assert (raised.value.device, raised.value.request, raised.value.worker_traceback) == \
@@ -377,7 +378,7 @@ def test_a_worker_that_dies_while_building_is_reported(monkeypatch):
     monkeypatch.setattr(parallel.mp, "get_context", lambda kind: context)
     monkeypatch.setattr(parallel._activation, "_pick_chip", lambda name: ThreeDevices("sim"))
     with pytest.raises(WorkerError) as raised:
-        PipelinePool(parallel._to_host, devices=[0, 2], chip="sim")
+        PipelinePool(noop, devices=[0, 2], chip="sim")
     assert str(raised.value) == ("flagos.parallel: the worker for sim device 0 was killed by SIGKILL "
                                  "before its pipeline was built")
     assert (raised.value.device, raised.value.request, raised.value.worker_traceback) == ("sim device 0", None, "")
@@ -495,16 +496,31 @@ def test_the_chip_of_a_pool_without_one_named(monkeypatch):
 Pair = namedtuple("Pair", "a b")
 
 
+class Holder:
+    """A user's object holding a tensor."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
 @device_mode_only
-def test_results_come_back_on_the_host_inside_lists_tuples_and_dicts():
+def test_a_result_comes_back_with_every_tensor_on_the_host_whatever_holds_it():
+    """What a worker sends: every tensor detached and on the CPU, inside the containers and
+    objects that held it, each of its own type (a plain dict, a namedtuple, an OrderedDict as
+    transformers' outputs are, a user's object), so a parent without flagos can read it."""
     device = flagos.device()
     w = torch.ones(2, device=device, requires_grad=True)
     y = w * 3
-    out = parallel._to_host({"y": y, "more": [w, (y, 1)], "n": 2})
-    assert out["y"].device.type == "cpu" and not out["y"].requires_grad
-    assert torch.equal(out["y"], torch.full((2,), 3.0))
-    assert type(out["more"]) is list and type(out["more"][1]) is tuple
-    assert out["more"][0].device.type == "cpu" and out["more"][1][1] == 1 and out["n"] == 2
-    # other containers are the user's: returned as they are
-    pair = Pair(y, 1)
-    assert parallel._to_host(pair) is pair
+    on_host = torch.arange(3.0)
+    result = {"y": y, "more": [w, (y, 1)], "pair": Pair(y, 2), "ordered": OrderedDict(y=y),
+              "held": Holder(y), "host": on_host, "n": 2}
+    back = pickle.loads(parallel._ResultPickler.dumps(result))
+    moved = (back["y"], back["more"][0], back["more"][1][0], back["pair"].a, back["ordered"]["y"],
+             back["held"].tensor, back["host"])
+    for t in moved:
+        assert type(t) is torch.Tensor and t.device.type == "cpu" and not t.requires_grad
+    assert torch.equal(back["y"], torch.full((2,), 3.0)) and torch.equal(back["more"][0], torch.ones(2))
+    assert torch.equal(back["host"], on_host) and back["more"][1][1] == 1 and back["n"] == 2
+    assert (type(back["pair"]), back["pair"].b, type(back["ordered"]), type(back["held"])) == \
+        (Pair, 2, OrderedDict, Holder)
+    assert y.device == device and y.requires_grad   # the worker's own tensors are left alone
