@@ -3,11 +3,13 @@ takes, what each worker's environment shows it, how requests are handed out, ret
 and failed, how the pool closes. The workers here are threads in this process behind real pipes
 (their "process" ends when the thread does), so a test can script what each worker does with
 each request. test_parallel.py runs real worker processes on cpu and sim."""
+import gc
 import itertools
 import os
 import pickle
 import re
 import signal
+import sys
 import threading
 from collections import OrderedDict, namedtuple
 from multiprocessing import Pipe
@@ -118,14 +120,15 @@ def fake_pool():
             process.start()
             parent_conn.recv()   # its "ready"
             pool._workers.append(parallel._Worker(process.label, process, parent_conn))
-        made.append(pool)
+        made.append(pool._workers)   # not the pool: a test may let it be collected
         return pool
 
     yield make
-    for pool in made:
-        pool.close(timeout=0)
-        for worker in pool._workers:
+    for workers in made:
+        for worker in workers:
+            worker.process.terminate()
             worker.process.join(5)
+            worker.conn.close()
             os.close(worker.process.sentinel)
 
 
@@ -290,6 +293,35 @@ def test_leaving_the_block_on_an_error_stops_the_workers_at_once(fake_pool):
             raise KeyError("user code")
     assert [p.got_stop for p in processes(pool)] == [False, False]
     assert [p.exitcode for p in processes(pool)] == [-signal.SIGTERM] * 2
+
+
+def test_close_copes_with_a_worker_gone_unnoticed(fake_pool):
+    """A worker that died while idle (its pipe broken): close still stops the others."""
+    pool = fake_pool(2)
+    first, second = processes(pool)
+    first.terminate()
+    first.join(5)
+    pool.close()
+    assert second.got_stop and pool._closed
+
+
+def test_a_pool_dropped_without_close_stops_its_workers(fake_pool):
+    pool = fake_pool(2)
+    workers = processes(pool)
+    del pool
+    gc.collect()
+    assert [p.exitcode for p in workers] == [-signal.SIGTERM] * 2
+
+
+def test_a_pool_that_failed_to_start_is_collected_quietly(monkeypatch):
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    try:
+        PipelinePool("not a function", 1, chip="cpu")
+    except flagos.ConfigError:
+        pass
+    gc.collect()
+    assert unraisable == []
 
 
 def test_the_exit_hook_closes_a_pool_still_open(fake_pool):
