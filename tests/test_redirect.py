@@ -311,8 +311,11 @@ def _check_cuda_module(name, dev):
         assert torch.flagos.memory_allocated() == before
     elif name == "set_per_process_memory_fraction":
         for fraction in (0.5, 0.0, 1.0):  # the ends of the range are allowed, as on CUDA
-            with pytest.warns(UserWarning, match=f"not enforced on chip '{chip.name}'"):
+            with pytest.warns(UserWarning, match=f"not enforced on chip '{chip.name}'") as caught:
+                here = inspect.currentframe().f_lineno + 1
                 c.set_per_process_memory_fraction(fraction)
+            # the warning names the line that asked, as PyTorch's warnings do
+            assert (caught[0].filename, caught[0].lineno) == (__file__, here)
         with pytest.raises(ValueError, match=r"Invalid fraction value: 1\.5\. Allowed range: 0~1"):
             c.set_per_process_memory_fraction(1.5)
         with pytest.raises(ValueError, match="Invalid fraction value: -0.1"):
