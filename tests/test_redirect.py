@@ -21,6 +21,7 @@ from conftest import CHIP, device_mode_only, run_python, runs_once
 
 import flagos
 from flagos import chips
+from flagos.chips.base import TorchChip
 from flagos.core import _state
 from flagos.integrations import _redirect
 from flagos.report import _probe
@@ -665,5 +666,8 @@ def test_the_cuda_chip_has_nothing_to_redirect():
     cuda_like = _state.Active(chip=chips.profile("cuda"), mode="device", device_count=1)
     before = (torch.zeros, torch.Tensor.to, torch.Tensor.cuda, torch.cuda)
     assert _redirect.install(cuda_like) is False
+    # a vendor's chip whose PyTorch device is cuda (a ROCm or DCU build) has nothing to redirect
+    behind_cuda = TorchChip(name="dcu", torch_type="cuda", vendor="hygon", collective_backend="nccl")
+    assert _redirect.install(_state.Active(chip=behind_cuda, mode="native", device_count=1)) is False
     assert not _redirect.is_installed()
     assert (torch.zeros, torch.Tensor.to, torch.Tensor.cuda, torch.cuda) == before
