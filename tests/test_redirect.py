@@ -208,7 +208,10 @@ def _check_init_process_group(dev):
         dist.init_process_group(*args, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         try:
             backend = dist.get_backend()
-            assert flagos.dist_backend() in backend and "nccl" not in backend, backend
+            chip_backend = flagos.dist_backend()
+            # "cuda:nccl" pairs become the chip's: "cpu:gloo,flagos:flagos" in device mode
+            want = f"cpu:gloo,{dev.type}:{chip_backend}" if args and ":" in args[0] else chip_backend
+            assert backend == want, backend
             t = torch.arange(3.0, device="cuda")
             dist.all_reduce(t)
             _on_chip(t, dev)
