@@ -339,9 +339,10 @@ def _check_cuda_module(name, dev):
             with c.nvtx.range("inner {}", 1):
                 (torch.ones(4, device="cuda") * 2).sum()
             assert c.nvtx.range_pop() == 0
+            c.nvtx.mark("point")
         assert c.nvtx.range_pop() == -1
         names = {e.name for e in prof.events()}
-        assert {"outer", "inner 1"} <= names, names
+        assert {"outer", "inner 1", "point"} <= names, names
     else:
         raise AssertionError(f"no check for torch.cuda.{name}")
 
