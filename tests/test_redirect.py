@@ -627,6 +627,10 @@ def test_native_mode_entry_points_and_deactivate():
             assert (torch.ones(2, 2, device="cuda") @ torch.ones(2, 2)).dtype == torch.bfloat16
         assert torch.amp.GradScaler("cuda")._device == "cpu"
         assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+        # torch.cpu has no default_stream: that name is PyTorch's own, the ones after it the chip's
+        assert torch.cuda.get_device_capability() == (0, 0) and torch.cuda.init() is None
+        assert torch.cuda.is_current_stream_capturing() is False
+        assert "flagos memory summary" in torch.cuda.memory_summary()
         # detection asks PyTorch's own torch.cuda, never the redirect standing in for it
         assert not flagos.chips.profile("cuda").detect()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
