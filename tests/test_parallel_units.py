@@ -333,7 +333,8 @@ def test_the_exit_hook_closes_a_pool_still_open(fake_pool):
 
 @pytest.mark.parametrize("exitcode, words", [
     (None, "stopped answering"), (-signal.SIGKILL, "was killed by SIGKILL"),
-    (-signal.SIGTERM, "was killed by SIGTERM"), (-200, "was killed by signal 200"),
+    (-signal.SIGTERM, "was killed by SIGTERM"), (-signal.SIGHUP, "was killed by SIGHUP"),
+    (-200, "was killed by signal 200"),
     (0, "exited with status 0"), (3, "exited with status 3")])
 def test_how_a_worker_ended_in_words(exitcode, words):
     assert parallel._describe_exit(SimpleNamespace(exitcode=exitcode)) == words

@@ -6,6 +6,7 @@ and GradScaler) run unchanged with FLAGOS_REDIRECT_CUDA=1 and match the same scr
 CPU with "cuda" replaced by "cpu"."""
 from __future__ import annotations
 
+import datetime
 import inspect
 import io
 import os
@@ -204,7 +205,8 @@ def _check_init_process_group(dev):
     (flagos.dist_backend()), and a collective on "cuda" tensors runs on the chip."""
     for args, kwargs in ((("nccl",), {}), ((), {"backend": "nccl"}),
                          (("cpu:gloo,cuda:nccl",), {}), ((), {"backend": "nccl", "device_id": 0}),
-                         ((), {"backend": "nccl", "device_id": torch.device("cuda", 0)})):
+                         ((), {"backend": "nccl", "device_id": torch.device("cuda", 0)}),
+                         (("nccl", None, datetime.timedelta(seconds=60)), {})):   # more given positionally
         dist.init_process_group(*args, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         try:
             backend = dist.get_backend()
