@@ -454,6 +454,12 @@ def test_redirected_functions_keep_pytorchs_names_docs_and_signatures(redirect):
         assert inspect.signature(now) == signature, name
 
 
+def test_installing_again_changes_nothing_and_says_it_is_installed(redirect):
+    saved, zeros = list(_redirect._saved), torch.zeros
+    assert _redirect.install(_state.active()) is True
+    assert _redirect._saved == saved and torch.zeros is zeros
+
+
 def test_uninstall_gives_everything_back(redirect):
     before = torch.zeros
     _redirect.uninstall()
