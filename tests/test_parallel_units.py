@@ -153,6 +153,9 @@ def test_a_list_of_kwargs_is_sent_as_the_request(fake_pool):
     pool = fake_pool(1)
     assert pool.map([{"seed": 1}, {"seed": 2}]) == [("fake 0", {"seed": 1}), ("fake 0", {"seed": 2})]
     assert pool.map(noop, []) == []
+    assert pool.map(noop, items=["x"]) == [("fake 0", "x")]   # items by name too
+    with pytest.raises(TypeError):
+        pool.map(noop, ["x"], True)   # return_exceptions is keyword-only
 
 
 def failing_on(labels, jobs=None, times=None):
