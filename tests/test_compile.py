@@ -226,6 +226,22 @@ def test_graph_without_flagos_inputs():
     """)
 
 
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_eager_work_imports_nothing_of_dynamo_or_inductor():
+    """Activation, a training step and the device module's other attributes leave Dynamo and
+    Inductor unimported (seconds of import time a program that never compiles does not pay)."""
+    run_python("""
+        import sys, torch, flagos
+        flagos.activate("cpu")
+        model = torch.nn.Linear(4, 2).to(flagos.device())
+        model(torch.randn(3, 4, device="flagos")).sum().backward()
+        assert torch.flagos.device_count() == 1 and torch.flagos.is_available()
+        assert getattr(torch.flagos, "no_such_attribute", None) is None
+        loaded = sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor")))
+        assert loaded == [], loaded
+    """)
+
+
 def test_llama_forward_with_cache_matches_plain_cpu(dev):
     """The default forward: a DynamicCache made inside the graph (torch.tensor on the device)."""
     ref = tiny_llama().eval()

@@ -298,6 +298,23 @@ def test_leaving_the_block_on_an_error_stops_the_workers_at_once(fake_pool):
     assert [p.exitcode for p in processes(pool)] == [-signal.SIGTERM] * 2
 
 
+def test_an_interrupted_map_stops_every_worker_at_once(fake_pool, monkeypatch):
+    """Ctrl-C while map waits: no worker, idle or busy, is asked to stop and waited for."""
+    pool = fake_pool(2)
+    given, stop = [], pool._stop
+    monkeypatch.setattr(pool, "_stop", lambda worker, timeout=0.0: (given.append(timeout), stop(worker, timeout)))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(parallel, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.map(noop, ["a"])    # one busy worker, one idle
+    assert pool._closed and given == [0.0, 0.0]
+    assert [p.got_stop for p in processes(pool)] == [False, False]
+    assert [p.exitcode for p in processes(pool)] == [-signal.SIGTERM] * 2
+
+
 def test_close_copes_with_a_worker_gone_unnoticed(fake_pool):
     """A worker that died while idle (its pipe broken): close still stops the others."""
     pool = fake_pool(2)
