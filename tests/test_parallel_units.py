@@ -149,6 +149,23 @@ def test_each_idle_worker_takes_the_lowest_pending_request(fake_pool):
     assert [label for label, _ in out[:2]] == ["fake 0", "fake 1"]
 
 
+def test_a_busy_worker_does_not_hold_back_an_idle_one(fake_pool):
+    """Worker 0's request waits until worker 1 has served every other: it must be handed them
+    while worker 0 is busy (worker 0 gives up after 10 s and says so)."""
+    others_done = threading.Event()
+
+    def script(label, job, item, attempt):
+        if label == "fake 0":
+            return ("ok", ("fake 0", others_done.wait(10)))
+        if job == 3:
+            others_done.set()
+        return ("ok", (label, item))
+
+    pool = fake_pool(2, script)
+    assert pool.map(noop, ["a", "b", "c", "d"]) == [("fake 0", True), ("fake 1", "b"),
+                                                     ("fake 1", "c"), ("fake 1", "d")]
+
+
 def test_a_list_of_kwargs_is_sent_as_the_request(fake_pool):
     pool = fake_pool(1)
     assert pool.map([{"seed": 1}, {"seed": 2}]) == [("fake 0", {"seed": 1}), ("fake 0", {"seed": 2})]
