@@ -166,6 +166,21 @@ def test_a_busy_worker_does_not_hold_back_an_idle_one(fake_pool):
                                                      ("fake 1", "c"), ("fake 1", "d")]
 
 
+def test_a_pool_with_a_timeout_waits_for_its_workers_without_polling(fake_pool, monkeypatch):
+    """A 0.5 s request under a 60 s timeout: map sleeps in `wait` until the answer comes (a
+    handful of calls), not in a loop of zero-second waits."""
+    def script(label, job, item, attempt):
+        threading.Event().wait(0.5)
+        return ("ok", item)
+
+    pool = fake_pool(1, script, timeout=60.0)
+    timeouts, real_wait = [], parallel.wait
+    monkeypatch.setattr(parallel, "wait", lambda objects, timeout=None: (
+        timeouts.append(timeout), real_wait(objects, timeout))[1])
+    assert pool.map(noop, ["a"]) == ["a"]
+    assert 1 <= len(timeouts) <= 3 and all(55.0 < t <= 60.0 for t in timeouts), timeouts
+
+
 def test_a_list_of_kwargs_is_sent_as_the_request(fake_pool):
     pool = fake_pool(1)
     assert pool.map([{"seed": 1}, {"seed": 2}]) == [("fake 0", {"seed": 1}), ("fake 0", {"seed": 2})]
