@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 from conftest import CHIP, device_mode_only, reference_device, run_python, runs_once
+from torch._dynamo import guards as dynamo_guards
 from torch._dynamo import output_graph
 from torch._dynamo.guards import GuardBuilder
 from torch._dynamo.utils import counters
@@ -203,6 +204,20 @@ def test_the_lighter_guards_are_installed_once():
     _compile._light_guards()
     assert [GuardBuilder.TENSOR_SUBCLASS_METADATA_MATCH, GuardBuilder.EQUALS_MATCH,
             GuardBuilder.TENSOR_MATCH] == installed
+
+
+@pytest.mark.parametrize("missing", ["TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH"])
+def test_a_pytorch_without_either_guard_builder_keeps_its_guards_as_they_are(monkeypatch, missing):
+    """Another PyTorch whose GuardBuilder lacks one of the two builders flagos lightens: none of
+    its builders is replaced (not half of them), and no error."""
+    class OtherBuilder:
+        TENSOR_SUBCLASS_METADATA_MATCH = EQUALS_MATCH = TENSOR_MATCH = staticmethod(lambda *a: None)
+
+    delattr(OtherBuilder, missing)
+    before = dict(vars(OtherBuilder))
+    monkeypatch.setattr(dynamo_guards, "GuardBuilder", OtherBuilder)
+    _compile._light_guards()
+    assert dict(vars(OtherBuilder)) == before
 
 
 @pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")

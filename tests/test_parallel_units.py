@@ -181,6 +181,19 @@ def test_a_pool_with_a_timeout_waits_for_its_workers_without_polling(fake_pool, 
     assert 1 <= len(timeouts) <= 3 and all(55.0 < t <= 60.0 for t in timeouts), timeouts
 
 
+def test_a_timeout_counts_from_each_requests_own_start(fake_pool):
+    """Under a 30 s timeout a 1 s request is served while the other worker's answers arrive."""
+    def script(label, job, item, attempt):
+        if label == "fake 0":
+            threading.Event().wait(1.0)
+        return ("ok", (label, item))
+
+    pool = fake_pool(2, script, timeout=30.0)
+    assert pool.map(noop, ["a", "b", "c", "d"]) == [("fake 0", "a"), ("fake 1", "b"),
+                                                     ("fake 1", "c"), ("fake 1", "d")]
+    assert pool.devices == ["fake 0", "fake 1"]
+
+
 def test_a_list_of_kwargs_is_sent_as_the_request(fake_pool):
     pool = fake_pool(1)
     assert pool.map([{"seed": 1}, {"seed": 2}]) == [("fake 0", {"seed": 1}), ("fake 0", {"seed": 2})]
