@@ -221,6 +221,24 @@ def test_a_pytorch_without_either_guard_builder_keeps_its_guards_as_they_are(mon
 
 
 @pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
+def test_a_guard_filter_sees_the_guards_of_flagos_inputs_by_their_names(dev):
+    """`torch.compile(options={"guard_filter_fn": ...})` (and PyTorch's own filters, such as
+    `torch.compiler.keep_tensor_guards_unsafe`) tell guards apart by their builder's name: the
+    builders flagos lightens keep theirs."""
+    seen = []
+
+    def record(entries):
+        seen.extend(entry.guard_type for entry in entries)
+        return [True] * len(entries)
+
+    compiled = torch.compile(lambda x: x * 2 + 1, options={"guard_filter_fn": record})
+    x = torch.randn(4)
+    assert_close(compiled(x.to(dev)).cpu(), x * 2 + 1)
+    assert {"TENSOR_MATCH", "TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH"} <= set(seen)
+    assert [name for name in seen if not hasattr(GuardBuilder, name)] == []
+
+
+@pytest.mark.skipif(not COMPILES, reason="the chip's tensors are not torch tensors: no compiled graphs")
 def test_graph_without_flagos_inputs():
     """Every tensor of the graph is made in it, on flagos; its outputs are flagos tensors. In a
     fresh process: here Inductor meets flagos before any flagos tensor is traced."""

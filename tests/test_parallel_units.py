@@ -42,7 +42,7 @@ class FakeProcess:
         self.sentinel, self._alive_fd = os.pipe()
         self._conn, self._script, self._ready = conn, script, ready
         self._stopped = threading.Event()
-        self.requests, self.got_stop = [], False
+        self.requests, self.got_stop, self.calls = [], False, []   # calls: join and terminate
         self._thread = threading.Thread(target=self._serve, daemon=True)
 
     def start(self):
@@ -83,9 +83,11 @@ class FakeProcess:
         return self._thread.is_alive()
 
     def join(self, timeout=None):
+        self.calls.append(("join", timeout))
         self._thread.join(timeout)
 
     def terminate(self):
+        self.calls.append(("terminate",))
         if self.exitcode is None:
             self.exitcode = -signal.SIGTERM
         self._stopped.set()
@@ -307,6 +309,7 @@ def test_a_request_past_the_timeout_stops_its_worker(fake_pool):
     assert out[1:] == [("fake 1", "b"), ("fake 1", "c")]
     stopped = processes(pool)[0]
     assert stopped.exitcode == -signal.SIGTERM and not stopped.is_alive()
+    assert stopped.calls[0] == ("terminate",)   # stopped at once, not waited for first
     assert pool.devices == ["fake 1"]
 
 
