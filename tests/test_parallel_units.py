@@ -37,8 +37,9 @@ class FakeProcess:
     says: ("ok", value), ("error", words), "die" (exit by SIGKILL) or "hang" (until stopped).
     Its sentinel is a pipe's read end, ready once the worker has ended, as a process's is."""
 
-    def __init__(self, label, conn, script, ready=("ready", None, "flagos:0", "")):
+    def __init__(self, label, conn, script, ready=("ready", None, "flagos:0", ""), stop_takes=0.0):
         self.label, self.pid, self.exitcode = label, next(_pids), None
+        self._stop_takes = stop_takes   # seconds a stop takes (a real worker frees its device)
         self.sentinel, self._alive_fd = os.pipe()
         self._conn, self._script, self._ready = conn, script, ready
         self._stopped = threading.Event()
@@ -63,7 +64,10 @@ class FakeProcess:
             except (EOFError, OSError):
                 break
             if message is None:
-                self.got_stop, self.exitcode = True, 0
+                self.got_stop = True
+                self._stopped.wait(self._stop_takes)   # a SIGTERM meanwhile is its exit code
+                if self.exitcode is None:
+                    self.exitcode = 0
                 break
             job, fn, item = message
             self.requests.append(job)
@@ -111,14 +115,14 @@ def fake_pool():
     """fake_pool(n, script, retries=, timeout=): a started pool of n fake workers."""
     made = []
 
-    def make(n, script=serve_all, *, retries=0, timeout=None, chip="sim"):
+    def make(n, script=serve_all, *, retries=0, timeout=None, chip="sim", stop_takes=0.0):
         pool = PipelinePool.__new__(PipelinePool)
         pool.chip, pool.mode, pool.indices = chip, None, list(range(n))
         pool.retries, pool.timeout, pool.threads = retries, timeout, 1
         pool._workers, pool._closed = [], False
         for index in range(n):
             parent_conn, child_conn = Pipe()
-            process = FakeProcess(f"fake {index}", child_conn, script)
+            process = FakeProcess(f"fake {index}", child_conn, script, stop_takes=stop_takes)
             process.start()
             parent_conn.recv()   # its "ready"
             pool._workers.append(parallel._Worker(process.label, process, parent_conn))
@@ -316,10 +320,13 @@ def test_a_request_past_the_timeout_stops_its_worker(fake_pool):
 # ---- closing --------------------------------------------------------------------------
 
 def test_close_asks_idle_workers_to_stop_and_stops_the_rest(fake_pool):
-    pool = fake_pool(2)
+    pool = fake_pool(2, stop_takes=0.3)
     pool.close()
     assert [p.got_stop for p in processes(pool)] == [True, True]
     assert [p.exitcode for p in processes(pool)] == [0, 0]
+    # waited for (the second ended while the first was), none terminated
+    assert processes(pool)[0].calls[0][0] == "join"
+    assert [("terminate",) in p.calls for p in processes(pool)] == [False, False]
     assert repr(pool) == "<flagos.parallel.PipelinePool chip=sim closed>"
     pool.close()   # a second close does nothing
     with pytest.raises(RuntimeError, match="this PipelinePool is closed; make a new one"):
