@@ -34,7 +34,8 @@ def noop(obj, item):
 
 class FakeProcess:
     """A worker that is a thread: it answers each request as `script(label, job, item, attempt)`
-    says: ("ok", value), ("error", words), "die" (exit by SIGKILL) or "hang" (until stopped).
+    says: ("ok", value), ("error", words), "die" (exit by SIGKILL), "hang" (until stopped) or
+    "stuck" (a hang that ignores SIGTERM: only SIGKILL ends it).
     Its sentinel is a pipe's read end, ready once the worker has ended, as a process's is."""
 
     def __init__(self, label, conn, script, ready=("ready", None, "flagos:0", ""), stop_takes=0.0):
@@ -43,6 +44,7 @@ class FakeProcess:
         self.sentinel, self._alive_fd = os.pipe()
         self._conn, self._script, self._ready = conn, script, ready
         self._stopped = threading.Event()
+        self._ignores_sigterm = False
         self.requests, self.got_stop, self.calls = [], False, []   # calls: join and terminate
         self._thread = threading.Thread(target=self._serve, daemon=True)
 
@@ -75,7 +77,8 @@ class FakeProcess:
             if outcome == "die":
                 self.exitcode = -signal.SIGKILL
                 break
-            if outcome == "hang":
+            if outcome in ("hang", "stuck"):
+                self._ignores_sigterm = outcome == "stuck"
                 self._stopped.wait()
                 break
             kind, value = outcome
@@ -92,11 +95,17 @@ class FakeProcess:
 
     def terminate(self):
         self.calls.append(("terminate",))
+        if self._ignores_sigterm:
+            return
         if self.exitcode is None:
             self.exitcode = -signal.SIGTERM
         self._stopped.set()
 
-    kill = terminate
+    def kill(self):
+        self.calls.append(("kill",))
+        if self.exitcode is None:
+            self.exitcode = -signal.SIGKILL
+        self._stopped.set()
 
 
 def serve_all(label, job, item, attempt):
@@ -315,6 +324,17 @@ def test_a_request_past_the_timeout_stops_its_worker(fake_pool):
     assert stopped.exitcode == -signal.SIGTERM and not stopped.is_alive()
     assert stopped.calls[0] == ("terminate",)   # stopped at once, not waited for first
     assert pool.devices == ["fake 1"]
+
+
+def test_a_timed_out_worker_that_ignores_sigterm_is_killed(fake_pool):
+    def script(label, job, item, attempt):
+        return "stuck" if job == 0 else ("ok", (label, item))
+    pool = fake_pool(2, script, timeout=1.0)
+    out = pool.map(noop, ["a", "b"], return_exceptions=True)
+    assert "took more than timeout=1.0 s" in str(out[0]) and out[1] == ("fake 1", "b")
+    stuck = processes(pool)[0]
+    assert stuck.calls == [("terminate",), ("join", 1), ("kill",), ("join", 1)]
+    assert stuck.exitcode == -signal.SIGKILL and not stuck.is_alive()
 
 
 # ---- closing --------------------------------------------------------------------------
