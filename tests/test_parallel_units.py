@@ -363,6 +363,18 @@ def test_close_gives_the_workers_five_seconds_together(fake_pool, monkeypatch):
     assert given == [5.0, 5.0] and parallel.CLOSE_GRACE_S == 5.0
 
 
+def test_close_past_its_deadline_waits_for_no_one(fake_pool, monkeypatch):
+    """A clock that jumps past the grace period once it is set: the workers left are stopped
+    with no wait at all (not a second each, not a negative wait)."""
+    pool = fake_pool(2)
+    given, stop = [], pool._stop
+    clock = iter([50.0])
+    monkeypatch.setattr(parallel.time, "monotonic", lambda: next(clock, 60.0))
+    monkeypatch.setattr(pool, "_stop", lambda worker, timeout=0.0: (given.append(timeout), stop(worker, timeout)))
+    pool.close()
+    assert given == [0.0, 0.0]
+
+
 def test_leaving_the_block_on_an_error_stops_the_workers_at_once(fake_pool):
     pool = fake_pool(2)
     assert repr(pool) == "<flagos.parallel.PipelinePool chip=sim 2 worker(s): fake 0, fake 1>"
