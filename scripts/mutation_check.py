@@ -529,6 +529,20 @@ MUTATIONS = [
       "flagos/integrations/_redirect.py", "    if isinstance(device, int) and not isinstance(device, bool):",
       "    if isinstance(device, int) and isinstance(device, bool):",
       cpu("tests/test_redirect.py", k="native_mode_entry_points")),
+    M("pool_busy_worker_blocks_handout", "a busy worker stops the hand-out: idle workers wait for it",
+      "flagos/parallel.py", "if worker.job is not None or not pending:  # failed; a retry on the same worker\n"
+      "                    continue",
+      "if worker.job is not None or not pending:  # failed; a retry on the same worker\n"
+      "                    break",
+      cpu("tests/test_parallel_units.py", k="busy_worker")),
+    M("pool_timeout_terminate_skipped", "a timed-out worker gets SIGKILL with no SIGTERM first",
+      "flagos/parallel.py", "        if process.is_alive():\n            process.terminate()",
+      "        if not process.is_alive():\n            process.terminate()",
+      cpu("tests/test_parallel_units.py", k="past_the_timeout")),
+    M("compile_hook_any_attribute", "every attribute of the device module but `Scheduling` sets up "
+      "Inductor (activation imports it)",
+      "flagos/integrations/_compile.py", 'if name == "Scheduling":', 'if name != "Scheduling":',
+      cpu("tests/test_compile.py", k="imports_nothing")),
 ]
 
 
