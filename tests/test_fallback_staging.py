@@ -184,6 +184,19 @@ def test_the_runners_round_trip_stages_large_regions_only(dev, elements):
     assert staged == (elements * 4 >= _C.STAGING_MIN_BYTES)
 
 
+@pytest.mark.parametrize("elements", [64, 1 << 16])
+def test_the_runners_round_trip_covers_every_view_of_a_buffer(dev, elements):
+    """Arguments viewing one buffer, a later one starting lower and one ending higher: the
+    region copied to the host spans all of them (the Python runner, as above)."""
+    flagos.set_route("aten::addcmul", "fallback")
+    torch.manual_seed(0)
+    x, two = torch.randn(3 * elements), torch.tensor(2.0)
+    fx = x.to(dev)
+    mid, low, high = slice(elements, 2 * elements), slice(0, elements), slice(2 * elements, None)
+    assert torch.equal(torch.addcmul(fx[mid], fx[low], two).cpu(), torch.addcmul(x[mid], x[low], two))
+    assert torch.equal(torch.addcmul(fx[mid], fx[high], two).cpu(), torch.addcmul(x[mid], x[high], two))
+
+
 SMALL = 4096  # float32 elements: 16 KiB, under the staging threshold (a host tensor of its own)
 
 
