@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import device_mode_only
+from conftest import CHIP, device_mode_only
 
 import flagos
 
@@ -53,6 +53,26 @@ def test_native_calls_count_no_fallback_time(dev):
     row = flagos.fallback_report().op("aten::add.Tensor")
     assert row["calls"]["native"] == 1 and row["fallback_ns"] == 0
     assert row["bytes_to_host"] == 0 and row["bytes_to_device"] == 0
+
+
+def test_calls_that_never_fall_back_count_no_time_and_no_bytes(dev):
+    """Allocation, copies, in-place views, fills and an override kernel: every row without a
+    fallback call reports no fallback time and no bytes moved."""
+    flagos.register_kernel("aten::relu", lambda x: torch.clamp(x, min=0), chip=CHIP)
+    try:
+        flagos.reset_report()
+        a = torch.ones(4, 6, device=dev)
+        b = a.clone().unsqueeze_(0).squeeze_(0).t_().transpose_(0, 1)
+        b.fill_(2.0).zero_()
+        c = torch.empty_like(a).copy_(a).relu()
+        assert c.sum().item() == 24.0 and b.sum().item() == 0.0
+        rows = [r for r in flagos.fallback_report().rows if r["calls"]["fallback"] == 0]
+        assert {"aten::relu", "aten::unsqueeze_", "aten::fill_.Scalar"} <= {r["op"] for r in rows}
+        for row in rows:
+            assert (row["op"], row["fallback_ns"], row["bytes_to_host"], row["bytes_to_device"]) == \
+                (row["op"], 0, 0, 0)
+    finally:
+        flagos.unregister_kernel("aten::relu", chip=CHIP)
 
 
 def test_bytes_of_an_inplace_fallback(dev):
