@@ -197,6 +197,24 @@ def test_the_runners_round_trip_covers_every_view_of_a_buffer(dev, elements):
     assert torch.equal(torch.addcmul(fx[mid], fx[high], two).cpu(), torch.addcmul(x[mid], x[high], two))
 
 
+def test_the_runners_results_are_uploaded_each_and_an_op_without_results_returns_none(dev):
+    """Calls the C round trip declines (a negative view, an empty tensor among the arguments)
+    take the Python runner's: each of several results comes back a tensor of the device, and an
+    op that returns nothing returns None, as on CPU."""
+    flagos.set_route("aten::sort", "fallback")
+    flagos.set_route("aten::_foreach_add_.Scalar", "fallback")
+    torch.manual_seed(0)
+    x = torch.randn(5, 7)
+    values, indices = torch.sort(torch._neg_view(x.to(dev)), dim=1)
+    expected = torch.sort(torch._neg_view(x), dim=1)
+    assert values.device == indices.device == dev
+    assert torch.equal(values.cpu(), expected.values) and torch.equal(indices.cpu(), expected.indices)
+    a, empty, host = x.to(dev), torch.empty(0, device=dev), x.clone()
+    assert torch.ops.aten._foreach_add_.Scalar([a, empty], 1.0) is None
+    assert torch.ops.aten._foreach_add_.Scalar([host, torch.empty(0)], 1.0) is None
+    assert torch.equal(a.cpu(), host)
+
+
 SMALL = 4096  # float32 elements: 16 KiB, under the staging threshold (a host tensor of its own)
 
 

@@ -114,6 +114,8 @@ def test_conjugate_and_negative_views_are_honoured():
             "neg view mm": lambda z, x: torch._neg_view(x) @ x.t(),
             "neg view t": lambda z, x: torch._neg_view(x).t().contiguous(),
             "resolve_neg": lambda z, x: torch._neg_view(x).resolve_neg(),
+            "copy_ of a neg view": lambda z, x: torch.empty_like(x).copy_(torch._neg_view(x)),
+            "copy_ of a conj view": lambda z, x: torch.empty_like(z).copy_(z.conj()),
         }
         for name, fn in cases.items():
             want = fn(z, x)
