@@ -87,7 +87,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_streams.py": [sim(STREAMS), cpu(STREAMS)],
     "flagos/runtime/_tensor.py": [cpu(DEVICE, FIDELITY, OFFLOAD), sim(DEVICE, SIM_FIDELITY, OFFLOAD),
                                   cpu(COMPILE, k="flatten or cached_graphs or report_counts or layout_and_bits "
-                                                 "or before_activation"),
+                                                 "or before_activation or compile_logs"),
                                   sim(COMPILE, k="inner_tensors"), cpu(ECOSYSTEM, k="storage_names"),
                                   sim(ECOSYSTEM, k="storage_names")],
     "flagos/runtime/_tracing.py": [cpu(COMPILE), cpu(DEVICE, k="print"), sim(COMPILE)],
