@@ -638,6 +638,19 @@ def test_matmul_shape_errors_are_pytorchs(fn, shapes):
     assert type(chip.value) is type(cpu.value) and str(chip.value) == str(cpu.value)
 
 
+@on_sim
+@pytest.mark.parametrize("fn", [torch.softmax, torch.ops.aten._safe_softmax], ids=["softmax", "_safe_softmax"])
+@pytest.mark.parametrize("dim", [2, -3, 5])
+def test_a_softmax_dim_out_of_range_is_pytorchs_error(fn, dim):
+    dev = flagos.device()
+    x = randn(3, 4, seed=61)
+    with pytest.raises(IndexError) as cpu:
+        fn(x, dim)
+    with pytest.raises(IndexError) as chip:
+        fn(x.to(dev), dim)
+    assert str(chip.value) == str(cpu.value)
+
+
 # ---- group norm ---------------------------------------------------------------------------------
 
 GROUP_NORM_VIEWS = {
