@@ -206,6 +206,23 @@ def test_the_lighter_guards_are_installed_once():
             GuardBuilder.TENSOR_MATCH] == installed
 
 
+@pytest.mark.parametrize("index, expected", [(None, 0), (0, 0), (1, 1), (2, 2)])
+def test_a_graph_moves_each_flagos_device_to_the_payload_device_of_its_index(monkeypatch, index, expected):
+    """`torch.ones(2, device="flagos:1")` in a graph is made on the payload device of flagos:1
+    (cuda:1 on the cuda chip); a device without an index is device 0's."""
+    asked = []
+    monkeypatch.setattr(_compile, "payload_device", lambda i: (asked.append(i), torch.device("cpu"))[1])
+    graph = torch.fx.Graph()
+    made = graph.call_function(torch.ones, (2,), {"device": torch.device("flagos", index)})
+    graph.output(made)
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    _compile._to_payload_device(module)
+    assert asked == [expected]
+    (node,) = [n for n in module.graph.nodes if n.op == "call_function"]
+    assert node.kwargs["device"] == torch.device("cpu")
+    assert torch.equal(module(), torch.ones(2))   # the module's code is the moved graph's
+
+
 @pytest.mark.parametrize("missing", ["TENSOR_SUBCLASS_METADATA_MATCH", "EQUALS_MATCH"])
 def test_a_pytorch_without_either_guard_builder_keeps_its_guards_as_they_are(monkeypatch, missing):
     """Another PyTorch whose GuardBuilder lacks one of the two builders flagos lightens: none of
