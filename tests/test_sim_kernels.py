@@ -651,6 +651,24 @@ def test_a_softmax_dim_out_of_range_is_pytorchs_error(fn, dim):
     assert str(chip.value) == str(cpu.value)
 
 
+@on_sim
+@pytest.mark.parametrize("shape, normalized", [((3, 4), (5,)), ((2, 3, 4), (2, 4)), ((3, 4), (4,))],
+                         ids=["last dim differs", "leading dim differs", "fits"])
+def test_layer_norm_runs_on_sim_when_its_shape_fits_and_fails_as_pytorch_when_not(shape, normalized):
+    dev = flagos.device()
+    x = randn(*shape, seed=62)
+    if shape[-len(normalized):] == normalized:
+        flagos.reset_report()
+        torch.testing.assert_close(F.layer_norm(x.to(dev), normalized).cpu(), F.layer_norm(x, normalized))
+        assert flagos.fallback_report().op("aten::native_layer_norm")["calls"] == {"native": 1, "override": 0, "fallback": 0}
+        return
+    with pytest.raises(RuntimeError) as cpu:
+        F.layer_norm(x, normalized)
+    with pytest.raises(RuntimeError) as chip:
+        F.layer_norm(x.to(dev), normalized)
+    assert str(chip.value) == str(cpu.value)
+
+
 # ---- group norm ---------------------------------------------------------------------------------
 
 GROUP_NORM_VIEWS = {
