@@ -669,6 +669,30 @@ def test_layer_norm_runs_on_sim_when_its_shape_fits_and_fails_as_pytorch_when_no
     assert str(chip.value) == str(cpu.value)
 
 
+@on_sim
+def test_convolution_with_one_element_parameter_lists_matches_cpu():
+    """aten.convolution takes stride, padding and dilation of one element for every spatial dim
+    (PyTorch expands them); sim's rule leaves such calls to the host, which does the same."""
+    dev = flagos.device()
+    x, w = randn(1, 2, 5, 5, seed=63), randn(3, 2, 3, 3, seed=64)
+    args = (None, [2], [1], [1], False, [0], 1)
+    got = torch.ops.aten.convolution(x.to(dev), w.to(dev), *args)
+    torch.testing.assert_close(got.cpu(), torch.ops.aten.convolution(x, w, *args))
+
+
+@on_sim
+@pytest.mark.parametrize("index_dims, route", [(7, "native"), (8, "fallback")])
+def test_embedding_of_indices_up_to_seven_dims_runs_on_sim_and_eight_on_the_host(index_dims, route):
+    """The output has one dim more than the indices, and a kernel takes at most 8."""
+    dev = flagos.device()
+    weight = randn(10, 3, seed=65)
+    indices = torch.randint(0, 10, (2,) * index_dims, generator=torch.Generator().manual_seed(66))
+    flagos.reset_report()
+    got = F.embedding(indices.to(dev), weight.to(dev))
+    assert torch.equal(got.cpu(), F.embedding(indices, weight))
+    assert flagos.fallback_report().op("aten::embedding")["calls"][route] == 1
+
+
 # ---- group norm ---------------------------------------------------------------------------------
 
 GROUP_NORM_VIEWS = {
