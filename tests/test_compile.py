@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd import graph_compile
 from torch._guards import TracingContext, tracing
 from torch._inductor.utils import fresh_cache
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.testing import assert_close
 
 import flagos
@@ -217,7 +217,13 @@ def test_a_graph_moves_each_flagos_device_to_the_payload_device_of_its_index(mon
     graph.output(made)
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     _compile._to_payload_device(module)
-    assert asked == [expected]
+    assert asked == [expected] and "flagos_outputs" not in module.meta   # no traced value said flagos
+    # traced: the output's fake value says flagos:index; it leaves the graph on that flagos device
+    asked.clear()
+    made.meta["val"] = FakeTensor(FakeTensorMode(), torch.empty(2, device="meta"), torch.device("flagos", index))
+    _compile._to_payload_device(module)
+    assert asked == [expected] and module.meta["flagos_outputs"] == {0: expected}
+    assert made.meta["val"].device == torch.device("cpu")
     (node,) = [n for n in module.graph.nodes if n.op == "call_function"]
     assert node.kwargs["device"] == torch.device("cpu")
     assert torch.equal(module(), torch.ones(2))   # the module's code is the moved graph's

@@ -239,6 +239,22 @@ def test_swap_tensors_of_pairs_that_cannot_exchange_data_in_place_swaps_as_on_cp
         assert other.tolist() == [1 - 2j, 3 + 1j] and other.is_conj()
 
 
+@pytest.mark.parametrize("referenced", ["t1", "t2"])
+def test_swap_tensors_across_devices_with_a_weak_reference_is_refused_as_on_cpu(dev, referenced):
+    """swap_tensors(flagos tensor, host tensor) refuses a weakly referenced one with PyTorch's
+    error for two host tensors, and changes neither."""
+    errors = []
+    for other_device in ("cpu", dev):
+        t1, t2 = torch.ones(2, device=other_device), torch.zeros(3)
+        ref = weakref.ref(t1 if referenced == "t1" else t2)
+        with pytest.raises(RuntimeError) as raised:
+            torch.utils.swap_tensors(t1, t2)
+        errors.append(str(raised.value))
+        assert t1.tolist() == [1.0, 1.0] and t1.device == torch.device(other_device)
+        assert t2.tolist() == [0.0, 0.0, 0.0] and t2.device.type == "cpu" and ref() is not None
+    assert errors[1] == errors[0] == f"Cannot swap {referenced} because it has weakref associated with it"
+
+
 def test_other_incompatible_pairs_keep_pytorchs_error():
     dense = torch.ones(2, 2)
     with pytest.raises(RuntimeError, match="incompatible tensor type"):
