@@ -357,7 +357,7 @@ def test_close_gives_the_workers_five_seconds_together(fake_pool, monkeypatch):
     """The grace period is one deadline for all workers (a frozen clock: each gets all of it)."""
     pool = fake_pool(2)
     given, stop = [], pool._stop
-    monkeypatch.setattr(parallel.time, "monotonic", lambda: 50.0)
+    monkeypatch.setattr(parallel, "time", SimpleNamespace(monotonic=lambda: 50.0))
     monkeypatch.setattr(pool, "_stop", lambda worker, timeout=0.0: (given.append(timeout), stop(worker, timeout)))
     pool.close()
     assert given == [5.0, 5.0] and parallel.CLOSE_GRACE_S == 5.0
@@ -368,8 +368,8 @@ def test_close_past_its_deadline_waits_for_no_one(fake_pool, monkeypatch):
     with no wait at all (not a second each, not a negative wait)."""
     pool = fake_pool(2)
     given, stop = [], pool._stop
-    clock = iter([50.0])
-    monkeypatch.setattr(parallel.time, "monotonic", lambda: next(clock, 60.0))
+    clock = iter([50.0])   # parallel's own clock only: the worker threads' waits read the real one
+    monkeypatch.setattr(parallel, "time", SimpleNamespace(monotonic=lambda: next(clock, 60.0)))
     monkeypatch.setattr(pool, "_stop", lambda worker, timeout=0.0: (given.append(timeout), stop(worker, timeout)))
     pool.close()
     assert given == [0.0, 0.0]
