@@ -339,6 +339,18 @@ def test_a_timed_out_worker_that_ignores_sigterm_is_killed(fake_pool):
 
 # ---- closing --------------------------------------------------------------------------
 
+def record_stop_graces(pool, monkeypatch):
+    """The grace period each `_stop` call is given, in order; the stops themselves still run."""
+    given, stop = [], pool._stop
+
+    def recording_stop(worker, timeout=0.0):
+        given.append(timeout)
+        return stop(worker, timeout)
+
+    monkeypatch.setattr(pool, "_stop", recording_stop)
+    return given
+
+
 def test_close_asks_idle_workers_to_stop_and_stops_the_rest(fake_pool):
     pool = fake_pool(2, stop_takes=0.3)
     pool.close()
@@ -356,9 +368,8 @@ def test_close_asks_idle_workers_to_stop_and_stops_the_rest(fake_pool):
 def test_close_gives_the_workers_five_seconds_together(fake_pool, monkeypatch):
     """The grace period is one deadline for all workers (a frozen clock: each gets all of it)."""
     pool = fake_pool(2)
-    given, stop = [], pool._stop
+    given = record_stop_graces(pool, monkeypatch)
     monkeypatch.setattr(parallel, "time", SimpleNamespace(monotonic=lambda: 50.0))
-    monkeypatch.setattr(pool, "_stop", lambda worker, timeout=0.0: (given.append(timeout), stop(worker, timeout)))
     pool.close()
     assert given == [5.0, 5.0] and parallel.CLOSE_GRACE_S == 5.0
 
@@ -367,10 +378,9 @@ def test_close_past_its_deadline_waits_for_no_one(fake_pool, monkeypatch):
     """A clock that jumps past the grace period once it is set: the workers left are stopped
     with no wait at all (not a second each, not a negative wait)."""
     pool = fake_pool(2)
-    given, stop = [], pool._stop
+    given = record_stop_graces(pool, monkeypatch)
     clock = iter([50.0])   # parallel's own clock only: the worker threads' waits read the real one
     monkeypatch.setattr(parallel, "time", SimpleNamespace(monotonic=lambda: next(clock, 60.0)))
-    monkeypatch.setattr(pool, "_stop", lambda worker, timeout=0.0: (given.append(timeout), stop(worker, timeout)))
     pool.close()
     assert given == [0.0, 0.0]
 
@@ -388,8 +398,7 @@ def test_leaving_the_block_on_an_error_stops_the_workers_at_once(fake_pool):
 def test_an_interrupted_map_stops_every_worker_at_once(fake_pool, monkeypatch):
     """Ctrl-C while map waits: no worker, idle or busy, is asked to stop and waited for."""
     pool = fake_pool(2)
-    given, stop = [], pool._stop
-    monkeypatch.setattr(pool, "_stop", lambda worker, timeout=0.0: (given.append(timeout), stop(worker, timeout)))
+    given = record_stop_graces(pool, monkeypatch)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
