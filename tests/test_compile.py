@@ -218,6 +218,7 @@ def test_a_graph_moves_each_flagos_device_to_the_payload_device_of_its_index(mon
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     _compile._to_payload_device(module)
     assert asked == [expected] and "flagos_outputs" not in module.meta   # no traced value said flagos
+    assert "flagos" not in module.code   # recompiled: the code that runs is the moved graph's
     # traced: the output's fake value says flagos:index; it leaves the graph on that flagos device
     asked.clear()
     made.meta["val"] = FakeTensor(FakeTensorMode(), torch.empty(2, device="meta"), torch.device("flagos", index))

@@ -211,9 +211,10 @@ def test_unwritable_cache_folder_is_no_cache(tmp_path):
 
 @from_cpu
 def test_the_adapter_broadcasts_an_operand_of_fewer_dims_and_refuses_mixed_dtypes_in_cat():
-    """The ABI directly (flagos itself describes every operand at the output's rank and sends
-    a kernel one dtype, so only another caller of the adapter meets these): an operand of fewer
-    dims broadcasts from the right, as in PyTorch; cat refuses inputs of mixed dtypes."""
+    """The ABI directly (flagos itself describes every operand at the output's rank, sends
+    a kernel one dtype and a device that exists, so only another caller of the adapter meets
+    these): an operand of fewer dims broadcasts from the right, as in PyTorch; cat refuses
+    inputs of mixed dtypes; every kernel refuses a device the adapter does not have."""
     adapter = OPENCL.adapter
     index = {name: i for i, (name, _) in enumerate(adapter.kernels())}
     codes = {torch.float32: 0, torch.float16: 1}  # the ABI's dtype codes
@@ -234,6 +235,11 @@ def test_the_adapter_broadcasts_an_operand_of_fewer_dims_and_refuses_mixed_dtype
                                            on_device(torch.zeros(4, 2)))
     with pytest.raises(NotImplementedError, match="aten::cat: mixed dtypes"):
         adapter.run_kernel(index["aten::cat"], 0, [single, half], [joined], (), (0,))
+    count = len(flagos.list_devices("opencl"))
+    for op, ints in [("aten::cat", (0,)), ("aten::neg", ())]:   # a device that does not exist
+        for device in (count, -1):
+            with pytest.raises(flagos.DeviceError, match=rf"opencl device {device} does not exist"):
+                adapter.run_kernel(index[op], device, [single], [single], (), ints)
 
 
 def _native(report, op):

@@ -134,6 +134,32 @@ def test_counters_match_the_runner():
     assert "RUNNER {'override': 0, 'native': 0, 'fallback': 1} 64 64 ['torch.float32'] ['aten::atan2']" in out
 
 
+def test_a_round_trip_keeps_no_memory_once_it_returns():
+    """Every object the C round trip makes for a call (the host views' shapes and strides, the
+    results' descriptions) is released when the call ends: 1,500 fallbacks, one and two
+    results, small and staged, hold no more Python memory than the first few."""
+    proc = run_sim(SPY + """
+        import tracemalloc
+        a, big = torch.randn(6, 5).to("flagos"), torch.randn(300, 256).to("flagos")
+
+        def calls(n):
+            for _ in range(n):
+                torch.sin(a), torch.max(a, 1), torch.cos(big)
+
+        calls(20)                            # caches, pools and the report's rows fill up
+        tracemalloc.start()
+        calls(20)
+        del seen[:]
+        before = tracemalloc.get_traced_memory()[0]
+        calls(500)
+        grown = tracemalloc.get_traced_memory()[0] - before
+        print("GREW", grown, "RUNNER", len(seen))
+    """)
+    grown, runner = proc.stdout.split()[1::2]
+    assert runner == "0", proc.stdout      # every call took the C round trip
+    assert int(grown) < 20_000, proc.stdout  # a tuple leaked per op would be 1,500 of them: 80 KB
+
+
 def test_policy_comes_first():
     proc = run_sim("""
         import torch, flagos, warnings

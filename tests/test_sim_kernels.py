@@ -356,9 +356,11 @@ def test_mm(la, lb, dtype):
 @on_sim
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shapes", [((0, 8), (8, 5)), ((6, 0), (0, 5)), ((6, 8), (8, 0)),
-                                    ((1, 1), (1, 1)), ((20, 70), (70, 67))], ids=str)
+                                    ((1, 1), (1, 1)), ((20, 70), (70, 67)), ((130, 70), (70, 67))],
+                         ids=str)
 def test_mm_shapes(shapes, dtype):
-    # 20 x 70 @ 70 x 67 crosses the kernel's 16 x 64 x 64 blocks in every direction
+    # 130 x 70 @ 70 x 67 crosses the kernel's 64 x 64 x 64 blocks in every direction, with
+    # whole blocks of rows; 20 x 70 @ 70 x 67 a partial one
     run_case("aten::mm", torch.mm, [arg(randn(*shapes[0], seed=12)), arg(randn(*shapes[1], seed=13))],
              dtype)
 
