@@ -111,7 +111,8 @@ def test_auto_moves_past_an_adapter_whose_init_fails(tmp_path):
 
 def test_an_adapter_is_shut_down_once_when_its_object_goes(tmp_path):
     """One Adapter object per library, however often it is loaded; when it goes, the adapter's
-    shutdown() runs once (a chip's contexts and memory are released with it)."""
+    shutdown() runs once (a chip's contexts and memory are released with it) and the library
+    is closed (no longer mapped into the process)."""
     shutdown = ('#include <stdio.h>\n'
                 'static void toy_shutdown(void)\n{\n'
                 '    const char *path = getenv("TOY_SHUTDOWN_LOG");\n'
@@ -129,11 +130,13 @@ def test_an_adapter_is_shut_down_once_when_its_object_goes(tmp_path):
         first = _C.load_adapter({str(lib)!r})
         assert _C.load_adapter({str(lib)!r}) is first
         assert not os.path.exists({str(log)!r})
+        mapped = lambda: {str(lib)!r} in open("/proc/self/maps").read()
+        assert mapped()
         del first
         gc.collect()
-        print("LOG", open({str(log)!r}).read().split())
+        print("LOG", open({str(log)!r}).read().split(), "MAPPED", mapped())
     """, env={"TOY_SHUTDOWN_LOG": str(log)})
-    assert "LOG ['shutdown']" in proc.stdout
+    assert "LOG ['shutdown'] MAPPED False" in proc.stdout
 
 
 # Every stream/event entry of ABI 1.1; the two creates "succeed" without giving a handle.
