@@ -543,6 +543,24 @@ MUTATIONS = [
       "Inductor (activation imports it)",
       "flagos/integrations/_compile.py", 'if name == "Scheduling":', 'if name != "Scheduling":',
       cpu("tests/test_compile.py", k="imports_nothing")),
+    M("compile_moved_graph_not_recompiled", "a graph whose only flagos trace is a device argument "
+      "is moved but not recompiled (its code still makes the tensor on flagos)",
+      "flagos/integrations/_compile.py", "    if moved or flagos_values:", "    if flagos_values:",
+      cpu("tests/test_compile.py", k="moves_each_flagos_device")),
+    M("decomposition_counts_bytes", "a decomposition run whole on a C-ABI chip counts bytes moved",
+      "flagos/runtime/_adapter_ops.py",
+      "return func._op_dk(_DECOMPOSITION, *args, **kwargs), NATIVE, 0, 0, 0, ()",
+      "return func._op_dk(_DECOMPOSITION, *args, **kwargs), NATIVE, 0, 0, 4, ()",
+      sim("tests/test_fallback_counters.py", k="never_fall_back")),
+    M("round_trip_leaks_shapes", "the C round trip keeps its first tensor's shape and strides "
+      "(a leak per call)", "csrc/adapter_fallback.c",
+      "    for (int i = 0; i < c->n_tensors; i++) {\n        Py_CLEAR(c->t[i].dtype);",
+      "    for (int i = 1; i < c->n_tensors; i++) {\n        Py_CLEAR(c->t[i].dtype);",
+      cpu("tests/test_sim_fallback_c.py", k="keeps_no_memory")),
+    M("sim_matmul_last_tile_row", "sim's matmul leaves out the last tile of rows of every block",
+      KERNELS, "for (int64_t r = 0; r < rows; r += TILE_ROWS)",
+      "for (int64_t r = 0; r < rows - TILE_ROWS; r += TILE_ROWS)",
+      sim("tests/test_sim_kernels.py", k="test_mm_shapes")),
 ]
 
 

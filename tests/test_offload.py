@@ -239,6 +239,26 @@ def test_swap_tensors_of_pairs_that_cannot_exchange_data_in_place_swaps_as_on_cp
         assert other.tolist() == [1 - 2j, 3 + 1j] and other.is_conj()
 
 
+def test_swap_tensors_across_devices_leaves_tensor_hooks_with_the_memory_as_on_cpu(dev):
+    """After torch.utils.swap_tensors(a, b) the hooks registered on a run for graphs over b, the
+    object now holding a's former memory, and not for graphs over a: between two host tensors,
+    and between a flagos and a host tensor (only `.data =` keeps them with the object)."""
+    def run(device_a, device_b):
+        calls = []
+        a = torch.ones(3, device=device_a, requires_grad=True)
+        b = torch.full((3,), 2.0, device=device_b, requires_grad=True)
+        a.register_hook(lambda grad: calls.append(("grad", grad.tolist())))
+        a.register_post_accumulate_grad_hook(lambda t: calls.append(("accumulated", t is b)))
+        torch.utils.swap_tensors(a, b)
+        (b * 3).sum().backward()
+        (a * 5).sum().backward()
+        return calls, a.grad.tolist(), b.grad.tolist()
+
+    want = run("cpu", "cpu")
+    assert want == ([("grad", [3.0, 3.0, 3.0]), ("accumulated", True)], [5.0] * 3, [3.0] * 3)
+    assert run(dev, "cpu") == want and run("cpu", dev) == want
+
+
 @pytest.mark.parametrize("referenced", ["t1", "t2"])
 def test_swap_tensors_across_devices_with_a_weak_reference_is_refused_as_on_cpu(dev, referenced):
     """swap_tensors(flagos tensor, host tensor) refuses a weakly referenced one with PyTorch's

@@ -238,13 +238,13 @@ def take_memory_of(target: torch.Tensor, new: torch.Tensor) -> None:
             f"module.to(device), which makes new parameters where it cannot move them.")
     if grad is not None:
         target._grad = None  # the grad stays with the tensor object, not with the memory
-    swap_keeping_graph(target, alias)
+    swap_keeping_graph(target, alias, hooks_stay=True)
     if grad is not None:
         with torch.no_grad():
             target._grad = grad.to(target.device)  # the gradient follows, as module.to() moves it
 
 
-def swap_keeping_graph(t1: torch.Tensor, t2: torch.Tensor) -> None:
+def swap_keeping_graph(t1: torch.Tensor, t2: torch.Tensor, hooks_stay: bool = False) -> None:
     """torch.utils.swap_tensors(t1, t2) for a flagos tensor and a host one, valid while an
     autograd graph holds t1.
 
@@ -255,6 +255,10 @@ def swap_keeping_graph(t1: torch.Tensor, t2: torch.Tensor) -> None:
     tensor, or poisons its AccumulateGrad node when only that node holds it. The gradient the
     graph accumulates into the former impl is handed on to t1's .grad (_GradientHandOver), on
     t1's device, as if the graph had held t1 itself.
+
+    Tensor hooks go with the memory, as PyTorch's swap_tensors leaves them: t2 runs those
+    registered on t1. With `hooks_stay` (`.data =`, which keeps the TensorImpl on one device),
+    or when the hand-over runs them, t1 keeps its own.
     """
     for t, name in ((t1, "t1"), (t2, "t2")):
         if weakref.getweakrefs(t):
@@ -281,7 +285,7 @@ def swap_keeping_graph(t1: torch.Tensor, t2: torch.Tensor) -> None:
             setattr(t1, slot, getattr(t2, slot))
             delattr(t2, slot)
     torch._C._swap_tensor_impl(t1, t2)
-    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+    for name in ("_backward_hooks", "_post_accumulate_grad_hooks") if hooks_stay or held else ():
         hooks = getattr(t1, name)  # the object's own; its new TensorImpl has none registered
         if hooks is not None:
             setattr(t1, name, hooks)  # registers them there, as `.data =` would have kept them
