@@ -379,6 +379,35 @@ def test_out_ops_with_several_results_return_each_callers_tensor(dev, route):
         close(other, expected[1], atol=0, rtol=0)
 
 
+# ---- ops that return a list of tensors --------------------------------------------------------
+
+@pytest.mark.parametrize("route", ["auto", "fallback"])
+def test_ops_returning_a_list_give_flagos_tensors_with_the_cpus_values(dev, route):
+    """The foreach ops (optimizers with foreach=True) and other Tensor[] results: each result
+    is a flagos tensor on the inputs' device holding CPU's values, on the chip's kernel and on
+    the fallback; the in-place forms change the caller's tensors."""
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 5), torch.randn(3)]
+    calls = {"_foreach_add.Scalar": lambda ts: torch._foreach_add(ts, 1.5),
+             "_foreach_mul.List": lambda ts: torch._foreach_mul(ts, ts),
+             "unbind_copy.int": lambda ts: torch.unbind_copy(ts[0], 1)}
+    for name, call in calls.items():
+        if route == "fallback":
+            flagos.set_route(f"aten::{name}", "fallback")
+        expected = call(xs)
+        got = call([x.to(dev) for x in xs])
+        assert isinstance(got, (list, tuple)) and len(got) == len(expected), name
+        for g, e in zip(got, expected):
+            assert g.device == dev, (name, g.device)
+            assert torch.equal(g.cpu(), e), name
+    if route == "fallback":
+        flagos.set_route("aten::_foreach_add_.Scalar", "fallback")
+    on_chip = [x.to(dev) for x in xs]
+    assert torch._foreach_add_(on_chip, 2.0) is on_chip   # as on CPU: the caller's own list
+    for t, x in zip(on_chip, xs):
+        assert t.device == dev and torch.equal(t.cpu(), x + 2.0)
+
+
 def test_inplace_view_ops_change_the_tensors_own_shape(dev):
     """t_, unsqueeze_, squeeze_, transpose_, as_strided_ and resize_ change the layout of the
     tensor they are called on: the flagos tensor says what the CPU tensor says."""
