@@ -256,6 +256,25 @@ def test_an_out_argument_resized_by_a_fallback_op_takes_the_cpus_shape():
     """)
 
 
+def test_unsafe_view_shares_the_tensors_memory_as_on_cpu():
+    """aten::_unsafe_view (matmul and einsum reshape their results with it) is a view: the result
+    shares the tensor's memory, on the chip as on CPU, for a contiguous tensor and for a strided
+    one whose sizes allow it; sizes that no view of its strides can have get CPU's error."""
+    run_sim('''
+        errors = []
+        for device in ("cpu", d):
+            x = torch.arange(6.0).reshape(2, 3).to(device)
+            y = torch.ops.aten._unsafe_view(x, (3, 2))
+            t = torch.ops.aten._unsafe_view(x.t(), (3, 2))   # transposed: the same sizes are a view
+            x.add_(1)
+            assert y.cpu().flatten().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], device
+            assert t.stride() == (1, 3) and t.cpu().tolist() == [[1.0, 4.0], [2.0, 5.0], [3.0, 6.0]], device
+            errors.append(error(lambda: torch.ops.aten._unsafe_view(x.t(), (6,))))
+        assert errors[0] == errors[1] and "view size is not compatible" in errors[0][1], errors
+        print("OK")
+    ''')
+
+
 def test_result_layouts_with_an_expanded_operand_are_the_cpus_in_every_dtype():
     """An elementwise op over an expanded operand and a transposed one: PyTorch's meta kernel
     lays a float16 or bfloat16 result out otherwise than the CPU does; sim gives the CPU's
