@@ -56,20 +56,21 @@ def test_native_calls_count_no_fallback_time(dev):
 
 
 def test_calls_that_never_fall_back_count_no_time_and_no_bytes(dev):
-    """Allocation, copies, in-place views, fills, an override kernel and a decomposition run
-    whole: every row without a fallback call reports no fallback time and no bytes moved."""
+    """Allocation, copies, in-place views, detach, fills, an override kernel and a decomposition
+    run whole: every row without a fallback call reports no fallback time and no bytes moved."""
     flagos.register_kernel("aten::relu", lambda x: torch.clamp(x, min=0), chip=CHIP)
     try:
         flagos.reset_report()
         a = torch.ones(4, 6, device=dev)
         b = a.clone().unsqueeze_(0).squeeze_(0).t_().transpose_(0, 1)
         b.fill_(2.0).zero_()
-        c = torch.empty_like(a).copy_(a).relu()
+        c = torch.empty_like(a).copy_(a).relu().detach()
         with torch.inference_mode():   # a decomposition reaches the chip whole; its parts run there
             d = torch.nn.functional.linear(a, torch.ones(3, 6, device=dev))
         assert c.sum().item() == 24.0 and b.sum().item() == 0.0 and d.sum().item() == 72.0
         rows = [r for r in flagos.fallback_report().rows if r["calls"]["fallback"] == 0]
-        assert {"aten::relu", "aten::unsqueeze_", "aten::fill_.Scalar", "aten::linear"} <= {r["op"] for r in rows}
+        assert {"aten::relu", "aten::unsqueeze_", "aten::fill_.Scalar", "aten::linear", "aten::detach"} <= \
+            {r["op"] for r in rows}
         for row in rows:
             assert (row["op"], row["fallback_ns"], row["bytes_to_host"], row["bytes_to_device"]) == \
                 (row["op"], 0, 0, 0)

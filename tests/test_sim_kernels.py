@@ -182,8 +182,10 @@ def test_binary_tensor_broadcasting(name, shapes, dtype):
 SCALAR = {
     # id: (router op, fn); Python numbers and 0-dim CPU tensors reach sim's .Scalar kernels
     "add.Scalar": ("aten::add.Scalar", lambda a: torch.ops.aten.add.Scalar(a, 2.5, alpha=2)),
+    "add.Scalar alpha 1": ("aten::add.Scalar", lambda a: torch.ops.aten.add.Scalar(a, 2.5)),
     "add number": ("aten::add.Tensor", lambda a: a + 1.25),
     "sub.Scalar": ("aten::sub.Scalar", lambda a: torch.ops.aten.sub.Scalar(a, 2.5, alpha=2)),
+    "sub.Scalar alpha 1": ("aten::sub.Scalar", lambda a: torch.ops.aten.sub.Scalar(a, 2.5)),
     "sub number": ("aten::sub.Tensor", lambda a: a - 1.75),
     "sub 0-dim cpu": ("aten::sub.Tensor", lambda a: a - torch.tensor(0.5, dtype=a.dtype)),
     "rsub number": ("aten::sub.Tensor", lambda a: torch.sub(a, 3.0, alpha=-1)),
