@@ -626,10 +626,11 @@ def test_conv2d_shape_errors_are_pytorchs():
     (torch.mm, ((3, 4), (5, 4))),                    # inner dims differ
     (torch.bmm, ((2, 3, 4), (2, 5, 4))),             # inner dims differ, the last ones equal
     (torch.bmm, ((2, 3, 4), (3, 4, 5))),             # batches differ
+    (torch.bmm, ((2, 3, 4), (3, 4, 2))),             # batches differ, one's batch the other's last dim
     (torch.bmm, ((3, 4), (3, 4, 5))),                # a 2-d operand
     (torch.bmm, ((2, 3, 4), (2, 4))),                # a 2-d second operand whose sizes fit
     (lambda s, a, b: torch.addmm(s, a, b), ((3, 5), (3, 4), (5, 5))),
-], ids=["mm", "bmm inner", "bmm batch", "bmm 2-d", "bmm 2-d second", "addmm"])
+], ids=["mm", "bmm inner", "bmm batch", "bmm batch last", "bmm 2-d", "bmm 2-d second", "addmm"])
 def test_matmul_shape_errors_are_pytorchs(fn, shapes):
     """A product sim's kernel cannot take is refused with PyTorch's own error, not the
     adapter's: the kernel-table rules hand such calls to the host, which raises it."""
