@@ -675,6 +675,34 @@ def test_layer_norm_runs_on_sim_when_its_shape_fits_and_fails_as_pytorch_when_no
 
 
 @on_sim
+@pytest.mark.parametrize("call", [lambda t: torch.ops.aten._safe_softmax(t, 1, torch.float64),
+                                  lambda t: torch.ops.aten._safe_softmax(t, 1, dtype=torch.float64)],
+                         ids=["positional", "keyword"])
+def test_safe_softmax_to_another_dtype_matches_cpu(call):
+    """_safe_softmax's dtype may come positionally or by keyword; either way the result has it."""
+    x = randn(3, 4, seed=68)
+    got, want = call(x.to(flagos.device())), call(x)
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got.cpu(), want)
+
+
+@on_sim
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "weight and bias"])
+def test_layer_norm_of_an_empty_batch_runs_on_sims_kernel(affine):
+    """An empty input is the Python runner's (the router's C path leaves empty tensors to it):
+    its kernel-table rule takes layer_norm with or without weight and bias, as the C path's
+    does for the rest, and the result is CPU's."""
+    dev = flagos.device()
+    x = randn(0, 4, seed=65)
+    params = (randn(4, seed=66), randn(4, seed=67)) if affine else (None, None)
+    flagos.reset_report()
+    got = F.layer_norm(x.to(dev), (4,), *[p if p is None else p.to(dev) for p in params])
+    assert got.device == dev and got.shape == (0, 4)
+    torch.testing.assert_close(got.cpu(), F.layer_norm(x, (4,), *params))
+    assert flagos.fallback_report().op("aten::native_layer_norm")["calls"] == {"native": 1, "override": 0, "fallback": 0}
+
+
+@on_sim
 def test_convolution_with_one_element_parameter_lists_matches_cpu():
     """aten.convolution takes stride, padding and dilation of one element for every spatial dim
     (PyTorch expands them); sim's rule leaves such calls to the host, which does the same."""
