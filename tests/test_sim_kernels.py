@@ -703,6 +703,25 @@ def test_layer_norm_of_an_empty_batch_runs_on_sims_kernel(affine):
 
 
 @on_sim
+def test_rules_of_the_runner_for_what_the_routers_c_path_leaves_to_it():
+    """Empty inputs and unusual arguments reach the Python runner's kernel-table rules: a bmm of
+    an empty batch has CPU's shape; a weight of the wrong shape for an empty layer_norm, and a
+    convolution of stride 0, get PyTorch's errors, not the kernel's."""
+    dev = flagos.device()
+    a, b = randn(0, 3, 4, seed=69), randn(0, 4, 5, seed=70)
+    got = torch.bmm(a.to(dev), b.to(dev))
+    assert got.shape == (0, 3, 5) and got.device == dev
+    calls = [lambda x, w: F.layer_norm(x, (4,), w), lambda x, w: F.conv2d(x, w, stride=0)]
+    inputs = [(randn(0, 4, seed=71), randn(5, seed=72)), (randn(1, 2, 5, 5, seed=73), randn(3, 2, 3, 3, seed=74))]
+    for call, args in zip(calls, inputs):
+        with pytest.raises(RuntimeError) as cpu:
+            call(*args)
+        with pytest.raises(RuntimeError) as chip:
+            call(*[t.to(dev) for t in args])
+        assert str(chip.value) == str(cpu.value)
+
+
+@on_sim
 def test_convolution_with_one_element_parameter_lists_matches_cpu():
     """aten.convolution takes stride, padding and dilation of one element for every spatial dim
     (PyTorch expands them); sim's rule leaves such calls to the host, which does the same."""
