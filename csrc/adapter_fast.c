@@ -621,8 +621,8 @@ static int run(flagos_state *st, op_entry *e, const operand *ops, const call_arg
             if (d < -limit || d >= limit)
                 return 0; /* PyTorch's IndexError, from the runner */
             d = d < 0 ? d + limit : d;
-            if (a->ndim > 0 && reduced[d]++)
-                return 0; /* a dim named twice: PyTorch's error */
+            if (reduced[d]++)
+                return 0; /* a dim named twice (0 and -1 of a 0-dim tensor too): PyTorch's error */
         }
         ndim = a->ndim;
         final_ndim = 0;

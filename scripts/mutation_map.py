@@ -13,7 +13,7 @@ from __future__ import annotations
 import glob
 import os
 
-from mutation_check import ROOT, Run, cpu, sim, sim_default
+from mutation_check import ROOT, Run, cpu, opencl, sim, sim_default
 
 __all__ = ["TESTS", "Run", "cpu", "sim", "tests_for", "unmapped", "source_files"]
 
@@ -151,7 +151,8 @@ TESTS: dict[str, list[Run]] = {
     # ---- the OpenCL adapter (its kernels.cl, OpenCL C built at run time, is not mutated) ----
     "backends/opencl/kernels.c": [cpu(T + "opencl.py"), cpu(ERRORS, k="opencl")],
     "backends/opencl/memory.c": [cpu(T + "opencl.py"), cpu(ERRORS, k="opencl")],
-    "backends/opencl/opencl.c": [cpu(T + "opencl.py"), cpu(ERRORS, k="opencl")],
+    # streams and events: what test_streams checks on every chip, run on opencl itself
+    "backends/opencl/opencl.c": [cpu(T + "opencl.py"), cpu(ERRORS, k="opencl"), opencl(STREAMS)],
     "backends/opencl/program.c": [cpu(T + "opencl.py"), cpu(ERRORS, k="opencl")],
 }
 

@@ -946,3 +946,101 @@ def test_channels_last_results_as_pytorch_lays_them_out(name):
     out = fn(*[view(base.to(dev)) for base, view in args])
     assert out.stride() == ref.stride(), (out.stride(), ref.stride())
     torch.testing.assert_close(out.cpu(), ref, **TOL[torch.float32])
+
+
+# ---- unusual arguments: the kernel-table rules decline, the host answers ---------------
+
+A = torch.ops.aten
+# Calls a kernel-table op with an argument its convention cannot take (a shape PyTorch refuses,
+# a dim named twice, a dtype, an empty or 0-dim tensor, a parameter of the wrong size): each
+# must give what the CPU gives, its result (values, shape, dtype, strides) or its error (type
+# and message), whichever path of the router's C code or the Python runner decides it.
+UNUSUAL = {
+    "add, shapes that do not broadcast": (lambda a, b: a + b, [(3, 4), (5, 4)]),
+    "add, an empty one that does not broadcast": (lambda a, b: a + b, [(0, 4), (5, 4)]),
+    "add, empty broadcast": (lambda a, b: a + b, [(0, 4), (1, 4)]),
+    "sub, empty, alpha 3": (lambda a, b: torch.sub(a, b, alpha=3), [(0, 4), (0, 4)]),
+    "add.Scalar, empty, alpha 3": (lambda a: A.add.Scalar(a, 2, 3), [(0, 4)]),
+    "gelu tanh, empty": (lambda a: F.gelu(a, approximate="tanh"), [(0, 4)]),
+    "mm, empty": (lambda a, b: a @ b, [(0, 3), (3, 4)]),
+    "bmm, empty batch, inner dims differ": (torch.bmm, [(0, 3, 4), (0, 5, 4)]),
+    "addmm, a bias that does not broadcast": (torch.addmm, [(4, 3), (3, 4), (4, 5)]),
+    "addmm, empty, bias that does not broadcast": (torch.addmm, [(4, 3), (0, 4), (4, 5)]),
+    "addmm, inner dim 0": (lambda s, a, b: torch.addmm(s, a, b, beta=2, alpha=3), [(3, 5), (3, 0), (0, 5)]),
+    "sum, to float64": (lambda a: a.sum(1, dtype=torch.float64), [(3, 4)]),
+    "sum, empty, to float64": (lambda a: a.sum(1, dtype=torch.float64), [(0, 4)]),
+    "mean, to float64": (lambda a: a.mean(1, dtype=torch.float64), [(3, 4)]),
+    "sum, dim out of range": (lambda a: a.sum(5), [(3, 4)]),
+    "sum, empty, dim out of range": (lambda a: a.sum(5), [(0, 4)]),
+    "sum, a dim named twice": (lambda a: a.sum((1, -1)), [(3, 4)]),
+    "sum, empty, a dim named twice": (lambda a: a.sum((1, -1)), [(0, 4)]),
+    "sum, 0-dim, dims 0 and -1": (lambda a: a.sum((0, -1)), [()]),
+    "mean, 0-dim, dims 0 and -1": (lambda a: a.mean((0, -1)), [()]),
+    "sum, 0-dim, dim 1": (lambda a: a.sum((1,)), [()]),
+    "sum, 0-dim, keepdim": (lambda a: a.sum((-1,), keepdim=True), [()]),
+    "sum, empty, over the empty dim": (lambda a: a.sum(0), [(0, 4)]),
+    "mean, empty, keepdim": (lambda a: a.mean(1, keepdim=True), [(0, 4)]),
+    "sum, no dims": (lambda a: a.sum(()), [(2, 3)]),
+    "softmax, empty": (lambda a: torch.softmax(a, 1), [(0, 4)]),
+    "_softmax, half to float": (lambda a: A._softmax(a.half(), 1, True), [(2, 4)]),
+    "_safe_softmax, empty": (lambda a: A._safe_softmax(a, 0), [(0, 3)]),
+    "layer_norm, no normalized dims": (lambda a: A.native_layer_norm(a, [], None, None, 1e-5), [(2, 4)]),
+    "conv2d, groups that do not divide": (lambda x, w: F.conv2d(x, w, groups=3), [(1, 4, 5, 5), (3, 2, 3, 3)]),
+    "conv2d, output smaller than one": (F.conv2d, [(1, 2, 2, 2), (3, 2, 3, 3)]),
+    "conv2d, empty batch": (F.conv2d, [(0, 2, 5, 5), (3, 2, 3, 3)]),
+    "conv2d, empty batch, bias": (F.conv2d, [(0, 2, 5, 5), (3, 2, 3, 3), (3,)]),
+    "conv2d, bias of the wrong size": (F.conv2d, [(1, 2, 5, 5), (3, 2, 3, 3), (4,)]),
+    "conv2d, no output channels": (F.conv2d, [(1, 2, 5, 5), (0, 2, 3, 3)]),
+    "convolution, negative padding": (
+        lambda x, w: A.convolution(x, w, None, [1, 1], [-1, 0], [1, 1], False, [0, 0], 1), [(1, 2, 5, 5), (3, 2, 3, 3)]),
+    "convolution, dilation 0": (
+        lambda x, w: A.convolution(x, w, None, [1, 1], [0, 0], [0, 1], False, [0, 0], 1), [(1, 2, 5, 5), (3, 2, 3, 3)]),
+    "group_norm, groups that do not divide": (lambda x: F.group_norm(x, 3), [(2, 4, 3, 3)]),
+    "group_norm, a spatial dim of size 1": (lambda x: F.group_norm(x, 2), [(2, 4, 1, 3)]),
+    "group_norm, spatial dims transposed": (lambda x: F.group_norm(x.transpose(2, 3), 2), [(2, 4, 3, 5)]),
+    "group_norm, empty": (lambda x: F.group_norm(x, 2), [(0, 4, 3, 3)]),
+    "group_norm, 2-d": (lambda x: F.group_norm(x, 2), [(3, 4)]),
+    "native_group_norm, weight of the wrong size": (
+        lambda x, w: A.native_group_norm(x, w, None, 2, 4, 9, 2, 1e-5), [(2, 4, 3, 3), (5,)]),
+    "native_group_norm, bias of the wrong size": (
+        lambda x, b: A.native_group_norm(x, None, b, 2, 4, 9, 2, 1e-5), [(2, 4, 3, 3), (3,)]),
+    "native_group_norm, HxW that does not fit": (
+        lambda x: A.native_group_norm(x, None, None, 2, 4, 8, 2, 1e-5), [(2, 4, 3, 3)]),
+    "upsample_nearest2d, empty": (lambda x: F.interpolate(x, size=(4, 4)), [(0, 2, 2, 2)]),
+    "upsample_nearest2d, output size 0": (lambda x: A.upsample_nearest2d(x, [0, 4]), [(1, 2, 2, 2)]),
+    "upsample_nearest2d, scales": (lambda x: A.upsample_nearest2d(x, [4, 6], 2.0, 3.0), [(1, 2, 2, 2)]),
+    "upsample_nearest2d, scales by keyword": (
+        lambda x: A.upsample_nearest2d(x, [4, 6], scales_h=2.0, scales_w=3.0), [(1, 2, 2, 2)]),
+    "upsample_nearest2d, 3-d": (lambda x: A.upsample_nearest2d(x, [4, 4]), [(2, 2, 2)]),
+    "cat, nine tensors": (lambda *ts: torch.cat(ts, 1), [(2, 1)] * 9),
+    "cat, dim out of range": (lambda a, b: torch.cat((a, b), 2), [(2, 3), (2, 3)]),
+    "cat, sizes that differ": (lambda a, b: torch.cat((a, b), 0), [(2, 3), (2, 4)]),
+    "cat, ranks that differ": (lambda a, b: torch.cat((a, b), 0), [(2, 3), (3,)]),
+    "cat, a legacy empty 1-d tensor": (lambda a, b: torch.cat((a, b), 0), [(2, 3), (0,)]),
+    "cat, 0-dim tensors": (lambda a, b: torch.cat((a, b), 0), [(), ()]),
+    "cat, empty": (lambda a, b: torch.cat((a, b), 1), [(0, 3), (0, 2)]),
+    "cat, empty beside full": (lambda a, b: torch.cat((a, b), 0), [(0, 3), (2, 3)]),
+}
+
+
+@on_sim
+@pytest.mark.parametrize("name", list(UNUSUAL))
+def test_unusual_arguments_of_the_table_ops_give_cpus_result_or_error(name):
+    fn, shapes = UNUSUAL[name]
+    dev = flagos.device()
+    args = [randn(*shape, seed=80 + i) for i, shape in enumerate(shapes)]
+    try:
+        want, error = fn(*args), None
+    except (RuntimeError, IndexError, ValueError) as e:
+        want, error = None, e
+    if error is not None:
+        with pytest.raises(type(error)) as chip:
+            fn(*[t.to(dev) for t in args])
+        assert str(chip.value) == str(error)
+        return
+    got = fn(*[t.to(dev) for t in args])
+    for w, g in zip(*((t if isinstance(t, tuple) else (t,)) for t in (want, got))):
+        assert g.device == dev and (g.shape, g.dtype) == (w.shape, w.dtype)
+        if w.numel() > 1:
+            assert g.stride() == w.stride()
+        torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5, equal_nan=True)

@@ -783,8 +783,8 @@ def _reduce(runner, name, args, kwargs):
     ndim = self.dim()
     if dim and any(not -max(ndim, 1) <= d < max(ndim, 1) for d in dim):
         return None
-    if dim and ndim and len({d % ndim for d in dim}) != len(dim):
-        return None  # a dim named twice: the host raises PyTorch's error
+    if dim and len({d % max(ndim, 1) for d in dim}) != len(dim):
+        return None  # a dim named twice (0 and -1 of a 0-dim tensor too): PyTorch's error
     dims = sorted({d % ndim for d in dim} if dim else range(ndim)) if ndim else []
     keep = tuple(1 if i in dims else s for i, s in enumerate(self.shape))
     final = keep if keepdim else tuple(s for i, s in enumerate(self.shape) if i not in dims)
