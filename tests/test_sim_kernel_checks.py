@@ -176,6 +176,11 @@ def test_a_view_of_a_buffer_is_checked_against_it(sim_adapter):
         buf.check_view((2, 2), (1, 4), 11, 4)
     with pytest.raises(RuntimeError, match="mismatch in length of strides and shape"):  # as_strided's words
         buf.check_view((2, 2), (1,), 0, 4)
+    # a negative stride or size is refused even where it would add nothing to the extent
+    # (a dim of one element, a stride of 0): PyTorch's storage-size error
+    for sizes, strides in [((1, 2), (-1, 1)), ((-1,), (0,))]:
+        with pytest.raises(RuntimeError, match="Storage size calculation overflowed"):
+            buf.check_view(sizes, strides, 0, 4)
     for sizes, strides in [(4, (1,)), ((4,), 1)]:   # not sequences: nothing parsed
         with pytest.raises(TypeError, match="sizes and strides are sequences of ints"):
             buf.check_view(sizes, strides, 0, 4)
