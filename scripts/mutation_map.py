@@ -82,7 +82,10 @@ TESTS: dict[str, list[Run]] = {
     "flagos/core/_routes.py": [cpu(ROUTES, POLICY), cpu(ENV, k="route"), cpu(ERRORS, k="environment")],
     "flagos/_activation.py": [cpu(DEVICE, ERRORS, VERSIONS, ENV, CHIP_NAMES, CHIP_PROFILES),
                               cpu(LOADER, k="detected_when_it_has_a_device"),
-                              cpu(T + "precision_policy.py", k="from_the_environment")],
+                              cpu(T + "precision_policy.py", k="from_the_environment or native_mode or "
+                                                                 "switching_back or bad_dtype_policy"),
+                              cpu(NATIVE, k="deactivate or default_mode"),
+                              cpu(T + "redirect.py", k="installing_again")],
     "flagos/core/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD), sim(COUNTERS, FIDELITY),
                                sim_default(T + "precision_policy.py"), cpu(T + "conformance.py")],
     "flagos/runtime/_streams.py": [sim(STREAMS), cpu(STREAMS)],
