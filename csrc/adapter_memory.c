@@ -196,9 +196,12 @@ static PyObject *buffer_check_view(BufferObject *self, PyObject *args)
         return NULL;
     }
     if (need > self->nbytes) {
-        PyObject *a = PySequence_List(sizes), *b = a ? PySequence_List(strides) : NULL;
+        /* strides None: the contiguous layout (flagos_parse_layout's reading of it) */
+        PyObject *a = PySequence_List(sizes),
+                 *b = a == NULL ? NULL
+                      : strides == Py_None ? PyUnicode_FromString("contiguous") : PySequence_List(strides);
         if (b != NULL)
-            PyErr_Format(PyExc_RuntimeError, "setStorage: sizes %R, strides %R, storage offset %lld, "
+            PyErr_Format(PyExc_RuntimeError, "setStorage: sizes %R, strides %S, storage offset %lld, "
                          "and itemsize %lld requiring a storage size of %llu are out of bounds for "
                          "storage of size %llu", a, b, offset, itemsize, (unsigned long long)need,
                          (unsigned long long)self->nbytes);

@@ -181,6 +181,12 @@ def test_a_view_of_a_buffer_is_checked_against_it(sim_adapter):
     for sizes, strides in [((1, 2), (-1, 1)), ((-1,), (0,))]:
         with pytest.raises(RuntimeError, match="Storage size calculation overflowed"):
             buf.check_view(sizes, strides, 0, 4)
+    # contiguous (no strides): the offset counts, and an end that wraps past 2**64 bytes is
+    # refused, not taken for the few bytes it wraps to
+    with pytest.raises(RuntimeError, match="storage offset 1, and itemsize 4 requiring a storage size of 68"):
+        buf.check_view((4, 4), None, 1, 4)
+    with pytest.raises(RuntimeError, match="Storage size calculation overflowed"):
+        buf.check_view((2**63 - 1, 2), None, 3, 1)
     for sizes, strides in [(4, (1,)), ((4,), 1)]:   # not sequences: nothing parsed
         with pytest.raises(TypeError, match="sizes and strides are sequences of ints"):
             buf.check_view(sizes, strides, 0, 4)
