@@ -223,6 +223,18 @@ def test_a_view_that_fills_its_buffer_exactly_reaches_the_kernel(sim_adapter, dt
         neg(16 // size + 1)
 
 
+def test_sizes_and_strides_that_are_not_int64_are_pythons_errors(sim_adapter):
+    """A size or stride past int64, or not an int, is refused with Python's own error for it,
+    before any bounds check reads it as -1."""
+    index = {name: i for i, (name, _) in enumerate(sim_adapter.kernels())}["aten::neg"]
+    source, result = sim_adapter.alloc(0, 16), sim_adapter.alloc(0, 16)
+    for sizes, strides, error in [((2**64,), (1,), OverflowError), ((4,), (2**64,), OverflowError),
+                                  ((4.0,), (1,), TypeError)]:
+        with pytest.raises(error):
+            sim_adapter.run_kernel(index, 0, [(source, 0, FLOAT32, sizes, strides)],
+                                   [(result, 0, FLOAT32, (4,), (1,))], (), ())
+
+
 def test_an_absent_optional_tensor_is_passed_as_none(sim_adapter):
     """run_kernel takes None for an optional tensor the op was called without (a convolution
     without bias): the kernel runs, and computes the convolution without one."""
