@@ -561,6 +561,15 @@ MUTATIONS = [
       KERNELS, "for (int64_t r = 0; r < rows; r += TILE_ROWS)",
       "for (int64_t r = 0; r < rows - TILE_ROWS; r += TILE_ROWS)",
       sim("tests/test_sim_kernels.py", k="test_mm_shapes")),
+    M("sum_0dim_dims_twice", "the C fast path sums a 0-dim tensor over dims 0 and -1 (PyTorch "
+      "raises: a dim named twice)", "csrc/adapter_fast.c",
+      "            if (reduced[d]++)", "            if (a->ndim > 0 && reduced[d]++)",
+      sim("tests/test_sim_kernels.py", k="unusual")),
+    M("check_view_drops_offset", "Buffer.check_view leaves a contiguous view's offset out of its "
+      "extent", "csrc/adapter_checks.c",
+      "        if (__builtin_add_overflow(n, (uint64_t)offset, &n))",
+      "        if (0 && __builtin_add_overflow(n, (uint64_t)offset, &n))",
+      cpu("tests/test_sim_kernel_checks.py", k="view_of_a_buffer")),
 ]
 
 
