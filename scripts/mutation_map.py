@@ -137,7 +137,8 @@ TESTS: dict[str, list[Run]] = {
     "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, T + "precision_policy.py"),
                       sim(ROUTES, POLICY, COUNTERS)],
     "csrc/payload.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY), sim(ROUTES, POLICY, COUNTERS),
-                       cpu(COMPILE, k="layout_and_bits or before_activation")],
+                       cpu(COMPILE, k="layout_and_bits or before_activation"),
+                       cpu(NATIVE, k="routes_reports")],  # native mode: payloads are the chip's own tensors
     "csrc/fallback.c": [cpu(COUNTERS, POLICY, FIDELITY, T + "fallback_staging.py"), sim(COUNTERS)],
     "csrc/staging.c": [cpu(T + "fallback_staging.py", FIDELITY), sim(T + "fallback_staging.py")],
     "csrc/callsite.c": [cpu(ANALYZE), cpu(ROUTES, k="site")],
