@@ -43,6 +43,28 @@ def test_absent_chip_says_what_is_available():
         flagos.activate("cuda")
 
 
+@runs_once
+def test_a_chip_that_reports_no_devices_is_refused_and_nothing_is_set_up():
+    """A chip that is there but counts no device (a driver that lost its cards) is refused
+    before anything is registered; once it counts one again, activation goes through."""
+    proc = run_python("""
+        import flagos
+        from flagos import chips
+        cpu = chips.profile("cpu")
+        count = cpu.device_count
+        cpu.device_count = lambda: 0
+        try:
+            flagos.activate("cpu")
+        except flagos.ChipNotFoundError as e:
+            print("refused:", e)
+        print("active:", flagos.info()["active"])
+        cpu.device_count = count
+        print("then:", flagos.activate("cpu")["chip"], flagos.device())
+    """, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert proc.stdout.splitlines() == ["refused: chip 'cpu' reports no devices", "active: False",
+                                        "then: cpu flagos:0"], proc.stdout + proc.stderr
+
+
 def test_switching_chip_in_device_mode_is_refused():
     if not torch.cuda.is_available():
         with pytest.raises(flagos.ChipNotFoundError):
