@@ -159,6 +159,8 @@ void flagos_adapter_fast_resolve(flagos_state *st, op_entry *e)
     e->fast_generation = st->fast_generation;
     e->fast_kind = FAST_NONE;
     e->fast_fallback = 0;
+    if (st->fast_adapter == NULL)
+        return; /* a runner without a C fast path (no `c_fast`): every op goes to it */
     if (st->fast_runner_ops != NULL && !(e->flags & OP_VIEW)) {
         /* PySet_Contains on a str runs no Python code */
         int special = PySet_Contains(st->fast_runner_ops, e->name);

@@ -13,7 +13,7 @@ from __future__ import annotations
 import glob
 import os
 
-from mutation_check import ROOT, Run, cpu, opencl, sim, sim_default
+from mutation_check import ROOT, SIM_ALL, Run, cpu, opencl, sim, sim_default
 
 __all__ = ["TESTS", "Run", "cpu", "sim", "tests_for", "unmapped", "source_files"]
 
@@ -45,6 +45,8 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_adapter_ops.py": [sim(SIM_TESTS, COUNTERS, SIM_FIDELITY, ROUTES, KERNELS,
                                            T + "fallback_staging.py", T + "sim_fallback_c.py"),
                                        sim(T + "sharding.py", k="bytes_between"),
+                                       # the kernel cases again with the C fast path off (tests/conftest.py)
+                                       Run("sim", (KERNELS,), "", (*SIM_ALL.items(), ("FLAGOS_TEST_RUNNER_ONLY", "1"))),
                                        sim(MODELS, k="inference_mode"), sim(FIDELITY, k="inference_mode")],
     "flagos/runtime/_attention.py": [cpu(T + "attention_backends.py"), cpu(MODELS, k="attention"),
                                      cpu(COMPILE, k="attention"), sim(MODELS, k="attention")],

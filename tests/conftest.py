@@ -12,6 +12,7 @@ import torch
 
 import flagos
 import flagos.runtime._registration
+from flagos.runtime import _adapter_ops
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -32,11 +33,29 @@ same_on_every_chip = pytest.mark.skipif(
     CHIP != "cpu", reason="tests an import order, not the chip: runs once, in the cpu run")
 
 
+# FLAGOS_TEST_RUNNER_ONLY=1 (set by tests/test_sim_kernels.py for a run of its own): a C-ABI
+# chip's router gets no C fast path, so every op goes through the Python runner (its kernel-table
+# rules and its round trip), which otherwise sees only what the C path leaves to it.
+RUNNER_ONLY = os.environ.get("FLAGOS_TEST_RUNNER_ONLY") == "1"
+
+
+def _without_c_fast_path():
+    init = _adapter_ops.Runner.__init__
+
+    def runner_only(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.c_fast = None  # read by the router when it is configured: none, every op to the runner
+
+    _adapter_ops.Runner.__init__ = runner_only
+
+
 @pytest.fixture(scope="session", autouse=True)
 def flagos_active():
     os.environ.setdefault("FLAGOS_FALLBACK", "allow")
     if not DEVICE_MODE:
         return None
+    if RUNNER_ONLY:
+        _without_c_fast_path()
     return flagos.activate(CHIP)
 
 

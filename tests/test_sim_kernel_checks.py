@@ -187,6 +187,8 @@ def test_a_view_of_a_buffer_is_checked_against_it(sim_adapter):
         buf.check_view((4, 4), None, 1, 4)
     with pytest.raises(RuntimeError, match="Storage size calculation overflowed"):
         buf.check_view((2**63 - 1, 2), None, 3, 1)
+    with pytest.raises(OverflowError):  # a size past int64: Python's own error, as it is read
+        buf.check_view((2**64,), (1,), 0, 4)
     for sizes, strides in [(4, (1,)), ((4,), 1)]:   # not sequences: nothing parsed
         with pytest.raises(TypeError, match="sizes and strides are sequences of ints"):
             buf.check_view(sizes, strides, 0, 4)

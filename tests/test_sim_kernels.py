@@ -39,8 +39,21 @@ def test_sim_kernels_in_a_sim_process():
     proc = run_pytest([__file__], env={"FLAGOS_TEST_CHIP": "sim", "FLAGOS_SIM_DTYPES": ALL_DTYPES})
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
-    # everything ran (bf16 included) but the one test that started this run
-    assert re.fullmatch(r"\d+ passed, 1 skipped in .*", summary), summary
+    # everything ran (bf16 included) but the two tests that start such runs
+    assert re.fullmatch(r"\d+ passed, 2 skipped in .*", summary), summary
+
+
+@pytest.mark.skipif(CHIP != "cpu", reason="started from the cpu run")
+def test_sim_kernels_through_the_python_runner_alone():
+    """The same cases with the router's C fast path off (FLAGOS_TEST_RUNNER_ONLY, see
+    tests/conftest.py): every op goes through the Python runner, whose kernel-table rules and
+    round trip otherwise see only what the C path leaves to them (empty and 0-dim tensors,
+    unusual arguments). Results, layouts and routes must be the same."""
+    proc = run_pytest([__file__], env={"FLAGOS_TEST_CHIP": "sim", "FLAGOS_SIM_DTYPES": ALL_DTYPES,
+                                       "FLAGOS_TEST_RUNNER_ONLY": "1"})
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+    assert re.fullmatch(r"\d+ passed, 2 skipped in .*", summary), summary
 
 
 # ---- running one case ------------------------------------------------------------------
