@@ -254,7 +254,7 @@ def main() -> int:
         try:
             for f in files:
                 known = results[f]["mutants"]
-                todo = [m for m in chosen(f, texts[f], opts.seed, opts.cap) if m.id not in known or
+                todo = [m for m in common.shard(chosen(f, texts[f], opts.seed, opts.cap), opts.shard) if m.id not in known or
                         (opts.rerun_survivors and known[m.id]["status"] == common.SURVIVED)]
                 if not todo:
                     continue

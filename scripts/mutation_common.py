@@ -318,6 +318,24 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", action="store_true", help="only write and print the scores")
     parser.add_argument("--rerun-survivors", action="store_true",
                         help="run the surviving mutants again (after a test or the map was added to)")
+    parser.add_argument("--shard", type=parse_shard, default=(1, 1), metavar="K/N",
+                        help="take the K-th of every N chosen mutants, so N lanes (each with a --work "
+                             "of its own) share the same files without running a mutant twice")
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`K/N` with 1 <= K <= N, as --shard takes it."""
+    k, sep, n = text.partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shard: write K/N with 1 <= K <= N, e.g. 2/3")
+    return int(k), int(n)
+
+
+def shard(items: list, which: tuple[int, int]) -> list:
+    """This lane's part of a run's mutants: every N-th from the K-th on, in the run's order, so the
+    N parts are disjoint and together are the whole."""
+    k, n = which
+    return items[k - 1::n]
 
 
 def mapped_files(kind: str, asked: list[str]) -> list[str] | None:

@@ -12,7 +12,9 @@ changed. Mutants are applied in place in a scratch copy of the checkout (<work>/
 scripts/mutation_common.py), one at a time, and the module's selection runs against it with
 a timeout of max(--min-timeout, --timeout-factor x the selection's unmutated time). Each mutant
 runs first against the tests that reach its line (scripts/mutation_coverage.py), and only when
-it survives them, against the whole selection.
+it survives them, against the whole selection (with --narrowed-only not even then: the survivor
+is marked as narrowed, and the next run without that option confirms it). --shard K/N splits a run's
+mutants between N lanes.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 try:
+    from attrs import evolve  # cosmic-ray's results are attrs classes
     from cosmic_ray.commands.init import init as cr_init
     from cosmic_ray.mutating import mutate_and_test
     from cosmic_ray.work_db import WorkDB, use_db
@@ -52,6 +55,8 @@ REDUCED = ({f"core/ReplaceBinaryOperator_{o}" for o in _BINARY.split()} |
            {f"core/ReplaceComparisonOperator_{o}" for o in _COMPARE.split()} |
            {f"core/ReplaceUnaryOperator_{o}" for o in _UNARY.split()})
 FAMILIES = ("core/ReplaceBinaryOperator_", "core/ReplaceComparisonOperator_", "core/ReplaceUnaryOperator_")
+# The start of a survivor's output when only the tests reaching it ran (--narrowed-only).
+NARROWED = "narrowed: survived the tests that reach it; the whole selection not run\n"
 
 
 def operator_kept(name: str, operators: str) -> bool:
@@ -122,6 +127,8 @@ def ledger_record(result: WorkResult, seconds: float) -> dict | None:
     record = {"status": status, "seconds": round(seconds, 1)}
     if status == common.SURVIVED:
         record["diff"] = changed_lines(result.diff)
+        if (result.output or "").startswith(NARROWED):
+            record["narrowed"] = True
     return record
 
 
@@ -131,7 +138,8 @@ def result_from_record(record: dict) -> WorkResult:
         return WorkResult(worker_outcome=WorkerOutcome.NO_TEST, output=f"not viable ({note})")
     if status == common.SURVIVED:
         return WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome.SURVIVED,
-                          output=f"survived ({note})", diff="\n".join(record.get("diff", [])))
+                          output=(NARROWED if record.get("narrowed") else "") + f"survived ({note})",
+                          diff="\n".join(record.get("diff", [])))
     output = "timeout" if status == common.TIMEOUT else f"killed ({note})"
     return WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome.KILLED, output=output)
 
@@ -224,9 +232,12 @@ def chosen_items(db: WorkDB, module: str, sample: int, seed: int) -> list:
 def run_module(work: str, tree: str, module: str, opts, tree_print: str) -> None:
     db_path, meta_path = session_paths(work, module)
     with use_db(db_path, WorkDB.Mode.open) as db:
+        # a survivor only the tests reaching it saw is run again by a run without --narrowed-only
         done = {job for job, r in db.results
-                if not (opts.rerun_survivors and classify(r) == common.SURVIVED)}
-        todo = [it for it in chosen_items(db, module, opts.sample, opts.seed) if it.job_id not in done]
+                if not (classify(r) == common.SURVIVED and
+                        (opts.rerun_survivors or (not opts.narrowed_only and (r.output or "").startswith(NARROWED))))}
+        todo = [it for it in common.shard(chosen_items(db, module, opts.sample, opts.seed), opts.shard)
+                if it.job_id not in done]
         if not todo:
             return
         secs = common.baseline(work, tree, module, tree_print)
@@ -249,7 +260,10 @@ def run_module(work: str, tree: str, module: str, opts, tree_print: str) -> None
                 common.save_json(only_path, only)
                 result = mutate_and_test(item.mutations, f"{command} --only {shlex.quote(only_path)}", timeout)
                 ran = f"{sum(len(ids or ()) for ids in only)} tests reaching it"
-                if classify(result) in (common.SURVIVED, common.ERROR):  # confirmed by the whole selection
+                if classify(result) == common.SURVIVED and opts.narrowed_only:
+                    result = evolve(result, output=NARROWED + (result.output or ""))
+                    ran += "; the whole selection not run (--narrowed-only)"
+                elif classify(result) in (common.SURVIVED, common.ERROR):  # confirmed by the whole selection
                     result = mutate_and_test(item.mutations, command, timeout)
                     ran += ", then the whole selection"
             else:
@@ -314,12 +328,14 @@ def survivor_diffs(work: str, modules: list[str]) -> None:
             known = mutation_ledger.entry_for("python", module, common.file_sha(os.path.join(ROOT, module)))
             for key, record in sorted(known.items(), key=lambda kv: mutation_ledger.mutant_order(kv[0])):
                 if record["status"] == common.SURVIVED:
-                    print(f"{module}:{key}\n    " + "\n    ".join(record.get("diff", [])))
+                    note = "  (narrowed)" if record.get("narrowed") else ""
+                    print(f"{module}:{key}{note}\n    " + "\n    ".join(record.get("diff", [])))
             continue
         with use_db(db_path, WorkDB.Mode.open) as db:
             for item, result in sorted(db.completed_work_items, key=lambda p: item_key(p[0])):
                 if classify(result) == common.SURVIVED:
-                    print(f"{label(item)}\n    " + "\n    ".join(changed_lines(result.diff)))
+                    note = "  (narrowed)" if (result.output or "").startswith(NARROWED) else ""
+                    print(f"{label(item)}{note}\n    " + "\n    ".join(changed_lines(result.diff)))
 
 
 def main() -> int:
@@ -332,6 +348,10 @@ def main() -> int:
     parser.add_argument("--no-narrow", dest="narrow", action="store_false",
                         help="run every mutant against its module's whole selection, not first against "
                              "the tests that reach it (scripts/mutation_coverage.py)")
+    parser.add_argument("--narrowed-only", action="store_true",
+                        help="count a mutant that survives the tests reaching it as a survivor without "
+                             "running the whole selection (marked 'narrowed' in the ledger; a later "
+                             "run without this option runs it against both)")
     parser.add_argument("--count", action="store_true",
                         help="make the sessions and print the mutants per module; run nothing")
     parser.add_argument("--survivors", action="store_true", help="print each surviving mutant's diff")

@@ -2,7 +2,9 @@
 file exactly once, so a refactor that moves a line fails here, in every CI run, rather than in
 the next mutation check (which is not part of CI). And the systematic pass's narrowing (scripts/mutation_reach.py, the
 pytest plugin of scripts/mutation_pytest/) never leaves out a test that reaches a mutant, and
-its committed ledger (scripts/mutation_ledger.py) keeps what a run found for the source it ran on."""
+its committed ledger (scripts/mutation_ledger.py) keeps what a run found for the source it ran on;
+lanes that split one run (--shard) share its mutants out without a gap or a mutant run twice."""
+import argparse
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import mutation_check  # noqa: E402
+import mutation_common  # noqa: E402
 import mutation_ledger  # noqa: E402
 import mutation_map  # noqa: E402
 import mutation_reach  # noqa: E402
@@ -151,3 +154,23 @@ def test_ledger_is_one_line_per_mutant_in_line_order(ledger_dir):
     lines = [ln.strip() for ln in text.splitlines() if '"status"' in ln]
     assert [ln.split(":")[0] for ln in lines] == ['"9', '"20', '"100']
     assert len(text.splitlines()) == 10  # braces, the file's sha and one line for each mutant
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3, 7, 25])
+def test_shards_split_a_runs_mutants_into_disjoint_parts_that_make_the_whole(lanes):
+    mutants = [f"m{i}" for i in range(23)]
+    parts = [mutation_common.shard(mutants, (k, lanes)) for k in range(1, lanes + 1)]
+    assert sorted(m for part in parts for m in part) == sorted(mutants)
+    assert sum(map(len, parts)) == len(mutants)  # none run twice
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1  # the lanes get even shares
+
+
+@pytest.mark.parametrize("text, expected", [("1/1", (1, 1)), ("2/3", (2, 3)), ("3/3", (3, 3))])
+def test_a_shard_is_written_k_of_n(text, expected):
+    assert mutation_common.parse_shard(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0/2", "3/2", "2", "a/b", "1/0", "-1/2", "1/2/3", ""])
+def test_a_shard_that_cannot_be_is_refused_with_the_form_to_write(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="write K/N with 1 <= K <= N"):
+        mutation_common.parse_shard(text)
