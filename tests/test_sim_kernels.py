@@ -34,13 +34,18 @@ on_sim = pytest.mark.skipif(CHIP not in KERNEL_CHIPS,
                             reason="adapter kernels: runs on sim (see the test below) and opencl")
 
 
-@pytest.mark.skipif(CHIP != "cpu", reason="started from the cpu run")
-def test_sim_kernels_in_a_sim_process():
-    proc = run_pytest([__file__], env={"FLAGOS_TEST_CHIP": "sim", "FLAGOS_SIM_DTYPES": ALL_DTYPES})
+def run_this_file_on_sim(**env):
+    """This file in a pytest process on sim, bfloat16 declared native; every case must pass."""
+    proc = run_pytest([__file__], env={"FLAGOS_TEST_CHIP": "sim", "FLAGOS_SIM_DTYPES": ALL_DTYPES, **env})
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
     # everything ran (bf16 included) but the two tests that start such runs
     assert re.fullmatch(r"\d+ passed, 2 skipped in .*", summary), summary
+
+
+@pytest.mark.skipif(CHIP != "cpu", reason="started from the cpu run")
+def test_sim_kernels_in_a_sim_process():
+    run_this_file_on_sim()
 
 
 @pytest.mark.skipif(CHIP != "cpu", reason="started from the cpu run")
@@ -49,11 +54,7 @@ def test_sim_kernels_through_the_python_runner_alone():
     tests/conftest.py): every op goes through the Python runner, whose kernel-table rules and
     round trip otherwise see only what the C path leaves to them (empty and 0-dim tensors,
     unusual arguments). Results, layouts and routes must be the same."""
-    proc = run_pytest([__file__], env={"FLAGOS_TEST_CHIP": "sim", "FLAGOS_SIM_DTYPES": ALL_DTYPES,
-                                       "FLAGOS_TEST_RUNNER_ONLY": "1"})
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
-    assert re.fullmatch(r"\d+ passed, 2 skipped in .*", summary), summary
+    run_this_file_on_sim(FLAGOS_TEST_RUNNER_ONLY="1")
 
 
 # ---- running one case ------------------------------------------------------------------
