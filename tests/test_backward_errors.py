@@ -4,6 +4,7 @@ exception, and the process stays usable: memory comes back and the next step is 
 
 Each case runs in its own process, so a regression (an abort) is a failed test, not a lost run.
 """
+import gc
 import json
 
 import pytest
@@ -468,6 +469,53 @@ def test_pending_error_outside_backward_is_reported():
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     assert "SYSTEM ERROR |" in proc.stdout and "NEXT [2.0, 2.0, 2.0]" in proc.stdout, proc.stdout
     assert "ValueError: raised by the hook" in proc.stderr, proc.stderr
+
+
+def test_an_error_inside_the_error_keeper_is_printed_and_nothing_aborts():
+    """The guard's `keep` itself failing (here its logger raises) happens inside a call PyTorch
+    declares noexcept: the failure is printed as unraisable, the caller gets the SystemError of
+    the case above and the next backward() works."""
+    proc = run_python(f"""
+        import torch, flagos
+        from flagos.runtime import _guard_errors
+        flagos.activate("{CHIP}")
+        class BrokenLog:
+            def error(self, *args, **kwargs):
+                raise RuntimeError("the log is broken")
+        _guard_errors.log = BrokenLog()
+        d = flagos.device()
+        x = torch.ones(3, device=d, requires_grad=True)
+        y = x * 2
+        def fail(grad):
+            raise ValueError("raised by the hook")
+        y.register_hook(fail)
+        engine = torch.autograd.Variable._execution_engine
+        try:
+            engine.run_backward((y.sum(),), (torch.ones((), device=d),), False, False, (), True, True)
+        except SystemError as e:
+            print("SYSTEM ERROR |", e)
+        x.grad = None
+        (x * 2).sum().backward()
+        print("NEXT", x.grad.cpu().tolist())
+    """, env={"FLAGOS_FALLBACK": "allow"}, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "SYSTEM ERROR |" in proc.stdout and "NEXT [2.0, 2.0, 2.0]" in proc.stdout, proc.stdout
+    assert "Exception ignored in: <function keep" in proc.stderr, proc.stderr
+    assert "RuntimeError: the log is broken" in proc.stderr, proc.stderr
+
+
+def test_the_guards_answer_shows_the_cyclic_collector_what_it_holds():
+    """The C guard object holds its device type and the error keeper; the collector must see
+    both (a keeper closing over the guard would otherwise be a cycle nothing frees)."""
+    device_type = torch._C._autograd.DeviceType.PrivateUse1
+
+    def keeper(exc):
+        pass
+
+    answer = flagos._C.GuardDeviceType(device_type, keeper)
+    referents = gc.get_referents(answer)
+    assert len(referents) == 2 and referents[0] is device_type and referents[1] is keeper
+    assert answer() is device_type
 
 
 def test_a_pass_still_running_on_the_engine_thread_at_exit_ends_cleanly(tmp_path):

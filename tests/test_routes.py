@@ -1,5 +1,7 @@
 """Per-op routes, the CPU fallback and its report (device mode, cpu chip)."""
 import atexit
+import contextlib
+import functools
 import gc
 import inspect
 import json
@@ -415,3 +417,19 @@ def test_the_site_of_a_fallback_is_the_users_line_not_torchs(dev):
     out = torch.nn.functional.layer_norm(x.to(dev), (8,)); line = inspect.currentframe().f_lineno  # noqa: E702
     assert_close(out, torch.nn.functional.layer_norm(x, (8,)))
     assert flagos.fallback_report().op("aten::native_layer_norm")["site"].endswith(f"test_routes.py:{line}")
+
+
+def test_the_site_of_a_fallback_called_by_contextlib_or_functools_is_the_users_line(dev):
+    """The standard library's own Python that calls a function it was handed (an ExitStack's
+    callbacks, a singledispatch function's default) is not the user's code either."""
+    x = torch.randn(4)
+    flagos.set_route("aten::neg", "fallback")
+    flagos.set_route("aten::exp", "fallback")
+    with contextlib.ExitStack() as stack:
+        stack.callback(torch.neg, x.to(dev))
+    with_line = inspect.currentframe().f_lineno - 2  # the exit runs the callback: the with's line
+    exp_of = functools.singledispatch(torch.exp)
+    assert_close(exp_of(x.to(dev)), x.exp()); line = inspect.currentframe().f_lineno  # noqa: E702
+    report = flagos.fallback_report()
+    assert report.op("aten::neg")["site"].endswith(f"test_routes.py:{with_line}"), report.op("aten::neg")["site"]
+    assert report.op("aten::exp")["site"].endswith(f"test_routes.py:{line}"), report.op("aten::exp")["site"]
