@@ -353,3 +353,20 @@ def test_the_routers_downcast_switch_refuses_half_a_policy():
         flagos._C.set_downcast(torch.bfloat16)
     with pytest.raises(TypeError, match="set_downcast"):
         flagos._C.set_downcast(torch.bfloat16, torch.float32, "flagos", UserWarning)
+
+
+def test_the_routers_entry_points_refuse_a_call_not_of_their_form(dev):
+    """PyTorch calls the factory entry point with the op and its arguments, and the dispatch
+    entry with four: anything else is a TypeError naming the form, not a crash. The op alone is
+    of the form: what fails then is the op (PyTorch checks arguments before they reach flagos,
+    so only a direct call can do this)."""
+    with pytest.raises(TypeError, match=r"dispatch_factory\(op, \*args, \*\*kwargs\)"):
+        flagos._C.dispatch_factory()
+    with pytest.raises(Exception) as op_error:  # the op's own error (which one depends on the chip)
+        flagos._C.dispatch_factory(torch.ops.aten.empty.memory_format)
+    assert "dispatch_factory(op" not in str(op_error.value)
+    made = flagos._C.dispatch_factory(torch.ops.aten.empty.memory_format, [2, 3])
+    assert (made.device, made.shape) == (dev, (2, 3))
+    for args in [(), (torch.ops.aten.add.Tensor, (), [1], {}), (torch.ops.aten.add.Tensor, (), (), [])]:
+        with pytest.raises(TypeError, match=r"dispatch_native\(func, types, args: tuple, kwargs: dict\)"):
+            flagos._C.dispatch_native(*args)
