@@ -468,12 +468,25 @@ static PyObject *upload(fb_call *c, PyObject *runner, PyObject *h, uint64_t *mov
         Py_XDECREF(shape);
         return PyObject_CallMethod(runner, "_upload", "Oi", h, c->device);
     }
-    int ndim = (int)PyTuple_GET_SIZE(shape);
+    int ndim = (int)PyTuple_GET_SIZE(shape), size_one = 0;
     int64_t sizes[FLAGOS_MAX_DIMS], strides[FLAGOS_MAX_DIMS], acc = 1;
     for (int d = ndim - 1; d >= 0; d--) {
         sizes[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
         strides[d] = acc;
         acc *= sizes[d] > 1 ? sizes[d] : 1;
+        size_one |= sizes[d] == 1;
+    }
+    if (size_one && !PyErr_Occurred()) {
+        /* contiguous, but a size-1 dim's stride is free: the result keeps the host's, as the
+         * CPU's result has them (the bytes are the same) */
+        PyObject *host_strides = PyObject_CallMethodNoArgs(h, fl_names.stride);
+        if (host_strides == NULL)
+            goto fail;
+        if (PyTuple_Check(host_strides) && PyTuple_GET_SIZE(host_strides) == ndim)
+            for (int d = 0; d < ndim; d++)
+                if (sizes[d] == 1)
+                    strides[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(host_strides, d));
+        Py_DECREF(host_strides);
     }
     char *src;
     if (PyErr_Occurred() || data_pointer(h, &src) < 0)

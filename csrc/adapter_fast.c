@@ -5,8 +5,9 @@
  * bit, at most FLAGOS_MAX_DIMS dims, inside their buffers:
  * - kernel-table ops (the dtype in the kernel's and the device's native masks, a non-empty
  *   result): the elementwise add/sub/mul/div.Tensor (alpha 1), neg, relu, silu, sigmoid,
- *   tanh, exp on contiguous operands, same-shaped or broadcast; mm, bmm, addmm (beta = alpha =
- *   1), _softmax, sum and sum.dim_IntList (no dtype), native_layer_norm on any strides. That
+ *   tanh, exp on contiguous operands, same-shaped or broadcast (a broadcast over an operand
+ *   with a size-1 dim at a stride of its own is the runner's: TensorIterator's layout rule);
+ *   mm, bmm, addmm (beta = alpha = 1), _softmax, sum and sum.dim_IntList (no dtype), native_layer_norm on any strides. That
  *   is exactly a call the runner's builders and _try_kernel send to the kernel with a
  *   contiguous output: the descriptors, the output buffers (Adapter.alloc_tensor's
  *   allocation) and the wrappers (_make_wrapper_subclass with `_payload` set) are made here
@@ -533,6 +534,28 @@ static int same_sizes(const int64_t *a, int na, const int64_t *b, int nb)
     return na == nb && memcmp(a, b, (size_t)na * sizeof(int64_t)) == 0;
 }
 
+static int same_operand_shapes(const operand *ops, int n_ops, const int64_t *shape, int ndim)
+{
+    for (int i = 0; i < n_ops; i++)
+        if (!same_sizes(shape, ndim, ops[i].sizes, ops[i].ndim))
+            return 0;
+    return 1;
+}
+
+/* Whether every operand has exactly torch.empty's strides, size-1 dims included. */
+static int canonical_strides(const operand *ops, int n_ops)
+{
+    for (int i = 0; i < n_ops; i++) {
+        int64_t expected = 1;
+        for (int d = ops[i].ndim - 1; d >= 0; d--) {
+            if (ops[i].strides[d] != expected)
+                return 0;
+            expected *= ops[i].sizes[d] > 1 ? ops[i].sizes[d] : 1;
+        }
+    }
+    return 1;
+}
+
 /* Whether self (written) and other (read, contiguous both) overlap in part, which PyTorch
  * refuses for an in-place op ("unsupported operation: some elements of the input tensor and
  * the written-to tensor refer to a single memory location"): the runner then raises that. */
@@ -671,6 +694,14 @@ static int run(flagos_state *st, op_entry *e, const operand *ops, const call_arg
         }
         broadcast = n_ops;
         n_scalars = kind == FAST_BINARY_ALPHA || kind == FAST_INPLACE_ALPHA;
+        /* Broadcast operands, one with a size-1 dim at a stride of its own (contiguous all
+         * the same): PyTorch's TensorIterator sorts the dims by the operands' strides and may
+         * give the result's size-1 dims strides that are not the contiguous ones this path
+         * gives. The runner works that layout out; operands with torch.empty's strides
+         * always give a contiguous result. */
+        if (!IS_INPLACE(kind) && !same_operand_shapes(ops, n_ops, shape, ndim) &&
+            !canonical_strides(ops, n_ops))
+            return 0;
         if (IS_INPLACE(kind) && (!same_sizes(shape, ndim, a->sizes, a->ndim) ||
                                  partial_overlap(a, b, item_sizes[code])))
             return 0; /* the broadcast is not self's shape, or a partial overlap: PyTorch's error */

@@ -91,6 +91,8 @@ TESTS: dict[str, list[Run]] = {
     "flagos/core/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD), sim(COUNTERS, FIDELITY),
                                sim_default(T + "precision_policy.py"), cpu(T + "conformance.py")],
     "flagos/runtime/_streams.py": [sim(STREAMS), cpu(STREAMS)],
+    "flagos/runtime/_iterator_layout.py": [cpu(T + "iterator_layout.py"),
+                                           sim(KERNELS, k="layout or gapped or size_1 or broadcast")],
     "flagos/runtime/_tensor.py": [cpu(DEVICE, FIDELITY, OFFLOAD), sim(DEVICE, SIM_FIDELITY, OFFLOAD),
                                   cpu(COMPILE, k="flatten or cached_graphs or report_counts or layout_and_bits "
                                                  "or before_activation or compile_logs"),

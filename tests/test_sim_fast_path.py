@@ -132,6 +132,25 @@ def test_other_cases_still_go_to_the_runner():
     assert "OK" in proc.stdout
 
 
+def test_a_broadcast_over_a_size_1_dim_at_a_stride_of_its_own_goes_to_the_runner():
+    """Contiguous operands with torch.empty's strides give a contiguous result in C; an operand
+    whose size-1 dim has a stride of its own (contiguous all the same) can give the result
+    PyTorch's other strides for that dim when broadcast, so the runner lays that one out."""
+    proc = run_sim(SPY + """
+        a, b = torch.randn(1, 4), torch.randn(3, 1, 4)
+        odd = a.as_strided((1, 4), (1, 1))           # is_contiguous(), but not torch.empty's strides
+        fa, fb, fodd = a.to("flagos"), b.to("flagos"), a.to("flagos").as_strided((1, 4), (1, 1))
+        for name, (x, y, fx, fy) in {"empty's strides": (a, b, fa, fb), "odd stride": (odd, b, fodd, fb),
+                                      "same shapes": (odd, odd, fodd, fodd)}.items():
+            del seen[:]
+            got, want = fx * fy, x * y
+            assert got.stride() == want.stride(), (name, got.stride(), want.stride())
+            torch.testing.assert_close(got.cpu(), want)
+            print(name, "runner" if "aten::mul.Tensor" in seen else "C")
+    """)
+    assert "empty's strides C\nodd stride runner\nsame shapes C" in proc.stdout, proc.stdout
+
+
 def test_counters_of_calls_run_in_c():
     proc = run_sim("""
         import torch, flagos

@@ -261,6 +261,45 @@ def test_elementwise_results_of_gapped_views_are_laid_out_as_on_cpu(name, gap):
     run_case(op, fn, inputs, torch.float32)
 
 
+# Views with size-1 dims, whose strides PyTorch leaves free: TensorIterator gives the result's
+# size-1 dims strides of its own when the operands are broadcast or one is a Python number (it
+# sorts the dims by the operands' strides), and keeps the operands' layout when they are alike
+# (a channels_last order with size-1 dims is channels_last).
+SIZE_ONE = {
+    "size-1 dim at a stride of its own": lambda t: t.as_strided((4, 1, 5), (1, 7, 4)),
+    "contiguous, size-1 dim at stride 1": lambda t: t.as_strided((1, 4), (1, 1)),
+    "1x1 feature map, channels_last": lambda t: t.as_strided((2, 3, 1, 1), (3, 1, 3, 3)),
+    "channels_last order, size-1 dims": lambda t: t.as_strided((1, 2, 1, 2), (1, 1, 1, 2)),
+    "column, transposed": lambda t: t.as_strided((3, 1), (1, 3)),
+}
+SIZE_ONE_CALLS = {
+    "neg": ("aten::neg", lambda a, b: -a),
+    "a * a": ("aten::mul.Tensor", lambda a, b: a * a),
+    "plus 1": ("aten::add.Tensor", lambda a, b: a + 1),
+    "2.5 times": ("aten::mul.Tensor", lambda a, b: 2.5 * a),
+    "broadcast": ("aten::sub.Tensor", lambda a, b: a - b),
+}
+
+
+@on_sim
+@pytest.mark.parametrize("call", SIZE_ONE_CALLS)
+@pytest.mark.parametrize("view", SIZE_ONE)
+def test_elementwise_results_of_views_with_size_1_dims_are_laid_out_as_on_cpu(view, call):
+    op, fn = SIZE_ONE_CALLS[call]
+    a = arg(randn(64, seed=72), SIZE_ONE[view])
+    last = SIZE_ONE[view](torch.empty(64)).shape[-1]
+    run_case(op, fn, [a, arg(randn(last, seed=73))], torch.float32)
+
+
+@on_sim
+@pytest.mark.parametrize("view", SIZE_ONE)
+def test_a_fallbacks_result_keeps_the_cpus_strides_of_size_1_dims(view):
+    """A result the host computed (here remainder, which sim has no kernel for) keeps the CPU
+    result's layout, the free strides of its size-1 dims included."""
+    run_case("aten::remainder.Scalar", lambda a: torch.remainder(a, 0.75),
+             [arg(randn(64, seed=74), SIZE_ONE[view])], torch.float32, route="fallback")
+
+
 @on_sim
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)

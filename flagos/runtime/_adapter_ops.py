@@ -26,6 +26,7 @@ from .. import _C
 from ..core import _routes, _schema, _state
 from ..errors import DeviceMismatchError
 from . import _math_keys, _transfers
+from ._iterator_layout import result_strides
 from ._tensor import FlagosTensor, copy_math_bits, set_metadata
 
 NATIVE, FALLBACK, WOULD_FALL_BACK = _C.ROUTE_NATIVE, _C.ROUTE_FALLBACK, _C.ROUTE_ERROR
@@ -70,18 +71,6 @@ def _span(size, stride, offset) -> tuple[int, int]:
     if any(s == 0 for s in size):
         return offset, offset
     return offset, offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
-
-
-def _expanded(t) -> bool:
-    """Whether a tensor repeats elements along a dim (stride 0 over more than one element)."""
-    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
-
-
-def _host_stand_in(t) -> torch.Tensor:
-    """A host tensor of ones with t's sizes, strides and dtype (no data of t's): what an op's
-    result layout is asked of where the meta kernel's answer is not the CPU's."""
-    first, end = _span(t.shape, t.stride(), 0)
-    return torch.ones(end - first, dtype=t.dtype).as_strided(t.shape, t.stride())
 
 
 def _tag(fresh: torch.Tensor, t) -> torch.Tensor:
@@ -378,11 +367,10 @@ class Runner:
             return m
         return rewrap(out)
 
-    def _stand_in_kwargs(self, kwargs, device=META, stand_in=None):
-        """Keyword arguments with flagos devices as `device` and flagos tensors as stand-ins
-        (meta tensors over their buffers, unless told otherwise)."""
-        stand_in = stand_in or self._meta
-        return {k: device if _is_flagos_device(v) else _walk(v, stand_in) for k, v in kwargs.items()}
+    def _stand_in_kwargs(self, kwargs):
+        """Keyword arguments with flagos devices as meta and flagos tensors as meta stand-ins
+        over their buffers."""
+        return {k: META if _is_flagos_device(v) else _walk(v, self._meta) for k, v in kwargs.items()}
 
     # ---- adapter kernels ------------------------------------------------------
     def _try_kernel(self, func, name, index, args, kwargs):
@@ -407,10 +395,13 @@ class Runner:
         if not (entry[1] >> code & 1) or not (self.native[index] >> code & 1):
             return NotImplemented
         order = stride = None
-        if name in ELEMENTWISE and not all(t.is_contiguous() for t in tensors):
+        if name in ELEMENTWISE and (not all(t.is_contiguous() for t in tensors) or
+                                    any(s < 2 for s in out_shapes[0])):
             # the output takes the layout PyTorch gives it (channels_last in, channels_last
-            # out); the kernel sees every operand with dims permuted so the output is contiguous
-            stride = self._elementwise_strides(func, args, kwargs, out_shapes[0], tensors)
+            # out; contiguous operands give a contiguous result, but for the strides of its
+            # size-1 dims); the kernel sees every operand with dims permuted so the output is
+            # contiguous
+            stride = self._elementwise_strides(kname, out_shapes[0], tensors)
             order = _dense_order(out_shapes[0], stride)
         # (allocated strides, final strides) per output: a builder's own layouts (channels_last
         # results), else contiguous
@@ -431,25 +422,17 @@ class Runner:
                     for o, f, lay in zip(outs, finals, layouts)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def _elementwise_strides(self, func, args, kwargs, shape, tensors):
-        first = tensors[0].stride()
-        if all(tuple(t.shape) == tuple(shape) and t.stride() == first for t in tensors):
-            if _dense_order(shape, first):
-                return first  # operands laid out alike: so is the result
-        # PyTorch's rule (TensorIterator's) depends on the operands' layouts and dtypes: asked
-        # once per op, layouts and dtypes, as a training loop repeats them. The meta kernel
-        # answers it, except with an expanded operand, where its float16/bfloat16 layouts are
-        # not the CPU's (docs/design.md, "Result layouts"): those the CPU answers, on stand-ins.
-        key = (func, tuple((t.shape, t.stride(), t.dtype) for t in tensors))
+    def _elementwise_strides(self, kname, shape, tensors):
+        """The CPU's layout of the result (TensorIterator's rule, runtime/_iterator_layout.py),
+        worked out once per kernel, shape and operand layouts, as a training loop repeats them.
+        A `.Scalar` kernel's op took a Python number as an operand."""
+        key = (kname, tuple(shape), tuple((tuple(t.shape), t.stride()) for t in tensors))
         stride = self.layouts.get(key)
         if stride is None:
             if len(self.layouts) > 4096:
                 self.layouts.clear()
-            if any(_expanded(t) for t in tensors):
-                out = func(*_walk(args, _host_stand_in), **self._stand_in_kwargs(kwargs, CPU, _host_stand_in))
-            else:
-                out = func(*_walk(args, self._meta), **self._stand_in_kwargs(kwargs))
-            stride = self.layouts[key] = out.stride()
+            operands = [(tuple(t.shape), t.stride()) for t in tensors]
+            stride = self.layouts[key] = result_strides(shape, operands, int(kname.endswith(".Scalar")))
         return stride
 
     def _desc(self, t, shape=None):
