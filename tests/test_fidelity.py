@@ -426,4 +426,11 @@ def test_inplace_view_ops_change_the_tensors_own_shape(dev):
         assert op(on_flagos) is on_flagos
         op(host)
         assert (on_flagos.shape, on_flagos.stride()) == (host.shape, host.stride())
+        assert on_flagos.storage_offset() == host.storage_offset()
         assert torch.equal(on_flagos.cpu().flatten()[:kept], host.flatten()[:kept])
+    # only the storage offset changes (the same sizes and strides): the flagos tensor follows
+    host, on_flagos = torch.arange(10.0)[:3], torch.arange(10.0).to(dev)[:3]
+    for t in (host, on_flagos):
+        assert t.as_strided_((3,), (1,), 4) is t
+    assert on_flagos.storage_offset() == host.storage_offset() == 4
+    assert on_flagos.cpu().tolist() == host.tolist() == [4.0, 5.0, 6.0]
