@@ -19,10 +19,14 @@ mutants between N lanes.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import random
 import shlex
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +40,7 @@ except ImportError:
     sys.exit("cosmic-ray is not installed: run scripts/mutation_full.sh, which installs it")
 
 import mutation_common as common
+import mutation_context
 import mutation_coverage
 import mutation_ledger
 import mutation_reach
@@ -57,6 +62,9 @@ REDUCED = ({f"core/ReplaceBinaryOperator_{o}" for o in _BINARY.split()} |
 FAMILIES = ("core/ReplaceBinaryOperator_", "core/ReplaceComparisonOperator_", "core/ReplaceUnaryOperator_")
 # The start of a survivor's output when only the tests reaching it ran (--narrowed-only).
 NARROWED = "narrowed: survived the tests that reach it; the whole selection not run\n"
+# The start of a kill's output when it was carried over from an earlier source of the module
+# (scripts/mutation_context.py).
+CARRIED = "carried over: killed on an earlier source, in the same unchanged function\n"
 
 
 def operator_kept(name: str, operators: str) -> bool:
@@ -129,6 +137,8 @@ def ledger_record(result: WorkResult, seconds: float) -> dict | None:
         record["diff"] = changed_lines(result.diff)
         if (result.output or "").startswith(NARROWED):
             record["narrowed"] = True
+    if status == common.KILLED and (result.output or "").startswith(CARRIED):
+        record["carried"] = True
     return record
 
 
@@ -140,30 +150,100 @@ def result_from_record(record: dict) -> WorkResult:
         return WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome.SURVIVED,
                           output=(NARROWED if record.get("narrowed") else "") + f"survived ({note})",
                           diff="\n".join(record.get("diff", [])))
-    output = "timeout" if status == common.TIMEOUT else f"killed ({note})"
+    output = "timeout" if status == common.TIMEOUT else \
+        (CARRIED if record.get("carried") else "") + f"killed ({note})"
     return WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome.KILLED, output=output)
 
 
-def restore_from_ledger(work: str, db_path: str, module: str, operators: str) -> None:
+def mutants_of(db: WorkDB) -> list[mutation_context.Mutant]:
+    return [mutation_context.Mutant(ledger_key(item), m.start_pos[0], m.start_pos[1],
+                                    m.operator_name.removeprefix("core/"), m.occurrence)
+            for item in db.work_items for m in item.mutations[:1]]
+
+
+def _git(*args: str) -> str | None:
+    proc = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def earlier_entries(module: str, sha: str, operators: str) -> list[dict]:
+    """The module's ledger entries for other sources with the same operator set: the working
+    ledger's and the committed one's (a run on the new source replaces the former)."""
+    committed = _git("show", "HEAD:docs/mutation/python.json")
+    entries = [mutation_ledger.load("python").get(module), json.loads(committed).get(module) if committed else None]
+    seen, found = set(), []
+    for entry in entries:
+        if entry and entry.get("sha256") not in (sha, *seen) and entry.get("operators") == operators:
+            seen.add(entry["sha256"])
+            found.append(entry)
+    return found
+
+
+def source_in_history(module: str, sha: str, depth: int = 200) -> str | None:
+    """The module's text whose sha256 is `sha`, from its last `depth` commits."""
+    for commit in (_git("log", f"-n{depth}", "--format=%H", "--", module) or "").split():
+        text = _git("show", f"{commit}:{module}")
+        if text is not None and hashlib.sha256(text.encode()).hexdigest() == sha:
+            return text
+    return None
+
+
+def mutants_of_source(module: str, text: str) -> list[mutation_context.Mutant]:
+    """Every mutant cosmic-ray makes of `text` as `module` (an earlier source of it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, module)
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+        with use_db(os.path.join(tmp, "session.sqlite"), WorkDB.Mode.create) as db:
+            cr_init([path], db, {})
+            return mutants_of(db)
+
+
+def carry_over(db: WorkDB, module: str, sha: str, operators: str) -> dict[str, dict]:
+    """New key -> the earlier record, for kills carried over from an earlier source."""
+    with open(module) as f:  # the scratch tree's copy, the current working directory
+        source = f.read()
+    new_mutants = None
+    carried: dict[str, dict] = {}
+    for entry in earlier_entries(module, sha, operators):
+        old_source = source_in_history(module, entry["sha256"])
+        if old_source is None:
+            continue
+        new_mutants = new_mutants or mutants_of(db)
+        found = mutation_context.carried_over(old_source, mutants_of_source(module, old_source),
+                                              entry.get("mutants", {}), source, new_mutants)
+        carried.update({k: v for k, v in found.items() if k not in carried})
+    return carried
+
+
+def restore_from_ledger(work: str, db_path: str, module: str, operators: str, carry: bool = True) -> None:
     """Results the ledger holds for this very source take the place of running their mutants:
-    the session may be new on this machine while the work was done on another."""
+    the session may be new on this machine while the work was done on another. Where it holds
+    none for this source, the kills of an earlier source's mutants whose function is unchanged
+    (`carry`)."""
     _, meta_path = session_paths(work, module)
     meta = common.load_json(meta_path, {})
     known = mutation_ledger.entry_for("python", module, meta.get("sha256"), operators=operators)
-    if not known:
-        return
     with use_db(db_path, WorkDB.Mode.open) as db:
         done = {job for job, _ in db.results}
-        restored = 0
+        restored, carried = 0, {}
+        if carry:  # cheap where no earlier entry is left: that is known at once
+            carried = {k: {**r, "carried": True} for k, r in carry_over(db, module, meta["sha256"], operators).items()}
         for item in db.work_items:
-            record = known.get(ledger_key(item))
+            record = known.get(ledger_key(item)) or carried.get(ledger_key(item))
             if item.job_id not in done and record is not None:
                 db.set_result(item.job_id, result_from_record(record))
                 meta.setdefault("seconds", {})[item.job_id] = record.get("seconds", 0.0)
                 restored += 1
+        total = countable(db)
     if restored:
         common.save_json(meta_path, meta)
-        print(f"{module}: {restored} results taken from docs/mutation/python.json", flush=True)
+        if carried:  # in the ledger at once, for a lane that starts on the new source later
+            mutation_ledger.merge("python", module, meta["sha256"], carried, match={"operators": operators},
+                                  info={"mutants_total": total})
+        print(f"{module}: {restored} results taken from docs/mutation/python.json"
+              + (" (kills carried over from an earlier source, scripts/mutation_context.py)" if carried else ""),
+              flush=True)
 
 
 def countable(db: WorkDB) -> int:
@@ -352,6 +432,9 @@ def main() -> int:
                         help="count a mutant that survives the tests reaching it as a survivor without "
                              "running the whole selection (marked 'narrowed' in the ledger; a later "
                              "run without this option runs it against both)")
+    parser.add_argument("--no-carry", dest="carry", action="store_false",
+                        help="run every mutant of a changed module again, not only those outside the "
+                             "functions it kept unchanged (scripts/mutation_context.py)")
     parser.add_argument("--count", action="store_true",
                         help="make the sessions and print the mutants per module; run nothing")
     parser.add_argument("--survivors", action="store_true", help="print each surviving mutant's diff")
@@ -376,7 +459,7 @@ def main() -> int:
         for module in modules:
             db_path = open_session(work, tree, module, opts.operators)
             skip_annotation_mutants(db_path, tree, module)
-            restore_from_ledger(work, db_path, module, opts.operators)
+            restore_from_ledger(work, db_path, module, opts.operators, opts.carry)
         if opts.count:
             total = 0
             for module in modules:

@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import mutation_check  # noqa: E402
 import mutation_common  # noqa: E402
+import mutation_context  # noqa: E402
 import mutation_ledger  # noqa: E402
 import mutation_map  # noqa: E402
 import mutation_reach  # noqa: E402
@@ -174,3 +175,67 @@ def test_a_shard_is_written_k_of_n(text, expected):
 def test_a_shard_that_cannot_be_is_refused_with_the_form_to_write(text):
     with pytest.raises(argparse.ArgumentTypeError, match="write K/N with 1 <= K <= N"):
         mutation_common.parse_shard(text)
+
+
+OLD_SOURCE = """\
+LIMIT = 3
+
+
+def kept(a, b):
+    if a < b:
+        return a + 1
+    return b - 1
+
+
+def changed(x):
+    return x * 2
+"""
+NEW_SOURCE = """\
+LIMIT = 4
+
+
+def added(y):
+    return y < 0
+
+
+def kept(a, b):
+    if a < b:
+        return a + 1
+    return b - 1
+
+
+def changed(x):
+    return x * 3
+"""
+
+
+def at(source, line, text, operator, n):
+    """A mutant as cosmic-ray names it: `n`, the operator's n-th point in the source."""
+    col = source.splitlines()[line - 1].index(text)
+    return mutation_context.Mutant(f"{line}:{col} {operator} #{n}", line, col, operator, n)
+
+
+def test_kills_in_unchanged_functions_carry_over_to_their_new_place():
+    old = [at(OLD_SOURCE, 1, "3", "NumberReplacer", 0), at(OLD_SOURCE, 5, "<", "Lt_GtE", 0),
+           at(OLD_SOURCE, 6, "1", "NumberReplacer", 1), at(OLD_SOURCE, 7, "-", "Sub_Add", 0),
+           at(OLD_SOURCE, 11, "2", "NumberReplacer", 2)]
+    records = {m.key: {"status": "killed"} for m in old}
+    records[old[3].key] = {"status": "survived"}  # `b - 1` survived: it runs again
+    new = [at(NEW_SOURCE, 1, "4", "NumberReplacer", 0), at(NEW_SOURCE, 5, "<", "Lt_GtE", 0),
+           at(NEW_SOURCE, 5, "0", "NumberReplacer", 1), at(NEW_SOURCE, 9, "<", "Lt_GtE", 1),
+           at(NEW_SOURCE, 10, "1", "NumberReplacer", 2), at(NEW_SOURCE, 11, "-", "Sub_Add", 0),
+           at(NEW_SOURCE, 15, "3", "NumberReplacer", 3)]
+    carried = mutation_context.carried_over(OLD_SOURCE, old, records, NEW_SOURCE, new)
+    # `kept` moved from line 4 to line 8: its `<` and its `1` are other occurrences now, the
+    # same mutants; the changed function, the changed constant and the new function carry nothing
+    assert carried == {"9:9 Lt_GtE #1": {"status": "killed"}, "10:19 NumberReplacer #2": {"status": "killed"}}
+
+
+def test_identical_functions_carry_nothing():
+    method = "    def f(self, a):\n        return a + 1\n"
+    once, twice = "class A:\n" + method, "class A:\n" + method + "\n\nclass B:\n" + method
+    old = [at(once, 3, "+", "Add_Sub", 0)]
+    new = [at(twice, 3, "+", "Add_Sub", 0), at(twice, 8, "+", "Add_Sub", 1)]
+    records = {m.key: {"status": "killed"} for m in old}
+    assert mutation_context.carried_over(once, old, records, twice, new) == {}
+    assert mutation_context.carried_over(once, old, records, once, old) == records  # the same source: all
