@@ -241,6 +241,10 @@ def test_pinned_dataloader_batches_move_with_non_blocking(dev):
             for_flagos = t.pin_memory(device)
             assert for_flagos.tolist() == [1.0, 1.0, 1.0] and for_flagos.data_ptr() != t.data_ptr()
             assert not t.is_pinned(device)
+        # another device named: PyTorch's own answer, as without flagos
+        with pytest.raises(RuntimeError, match="CPU device type not an accelerator"):
+            t.pin_memory("cpu")
+        assert t.is_pinned("cpu") is False and t.is_pinned("meta") is False
 
 
 def test_safetensors_load_file_onto_flagos(dev, tmp_path):

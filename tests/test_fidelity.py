@@ -434,3 +434,56 @@ def test_inplace_view_ops_change_the_tensors_own_shape(dev):
         assert t.as_strided_((3,), (1,), 4) is t
     assert on_flagos.storage_offset() == host.storage_offset() == 4
     assert on_flagos.cpu().tolist() == host.tolist() == [4.0, 5.0, 6.0]
+
+
+# ---- deepcopy -------------------------------------------------------------------------------
+
+DEEPCOPIED = {
+    "views of one tensor": lambda dev: (lambda x: [x, x[1:], x.view(2, 3), x[::2], x.view(torch.int32)])(
+        torch.arange(6.0).to(dev)),
+    "a negative view": lambda dev: (lambda x: [x, torch._neg_view(x)])(torch.arange(4.0).to(dev)),
+    "channels_last": lambda dev: [torch.randn(2, 3, 4, 5).to(dev).contiguous(memory_format=torch.channels_last)],
+    "a leaf and its detached self": lambda dev: (lambda x: [x, x.detach()])(
+        torch.ones(3, device=dev, requires_grad=True)),
+    "0-dim and empty": lambda dev: [torch.tensor(3.0).to(dev), torch.empty(0, 3).to(dev)],
+}
+
+
+@pytest.mark.parametrize("case", DEEPCOPIED)
+def test_deepcopy_copies_memory_once_as_on_cpu(dev, case):
+    """copy.deepcopy copies each piece of memory once per call, as PyTorch does: the copies of
+    tensors that shared memory (views, a state dict's tied weights) share the copied memory,
+    with the originals' sizes, strides, offsets and autograd flags."""
+    torch.manual_seed(0)
+    host = copy.deepcopy(DEEPCOPIED[case](torch.device("cpu")))
+    torch.manual_seed(0)
+    original = DEEPCOPIED[case](dev)
+    copied = copy.deepcopy(original)
+
+    def layout(ts):
+        return [(t.shape, t.stride(), t.storage_offset(), t.dtype, t.requires_grad, t.is_leaf) for t in ts]
+
+    def sharing(ts):  # which tensors share memory (empty ones hold none)
+        return [[a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                 for b in ts] for a in ts]
+
+    assert layout(copied) == layout(host) and sharing(copied) == sharing(host)
+    assert all(t.device == dev for t in copied)
+    assert not any(c.numel() and c.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()
+                   for c, o in zip(copied, original))  # new memory
+    for c, h in zip(copied, host):
+        assert torch.equal(c.detach().cpu(), h.detach())
+    if case == "views of one tensor":  # writing through one copy shows in the others, as on CPU
+        copied[0].add_(1)
+        host[0].add_(1)
+        assert [c.cpu().tolist() for c in copied] == [h.tolist() for h in host]
+
+
+def test_deepcopy_of_a_state_dict_keeps_tied_weights_tied(dev):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    state = copy.deepcopy(model.to(dev).state_dict())
+    tied = state["lm_head.weight"], state["transformer.wte.weight"]
+    assert tied[0] is not tied[1] and tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr()
+    assert tied[0].data_ptr() != model.lm_head.weight.data_ptr() and torch.equal(tied[0].cpu(), tied[1].cpu())

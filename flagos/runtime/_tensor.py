@@ -25,6 +25,27 @@ _BASE_COMPATIBLE = torch._has_compatible_shallow_copy_type
 _PLAIN = torch.Tensor  # a real payload's exact type (a traced one is a subclass: fake, functional)
 
 
+def _copy_sharing_memory(t: FlagosTensor, memo: dict) -> torch.Tensor:
+    """t's deep copy as PyTorch makes it: its memory copied once per deepcopy call, so the
+    copies of tensors that shared memory (views, tied weights' detached state-dict entries)
+    share the copied memory, each with t's sizes, strides and offset."""
+    storage = t.untyped_storage()
+    item = t.element_size()
+    whole = storage.nbytes() // item
+    span = 1 + t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    if t.is_neg() or t.is_conj() or span > whole:
+        return t.clone(memory_format=torch.preserve_format)  # bits or a dtype the memory does not hold whole
+    key = ("flagos memory", str(t.device), storage.data_ptr())  # deepcopy's memo takes any key
+    copied = memo.get(key)
+    if copied is None:
+        copied = memo[key] = t.as_strided((whole,), (1,), 0).clone()
+    elif copied.dtype != t.dtype:  # a view of the memory as another dtype (x.view(torch.int32))
+        if storage.nbytes() % item:
+            return t.clone(memory_format=torch.preserve_format)
+        copied = copied.view(t.dtype)
+    return copied.as_strided(t.shape, t.stride(), t.storage_offset()).detach()
+
+
 class FlagosTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
     __torch_dispatch__ = classmethod(_C.dispatch)
@@ -95,11 +116,11 @@ class FlagosTensor(torch.Tensor):
 
     def __deepcopy__(self, memo):
         # torch.Tensor.__deepcopy__ would deep-copy the payload object too (an adapter buffer
-        # cannot be pickled, a chip tensor would be copied twice): clone once instead.
+        # cannot be pickled, a chip tensor would be copied twice): copy the memory once instead.
         if id(self) in memo:
             return memo[id(self)]
         with torch.no_grad():
-            new = self.clone(memory_format=torch.preserve_format)
+            new = _copy_sharing_memory(self, memo)
         new.requires_grad_(self.requires_grad)
         memo[id(self)] = new
         if self.grad is not None:
