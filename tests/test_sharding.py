@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from accelerate.utils import get_max_memory
 from conftest import CHIP, device_mode_only, run_python, runs_once
 
 import flagos
@@ -156,27 +157,31 @@ def test_device_map_auto_splits_a_model_too_big_for_one_device_over_their_free_m
 
 def test_diffusers_balanced_pipeline_places_components_over_the_devices_and_matches_cpu(dev, tmp_path):
     """A Stable-Diffusion pipeline of three small models saved from the host, loaded with
-    device_map="balanced": Diffusers puts the largest component (the UNet) on flagos:0 and the
-    others on the next device (flagos:0 again on a chip with one device); the image is the
-    CPU's. Moving it with .to() needs reset_device_map() first, as on CUDA."""
+    device_map="balanced": Diffusers puts the largest component (the UNet) on the device with
+    the most free memory (flagos:0 when they have the same) and the others on the next device
+    (the same one on a chip with one device); the image is the CPU's. Moving it with .to() needs reset_device_map() first, as on CUDA."""
     diffusers = pytest.importorskip("diffusers")
     import models
 
     reference = models.tiny_sd_pipeline(str(tmp_path / "tokenizer"))
     expected = models.run_sd(reference)
     reference.save_pretrained(tmp_path / "pipe")
+    # Diffusers' rule, as on CUDA: the devices by free memory, most first (a tie keeps their
+    # order), the largest component on the first; memory an earlier test left held decides a tie
+    count = torch.flagos.device_count()
+    free = get_max_memory()
+    first = min(range(count), key=lambda i: (-free[i], i))
+    other = (first + 1) % count
     pipe = diffusers.StableDiffusionPipeline.from_pretrained(tmp_path / "pipe", device_map="balanced")
     pipe.set_progress_bar_config(disable=True)
-    count = torch.flagos.device_count()
-    other = 1 if count > 1 else 0
-    assert pipe.hf_device_map == {"unet": 0, "vae": other, "text_encoder": other}
-    assert pipe.unet.device == torch.device("flagos", 0)
+    assert pipe.hf_device_map == {"unet": first, "vae": other, "text_encoder": other}
+    assert pipe.unet.device == torch.device("flagos", first)
     assert pipe.vae.device == pipe.text_encoder.device == torch.device("flagos", other)
     with flagos.track() as report:
         image = models.run_sd(pipe)
     np.testing.assert_allclose(image, expected, atol=1e-5, rtol=0)
     if count > 1:
-        # Diffusers runs the pipeline on its first component's device (the VAE's, flagos:1), so
+        # Diffusers runs the pipeline on its first component's device (the VAE's, `other`), so
         # at each of the 2 steps the UNet's hook brings it the latents (2 x 4 x 8 x 8 float32:
         # classifier-free guidance doubles the batch), the timestep (one int64) and the prompt's
         # embeddings (2 x 8 x 16 float32), and its output goes back (2 x 4 x 8 x 8 float32)
