@@ -1010,6 +1010,15 @@ A = torch.ops.aten
 # and message), whichever path of the router's C code or the Python runner decides it.
 UNUSUAL = {
     "add, shapes that do not broadcast": (lambda a, b: a + b, [(3, 4), (5, 4)]),
+    "add, a complex number": (lambda a: a + 1j, [(3, 4)]),
+    "mul, a complex number": (lambda a: a * (2 + 0.5j), [(3, 4)]),
+    "add, a complex number and alpha": (lambda a: torch.add(a, 1j, alpha=2), [(3, 4)]),
+    "sub, a bool": (lambda a: a - True, [(3, 4)]),
+    "sub, a 0-dim bool host tensor": (lambda a: a - torch.tensor(True), [(3, 4)]),
+    "add, a bool": (lambda a: a + True, [(3, 4)]),
+    "mul, a bool": (lambda a: torch.mul(a, False), [(3, 4)]),
+    "mul, a 0-dim host tensor": (lambda a: a * torch.tensor(2.5), [(3, 4)]),
+    "div, a 0-dim integer host tensor": (lambda a: a / torch.tensor(4), [(3, 4)]),
     "add, an empty one that does not broadcast": (lambda a, b: a + b, [(0, 4), (5, 4)]),
     "add, empty broadcast": (lambda a, b: a + b, [(0, 4), (1, 4)]),
     "sub, empty, alpha 3": (lambda a, b: torch.sub(a, b, alpha=3), [(0, 4), (0, 4)]),

@@ -125,11 +125,12 @@ def _is_flagos_device(value) -> bool:
 
 
 def _host_scalar(value):
-    """A Python number for a number or a 0-dim host tensor; None otherwise."""
-    if isinstance(value, (int, float, bool)) and not isinstance(value, torch.Tensor):
+    """A Python number for a number or a 0-dim host tensor; None otherwise, and for a bool,
+    whose rules are PyTorch's own (sub refuses one, the other ops promote it): the host's."""
+    if isinstance(value, (int, float)) and not isinstance(value, (bool, torch.Tensor)):
         return float(value)
     if (isinstance(value, torch.Tensor) and not isinstance(value, FlagosTensor)
-            and value.dim() == 0 and value.device.type == "cpu"):
+            and value.dim() == 0 and value.device.type == "cpu" and value.dtype != torch.bool):
         return float(value.item())
     return None
 
