@@ -5,6 +5,7 @@ with the same code on plain CPU tensors.
 """
 import textwrap
 
+import pytest
 from conftest import device_mode_only, run_python
 
 pytestmark = device_mode_only
@@ -23,14 +24,32 @@ def error(fn):
 """
 
 
-def run_sim(code: str, **env):
-    proc = run_python(PRELUDE + textwrap.dedent(code), env={"FLAGOS_FALLBACK": "allow", **env})
+# The round trip has two implementations: the router's C one (csrc/adapter_fallback.c) and the
+# Python runner's (runtime/_adapter_ops.py), which takes the calls the C one leaves; with no C
+# fast path configured (as tests/conftest.py's FLAGOS_TEST_RUNNER_ONLY does) every call is the
+# runner's. The tests of the round trip run on both.
+RUNNER_ONLY = """
+from flagos.runtime import _adapter_ops
+_init = _adapter_ops.Runner.__init__
+def _runner_only(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    self.c_fast = None
+_adapter_ops.Runner.__init__ = _runner_only
+"""
+PATHS = pytest.mark.parametrize("path", ["c", "runner"])
+
+
+def run_sim(code: str, path: str = "c", **env):
+    prelude = PRELUDE.replace("import torch, flagos\n", "import torch, flagos\n" + RUNNER_ONLY) \
+        if path == "runner" else PRELUDE
+    proc = run_python(prelude + textwrap.dedent(code), env={"FLAGOS_FALLBACK": "allow", **env})
     assert "OK" in proc.stdout, proc.stdout + proc.stderr
     return proc
 
 
-def test_host_round_trip_over_views_of_one_buffer_in_other_dtypes():
-    run_sim("""
+@PATHS
+def test_host_round_trip_over_views_of_one_buffer_in_other_dtypes(path):
+    run_sim(path=path, code="""
         torch.manual_seed(0)
 
         def run(buf):
@@ -95,8 +114,9 @@ def test_storage_less_tensors_are_materialized_not_read():
     """)
 
 
-def test_conjugate_and_negative_views_are_honoured():
-    run_sim("""
+@PATHS
+def test_conjugate_and_negative_views_are_honoured(path):
+    run_sim(path=path, code="""
         z = torch.tensor([[1 + 2j, 3 - 4j], [0.5 - 1j, 2 + 0.25j]])
         x = torch.randn(3, 4)
         cases = {
@@ -223,10 +243,11 @@ def test_sparse_tensors_get_a_clear_error():
     """)
 
 
-def test_empty_views_in_a_fallback_touch_no_bytes():
+@PATHS
+def test_empty_views_in_a_fallback_touch_no_bytes(path):
     """An empty tensor's offset may lie past its 0-byte buffer; the host round trip must not
     read there (combinations' backward with an empty gradient did)."""
-    run_sim("""
+    run_sim(path=path, code="""
         x = torch.ones(1, device=d, requires_grad=True)
         out = torch.combinations(x, r=2)                       # shape (0, 2)
         (g,) = torch.autograd.grad(out, x, torch.randn(0, 2).to(d))
@@ -237,11 +258,46 @@ def test_empty_views_in_a_fallback_touch_no_bytes():
     """)
 
 
-def test_an_out_argument_resized_by_a_fallback_op_takes_the_cpus_shape():
+@PATHS
+def test_a_round_trip_moves_each_buffers_region_once(path):
+    """The bytes a fallback moves are the region its views of a buffer cover, once: an empty
+    view adds none, two views add the bytes between the first and the last, a buffer two
+    written arguments view goes back once, and an empty written argument moves nothing."""
+    run_sim(path=path, code="""
+        x = torch.arange(8.0).to(d)
+        for op in ("aten::cat", "aten::add_.Tensor", "aten::aminmax.out"):
+            flagos.set_route(op, "fallback")
+        cases = {
+            "an empty view first": (lambda: torch.cat([x[6:6], x[1:3]]), "aten::cat", [1.0, 2.0], 8, 8),
+            "two views": (lambda: torch.cat([x[1:3], x[4:5]]), "aten::cat", [1.0, 2.0, 4.0], 16, 12),
+        }
+        for name, (call, op, want, to_host, to_device) in cases.items():
+            with flagos.track() as report:
+                got = call()
+            row = report.op(op)
+            assert got.cpu().tolist() == want, (name, got)
+            assert (row["bytes_to_host"], row["bytes_to_device"]) == (to_host, to_device), (name, row)
+        both = torch.zeros(2).to(d)
+        with flagos.track() as report:
+            torch.aminmax(x, out=(both[0], both[1]))     # two written views of one buffer
+        assert both.cpu().tolist() == [0.0, 7.0]
+        row = report.op("aten::aminmax.out")
+        assert (row["bytes_to_host"], row["bytes_to_device"]) == (32 + 8, 8), row
+        empty = torch.empty(0).to(d)
+        with flagos.track() as report:
+            assert empty.add_(1) is empty
+        row = report.op("aten::add_.Tensor")
+        assert (row["bytes_to_host"], row["bytes_to_device"]) == (0, 0), row
+        print("OK")
+    """)
+
+
+@PATHS
+def test_an_out_argument_resized_by_a_fallback_op_takes_the_cpus_shape(path):
     """out= of an op sim has no kernel for, resized by the op (grown, shrunk, re-laid), in a
     dtype the C round trip takes (float32) and one only the Python runner takes (complex64):
     the caller's own tensor comes back with the CPU's shape, strides and values."""
-    run_sim("""
+    run_sim(path=path, code="""
         for dtype in (torch.float32, torch.complex64):
             x = (torch.arange(6.) + 1j * torch.arange(6.)).to(dtype).reshape(2, 3)
             for start in [(6,), (4, 3), (3, 2), (2, 3), (8, 8)]:
