@@ -570,6 +570,25 @@ MUTATIONS = [
       "        if (__builtin_add_overflow(n, (uint64_t)offset, &n))",
       "        if (0 && __builtin_add_overflow(n, (uint64_t)offset, &n))",
       cpu("tests/test_sim_kernel_checks.py", k="view_of_a_buffer")),
+    M("bool_scalar_on_the_kernel", "the runner takes a bool operand of sub for 1.0 on the kernel "
+      "(PyTorch refuses subtraction with a bool)", "flagos/runtime/_adapter_ops.py",
+      "    if isinstance(value, (int, float)) and not isinstance(value, (bool, torch.Tensor)):",
+      "    if isinstance(value, (int, float)) and not isinstance(value, torch.Tensor):",
+      sim("tests/test_sim_kernels.py", k="unusual and bool")),
+    M("size_1_broadcast_in_c", "the C fast path keeps a broadcast over a size-1 dim at a stride of "
+      "its own (TensorIterator gives the result's size-1 dim another stride)", "csrc/adapter_fast.c",
+      "            !canonical_strides(ops, n_ops))", "            !canonical_strides(ops, n_ops) && 0)",
+      sim("tests/test_sim_kernels.py", k="size_1")),
+    M("deepcopy_copies_views_apart", "deepcopy copies each view's memory on its own, so copies of "
+      "views of one tensor no longer share memory", "flagos/runtime/_tensor.py",
+      "    copied = memo.get(key)\n    if copied is None:",
+      "    copied = None\n    if copied is None:",
+      cpu("tests/test_fidelity.py", k="deepcopy")),
+    M("round_trip_merges_an_empty_view", "the Python round trip merges an empty view's offset into "
+      "its buffer's region (more bytes moved)", "flagos/runtime/_adapter_ops.py",
+      "            if span is None or span[2] <= span[1]:",
+      "            if span is None or span[2] < span[1]:",
+      cpu("tests/test_sim_fidelity.py", k="runner and moves_each")),
 ]
 
 
