@@ -288,6 +288,16 @@ def test_a_round_trip_moves_each_buffers_region_once(path):
             assert empty.add_(1) is empty
         row = report.op("aten::add_.Tensor")
         assert (row["bytes_to_host"], row["bytes_to_device"]) == (0, 0), row
+        with flagos.track() as report:
+            x[2:4].add_(1)                                # a written view 8 bytes into its buffer
+        row = report.op("aten::add_.Tensor")
+        assert x.cpu().tolist() == [0.0, 1.0, 3.0, 4.0, 4.0, 5.0, 6.0, 7.0]
+        assert (row["bytes_to_host"], row["bytes_to_device"]) == (8, 8), row
+        with flagos.track() as report:                    # views move nothing and take no time
+            x.detach(), torch.ops.aten.alias(x), x[1:3], x.view(2, 4)
+        rows = report.to_dict()["ops"]
+        assert rows and all(r["bytes_to_host"] == r["bytes_to_device"] == 0 and r["fallback_ns"] == 0
+                            for r in rows), rows
         print("OK")
     """)
 
