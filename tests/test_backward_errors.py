@@ -445,29 +445,42 @@ def test_each_error_reaches_its_own_backward_pass():
     assert "OUTER ERROR 'cos, after the inner pass'" in out, out
 
 
-def test_pending_error_outside_backward_is_reported():
-    """The engine entered without backward() or autograd.grad() (no pass to file the error
-    with): the caller gets PyTorch's SystemError, the error itself is logged, nothing aborts."""
-    proc = run_python(f"""
-        import torch, flagos
-        flagos.activate("{CHIP}")
-        d = flagos.device()
-        x = torch.ones(3, device=d, requires_grad=True)
-        y = x * 2
-        def fail(grad):
-            raise ValueError("raised by the hook")
-        y.register_hook(fail)
-        engine = torch.autograd.Variable._execution_engine
-        try:
-            engine.run_backward((y.sum(),), (torch.ones((), device=d),), False, False, (), True, True)
-        except SystemError as e:
-            print("SYSTEM ERROR |", e)
-        x.grad = None
-        (x * 2).sum().backward()
-        print("NEXT", x.grad.cpu().tolist())
-    """, env={"FLAGOS_FALLBACK": "allow"}, check=False)
+# The engine entered without backward() or autograd.grad(), a hook failing inside: `{setup}`
+# runs after activation.
+ENGINE_WITHOUT_A_PASS = """
+import torch, flagos
+from flagos.runtime import _guard_errors
+flagos.activate("{chip}")
+{setup}
+d = flagos.device()
+x = torch.ones(3, device=d, requires_grad=True)
+y = x * 2
+def fail(grad):
+    raise ValueError("raised by the hook")
+y.register_hook(fail)
+engine = torch.autograd.Variable._execution_engine
+try:
+    engine.run_backward((y.sum(),), (torch.ones((), device=d),), False, False, (), True, True)
+except SystemError as e:
+    print("SYSTEM ERROR |", e)
+x.grad = None
+(x * 2).sum().backward()
+print("NEXT", x.grad.cpu().tolist())
+"""
+
+
+def run_engine_without_a_pass(setup=""):
+    proc = run_python(ENGINE_WITHOUT_A_PASS.format(chip=CHIP, setup=setup), env={"FLAGOS_FALLBACK": "allow"},
+                      check=False)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     assert "SYSTEM ERROR |" in proc.stdout and "NEXT [2.0, 2.0, 2.0]" in proc.stdout, proc.stdout
+    return proc
+
+
+def test_pending_error_outside_backward_is_reported():
+    """No pass to file the error with: the caller gets PyTorch's SystemError, the error itself
+    is logged, nothing aborts."""
+    proc = run_engine_without_a_pass()
     assert "ValueError: raised by the hook" in proc.stderr, proc.stderr
 
 
@@ -475,31 +488,11 @@ def test_an_error_inside_the_error_keeper_is_printed_and_nothing_aborts():
     """The guard's `keep` itself failing (here its logger raises) happens inside a call PyTorch
     declares noexcept: the failure is printed as unraisable, the caller gets the SystemError of
     the case above and the next backward() works."""
-    proc = run_python(f"""
-        import torch, flagos
-        from flagos.runtime import _guard_errors
-        flagos.activate("{CHIP}")
-        class BrokenLog:
-            def error(self, *args, **kwargs):
-                raise RuntimeError("the log is broken")
-        _guard_errors.log = BrokenLog()
-        d = flagos.device()
-        x = torch.ones(3, device=d, requires_grad=True)
-        y = x * 2
-        def fail(grad):
-            raise ValueError("raised by the hook")
-        y.register_hook(fail)
-        engine = torch.autograd.Variable._execution_engine
-        try:
-            engine.run_backward((y.sum(),), (torch.ones((), device=d),), False, False, (), True, True)
-        except SystemError as e:
-            print("SYSTEM ERROR |", e)
-        x.grad = None
-        (x * 2).sum().backward()
-        print("NEXT", x.grad.cpu().tolist())
-    """, env={"FLAGOS_FALLBACK": "allow"}, check=False)
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert "SYSTEM ERROR |" in proc.stdout and "NEXT [2.0, 2.0, 2.0]" in proc.stdout, proc.stdout
+    proc = run_engine_without_a_pass(setup=(
+        "class BrokenLog:\n"
+        "    def error(self, *args, **kwargs):\n"
+        "        raise RuntimeError('the log is broken')\n"
+        "_guard_errors.log = BrokenLog()"))
     assert "Exception ignored in: <function keep" in proc.stderr, proc.stderr
     assert "RuntimeError: the log is broken" in proc.stderr, proc.stderr
 

@@ -26,7 +26,7 @@ from .. import _C
 from ..core import _routes, _schema, _state
 from ..errors import DeviceMismatchError
 from . import _math_keys, _transfers
-from ._iterator_layout import result_strides
+from ._iterator_layout import contiguous_strides, result_strides
 from ._tensor import FlagosTensor, copy_math_bits, set_metadata
 
 NATIVE, FALLBACK, WOULD_FALL_BACK = _C.ROUTE_NATIVE, _C.ROUTE_FALLBACK, _C.ROUTE_ERROR
@@ -38,14 +38,6 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.floa
 CPU = torch.device("cpu")
 META = torch.device("meta")
 _DECOMPOSITION = torch._C.DispatchKey.CompositeImplicitAutograd
-
-
-def _contiguous_strides(size) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(tuple(size)):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
 
 
 def _dense_order(size, stride):
@@ -304,7 +296,7 @@ class Runner:
         # the layout is checked in C (negative sizes or strides, byte counts past 2**63)
         buf = self.adapter.alloc_tensor(index, size, stride, dtype.itemsize)
         size = tuple(size)
-        stride = _contiguous_strides(size) if stride is None else tuple(stride)
+        stride = contiguous_strides(size) if stride is None else tuple(stride)
         return self._wrap(buf, size, stride, 0, dtype, index)
 
     def _upload(self, host: torch.Tensor, index: int, stride=None) -> FlagosTensor:
@@ -329,7 +321,7 @@ class Runner:
         if memory_format in (None, torch.preserve_format) and t.is_contiguous():
             return t.stride()
         if memory_format is torch.contiguous_format:
-            return _contiguous_strides(t.shape)
+            return contiguous_strides(t.shape)
         return torch.empty_like(self._meta(t), memory_format=memory_format).stride()
 
     def _meta(self, t: FlagosTensor) -> torch.Tensor:
@@ -419,7 +411,7 @@ class Runner:
         except NotImplementedError:  # FLAGOS_STATUS_UNSUPPORTED: the kernel declined these arguments
             return NotImplemented
         if finals is not None:  # keepdim=False reductions, merged dims: same bytes, final shape
-            outs = [self._wrap(o._payload, f, lay[1] or _contiguous_strides(f), 0, dtype, index)
+            outs = [self._wrap(o._payload, f, lay[1] or contiguous_strides(f), 0, dtype, index)
                     for o, f, lay in zip(outs, finals, layouts)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
