@@ -7,7 +7,8 @@
  *   result): the elementwise add/sub/mul/div.Tensor (alpha 1), neg, relu, silu, sigmoid,
  *   tanh, exp on contiguous operands, same-shaped or broadcast (a broadcast over an operand
  *   with a size-1 dim at a stride of its own is the runner's: TensorIterator's layout rule);
- *   mm, bmm, addmm (beta = alpha = 1), _softmax, sum and sum.dim_IntList (no dtype), native_layer_norm on any strides. That
+ *   mm, bmm, addmm (beta = alpha = 1), _softmax, sum and sum.dim_IntList (no dtype),
+ *   native_layer_norm on any strides. That
  *   is exactly a call the runner's builders and _try_kernel send to the kernel with a
  *   contiguous output: the descriptors, the output buffers (Adapter.alloc_tensor's
  *   allocation) and the wrappers (_make_wrapper_subclass with `_payload` set) are made here
