@@ -166,11 +166,14 @@ def _git(*args: str) -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
-def earlier_entries(module: str, sha: str, operators: str) -> list[dict]:
-    """The module's ledger entries for other sources with the same operator set: the working
-    ledger's and the committed one's (a run on the new source replaces the former)."""
-    committed = _git("show", "HEAD:docs/mutation/python.json")
-    entries = [mutation_ledger.load("python").get(module), json.loads(committed).get(module) if committed else None]
+def earlier_entries(module: str, sha: str, operators: str, depth: int = 30) -> list[dict]:
+    """The module's ledger entries for other sources with the same operator set, newest first:
+    the working ledger's, then those of the ledger's last `depth` commits (current and earlier)."""
+    entries = mutation_ledger.sources(mutation_ledger.load("python").get(module))
+    ledger = os.path.relpath(mutation_ledger.ledger_path("python"), ROOT)
+    for commit in (_git("log", f"-n{depth}", "--format=%H", "--", ledger) or "").split():
+        text = _git("show", f"{commit}:{ledger}")
+        entries += mutation_ledger.sources(json.loads(text).get(module) if text else None)
     seen, found = set(), []
     for entry in entries:
         if entry and entry.get("sha256") not in (sha, *seen) and entry.get("operators") == operators:
@@ -206,6 +209,8 @@ def carry_over(db: WorkDB, module: str, sha: str, operators: str) -> dict[str, d
     new_mutants = None
     carried: dict[str, dict] = {}
     for entry in earlier_entries(module, sha, operators):
+        if not any(r.get("status") in mutation_context.CARRIED_STATUSES for r in entry.get("mutants", {}).values()):
+            continue
         old_source = source_in_history(module, entry["sha256"])
         if old_source is None:
             continue

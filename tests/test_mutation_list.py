@@ -141,11 +141,37 @@ def test_ledger_keeps_results_per_source_and_operator_set(ledger_dir):
     # another source, or another operator set: nothing of the old results is served
     assert mutation_ledger.entry_for("python", "flagos/a.py", "sha2", operators="reduced") == {}
     assert mutation_ledger.entry_for("python", "flagos/a.py", "sha1", operators="all") == {}
-    # and the first result for a new source replaces the entry, the other file untouched
+    # the first result for a new source starts its entry, the old one kept as an earlier source
     mutation_ledger.merge("python", "flagos/a.py", "sha2", {"5:0 W #0": killed}, match={"operators": "reduced"})
     data = mutation_ledger.load("python")
     assert data["flagos/a.py"]["mutants"] == {"5:0 W #0": killed} and data["flagos/a.py"]["sha256"] == "sha2"
+    assert [e["sha256"] for e in data["flagos/a.py"]["earlier"]] == ["sha1"]
+    assert mutation_ledger.entry_for("python", "flagos/a.py", "sha1", operators="reduced") == \
+        {"10:4 X #0": killed, "2:0 Y #1": survived}
     assert data["flagos/b.py"]["mutants"] == {"1:0 Z #0": killed}
+
+
+def test_a_lane_on_an_older_source_adds_to_its_entry_not_over_the_newer_one(ledger_dir):
+    """Two lanes on one module, one started before its source changed: the older lane's
+    results must not wipe out the newer source's (kills carried over included)."""
+    killed = {"status": "killed", "seconds": 3.0}
+    merge = lambda sha, key: mutation_ledger.merge("python", "flagos/a.py", sha, {key: killed},  # noqa: E731
+                                                   match={"operators": "reduced"})
+    merge("old", "1:0 A #0")
+    merge("new", "1:0 A #0")   # the newer lane, its kills carried over
+    merge("old", "2:0 B #0")   # the older lane goes on
+    merge("new", "3:0 C #0")
+    entry = mutation_ledger.load("python")["flagos/a.py"]
+    assert entry["sha256"] == "new" and set(entry["mutants"]) == {"1:0 A #0", "3:0 C #0"}
+    assert mutation_ledger.entry_for("python", "flagos/a.py", "old", operators="reduced") == \
+        {"1:0 A #0": killed, "2:0 B #0": killed}
+    # the file reads back as written, and only the last EARLIER_KEPT sources are kept
+    for n in range(mutation_ledger.EARLIER_KEPT + 1):
+        merge(f"later{n}", "9:0 Z #0")
+    entry = mutation_ledger.load("python")["flagos/a.py"]
+    assert len(entry["earlier"]) == mutation_ledger.EARLIER_KEPT
+    assert entry["sha256"] == f"later{mutation_ledger.EARLIER_KEPT}"
+    assert mutation_ledger.entry_for("python", "flagos/a.py", "old", operators="reduced") == {}
 
 
 def test_ledger_is_one_line_per_mutant_in_line_order(ledger_dir):
