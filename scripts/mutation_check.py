@@ -589,6 +589,18 @@ MUTATIONS = [
       "            if span is None or span[2] <= span[1]:",
       "            if span is None or span[2] < span[1]:",
       cpu("tests/test_sim_fidelity.py", k="runner and moves_each")),
+    M("runner_stages_over_the_threshold", "the runner's round trip stages a region from one byte "
+      "over the staging threshold on, not from the threshold itself", "flagos/runtime/_adapter_ops.py",
+      "            if stage and n >= _C.STAGING_MIN_BYTES:",
+      "            if stage and n > _C.STAGING_MIN_BYTES:",
+      sim("tests/test_fallback_staging.py", k="stages_large")),
+    M("c_stages_over_the_threshold", "the C round trip stages a copy from one byte over the "
+      "staging threshold on, not from the threshold itself", "csrc/staging.c",
+      "    if (nbytes < FLAGOS_STAGING_MIN_BYTES || init_torch() < 0)",
+      "    if (nbytes <= FLAGOS_STAGING_MIN_BYTES || init_torch() < 0)",
+      cpu("tests/test_fallback_staging.py", k="threshold"),
+      more=[("csrc/staging.c", "        return nbytes < FLAGOS_STAGING_MIN_BYTES ? Py_NewRef(Py_None) : NULL;",
+             "        return nbytes <= FLAGOS_STAGING_MIN_BYTES ? Py_NewRef(Py_None) : NULL;")]),
 ]
 
 

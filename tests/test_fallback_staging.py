@@ -168,8 +168,25 @@ def test_out_of_memory_in_a_fallback_hands_its_buffers_back():
     """, env={"FLAGOS_SIM_MEMORY": "3M", "FLAGOS_FALLBACK": "allow"})
 
 
+AT_THRESHOLD = _C.STAGING_MIN_BYTES // 4  # float32 elements: exactly the staging threshold
+
+
+@pytest.mark.parametrize("elements", [AT_THRESHOLD, AT_THRESHOLD - 1], ids=["at-threshold", "one-under"])
+def test_a_copy_of_exactly_the_threshold_is_staged_one_item_under_is_not(dev, elements):
+    """The threshold is the first size staged: the second call of a fallback moving exactly
+    _C.STAGING_MIN_BYTES takes the first one's buffer back; one element less takes none."""
+    flagos.set_route("aten::neg", "fallback")
+    x = torch.randn(elements)
+    fx = x.to(dev)
+    assert torch.equal(torch.neg(fx).cpu(), torch.neg(x))
+    hits = _C.staging_stats()["hits"]
+    assert torch.equal(torch.neg(fx).cpu(), torch.neg(x))
+    assert (_C.staging_stats()["hits"] > hits) == (elements == AT_THRESHOLD)
+
+
 @pytest.mark.skipif(CHIP != "sim", reason="the Python runner's round trip: adapter chips")
-@pytest.mark.parametrize("elements", [N, 16], ids=["large", "small"])
+@pytest.mark.parametrize("elements", [N, AT_THRESHOLD, AT_THRESHOLD - 1, 16],
+                         ids=["large", "at-threshold", "one-under", "small"])
 def test_the_runners_round_trip_stages_large_regions_only(dev, elements):
     """A fallback call the C round trip declines (a host tensor among its arguments) takes the
     Python runner's: a region from the staging threshold on goes through a reused staging
