@@ -594,6 +594,11 @@ MUTATIONS = [
       "            if stage and n >= _C.STAGING_MIN_BYTES:",
       "            if stage and n > _C.STAGING_MIN_BYTES:",
       sim("tests/test_fallback_staging.py", k="stages_large")),
+    M("upload_makes_results_contiguous", "a host result with gaps (new_empty_strided's) comes to "
+      "the chip contiguous, not laid out as on the CPU", "flagos/runtime/_adapter_ops.py",
+      "        host = _physical(host)\n        if stride is not None and",
+      "        host = _physical(host).contiguous()\n        if stride is not None and",
+      sim("tests/test_sim_fidelity.py", k="layouts_and_result")),
     M("c_stages_over_the_threshold", "the C round trip stages a copy from one byte over the "
       "staging threshold on, not from the threshold itself", "csrc/staging.c",
       "    if (nbytes < FLAGOS_STAGING_MIN_BYTES || init_torch() < 0)",

@@ -197,6 +197,11 @@ def test_layouts_and_result_strides_match_cpu():
             "empty_like of a permuted view": lambda x, b, dev: torch.empty_like(x.transpose(1, 3)),
             "empty_like channels_last": lambda x, b, dev: torch.empty_like(x, memory_format=cl),
             "new_empty_strided": lambda x, b, dev: x.new_empty_strided((3, 4), (1, 3)),
+            "new_empty_strided with gaps": lambda x, b, dev: x.new_empty_strided((3, 4), (9, 2)),
+            "new_empty_strided overlapping": lambda x, b, dev: x.new_empty_strided((3, 4), (0, 1)),
+            "a result with gaps, filled": lambda x, b, dev: x.new_empty_strided((3, 4), (9, 2)).fill_(2.5),
+            "a result with gaps, added to": lambda x, b, dev: x.new_zeros((3, 4)).new_empty_strided(
+                (2, 3), (7, 3)).fill_(1.5).add_(x[0, 0, :2, :3]),
             "clone of a permuted view": lambda x, b, dev: x.transpose(1, 3).clone(),
             "half of a permuted view": lambda x, b, dev: x.transpose(1, 2).half(),
             "to cpu channels_last": lambda x, b, dev: x.to("cpu", memory_format=cl),

@@ -300,19 +300,17 @@ class Runner:
         return self._wrap(buf, size, stride, 0, dtype, index)
 
     def _upload(self, host: torch.Tensor, index: int, stride=None) -> FlagosTensor:
-        """A new flagos tensor with host's values: laid out as `stride`, or as host is when
-        host is dense (a channels_last result stays channels_last), or contiguous."""
+        """A new flagos tensor with host's values: laid out as `stride`, or as host is (a
+        channels_last result stays channels_last, a gapped one such as new_empty_strided's
+        keeps its gaps, as on the CPU)."""
         _strided_only(host, "a result for the flagos device")
         host = _physical(host)
-        if stride is None and not host.is_contiguous() and _dense_order(host.shape, host.stride()):
-            stride = host.stride()
-        if stride is None:
-            host = host.contiguous()
-        elif tuple(host.stride()) != tuple(stride):
+        if stride is not None and tuple(host.stride()) != tuple(stride):
             host = torch.empty_strided(host.shape, stride, dtype=host.dtype).copy_(host)
         out = self._alloc(host.shape, host.dtype, index, host.stride())
-        if host.numel():  # dense: its numel elements from its offset on are all it touches
-            flat = host.as_strided((host.numel(),), (1,), host.storage_offset())
+        first, end = _span(host.shape, host.stride(), host.storage_offset())
+        if end > first:  # the elements from its offset to its last one: all it touches
+            flat = host.as_strided((end - first,), (1,), first)
             out._payload.write(to_dlpack(flat), 0)
         return out
 
