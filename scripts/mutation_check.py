@@ -589,6 +589,10 @@ MUTATIONS = [
       "            if span is None or span[2] <= span[1]:",
       "            if span is None or span[2] < span[1]:",
       cpu("tests/test_sim_fidelity.py", k="runner and moves_each")),
+    M("round_trip_spans_an_empty_view_after", "the Python round trip takes an empty view after a "
+      "non-empty one of its buffer into the buffer's region (more bytes moved)", "flagos/runtime/_adapter_ops.py",
+      "            if t.numel() == 0:  # touches no byte", "            if t.numel() == -1:  # touches no byte",
+      cpu("tests/test_sim_fidelity.py", k="runner and moves_each")),
     M("runner_stages_over_the_threshold", "the runner's round trip stages a region from one byte "
       "over the staging threshold on, not from the threshold itself", "flagos/runtime/_adapter_ops.py",
       "            if stage and n >= _C.STAGING_MIN_BYTES:",

@@ -274,6 +274,7 @@ def test_a_round_trip_moves_each_buffers_region_once(path):
             flagos.set_route(op, "fallback")
         cases = {
             "an empty view first": (lambda: torch.cat([x[6:6], x[1:3]]), "aten::cat", [1.0, 2.0], 8, 8),
+            "an empty view after": (lambda: torch.cat([x[1:3], x[6:6]]), "aten::cat", [1.0, 2.0], 8, 8),
             "two views": (lambda: torch.cat([x[1:3], x[4:5]]), "aten::cat", [1.0, 2.0, 4.0], 16, 12),
         }
         for name, (call, op, want, to_host, to_device) in cases.items():
