@@ -8,7 +8,8 @@ that ran it (scripts/mutation_pytest/mutation_plugin.py). A mutant then runs
 
 - the tests that ran its statement, when every process that ran it did so inside a test;
 - the whole selection when the statement also ran outside any test (import, collection: every
-  test reaches it) or in no measured process (a forked child, a process killed by a signal).
+  test reaches it) or in no measured process (one killed by a signal; a forked child is
+  measured, under the test that forked it).
 
 A mutant that survives the narrow run runs the whole selection before it counts as a survivor:
 narrowing makes kills cheaper and never turns a killed mutant into a survivor.

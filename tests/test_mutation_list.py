@@ -85,7 +85,7 @@ def test_a_mutant_runs_the_tests_that_reached_its_statement_per_run():
 def test_a_line_run_outside_any_test_or_by_no_test_runs_the_whole_selection():
     reach = mutation_reach.CoverageMap(tests=[["t.py::a"]], lines={8: {0: [mutation_reach.OUTSIDE_TESTS, 0]}})
     assert reach.selection(range(7, 9)) is None   # at import: every test reaches it
-    assert reach.selection(range(20, 22)) is None  # no measured process ran it (a forked child, say)
+    assert reach.selection(range(20, 22)) is None  # no measured process ran it (one killed by a signal, say)
     assert mutation_reach.CoverageMap.from_json(reach.to_json()) == reach
 
 
@@ -101,6 +101,48 @@ def test_the_plugin_runs_only_the_listed_tests(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed, 1 deselected" in proc.stdout
+
+
+FORKING_TESTS = """
+import os
+import target
+
+def test_forks():
+    pid = os.fork()
+    if pid == 0:
+        target.in_child()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    target.in_parent()
+"""
+
+
+def test_the_coverage_pass_measures_forked_children_under_the_test_that_forked(tmp_path):
+    """A line only a forked child runs is recorded under the test that forked it, so its
+    mutants run that test instead of the whole selection (mutation_pytest/sitecustomize.py)."""
+    coverage = pytest.importorskip("coverage")  # in flagos's test extra
+    (tmp_path / "target.py").write_text("def in_child():\n    return 1\n\n\ndef in_parent():\n    return 2\n")
+    (tmp_path / "test_fork.py").write_text(FORKING_TESTS)
+    data = tmp_path / "data"
+    data.mkdir()
+    env = dict(os.environ, MUTATION_COVERAGE_DIR=str(data), MUTATION_COVERAGE_INCLUDE=str(tmp_path / "target.py"),
+               PYTHONPATH=os.path.join(ROOT, "scripts", "mutation_pytest") + os.pathsep + str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           "-p", "mutation_plugin", "test_fork.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    contexts: dict[int, set[str]] = {}
+    files = sorted(data.glob("coverage.*"))
+    assert len(files) == 2, files  # the pytest process's and the child's
+    for data_file in files:
+        measured = coverage.CoverageData(basename=str(data_file))
+        measured.read()
+        for name in measured.measured_files():
+            for line, names in measured.contexts_by_lineno(name).items():
+                contexts.setdefault(line, set()).update(names)
+    assert contexts[2] == {"test_fork.py::test_forks"}  # in_child's body: the child's only
+    assert contexts[6] == {"test_fork.py::test_forks"}  # in_parent's body
+    assert "" in contexts[1]                             # the def lines ran at import
 
 
 def test_mutants_inside_postponed_annotations_are_found_and_nothing_else():
