@@ -593,6 +593,10 @@ MUTATIONS = [
       "non-empty one of its buffer into the buffer's region (more bytes moved)", "flagos/runtime/_adapter_ops.py",
       "            if t.numel() == 0:  # touches no byte", "            if t.numel() == -1:  # touches no byte",
       cpu("tests/test_sim_fidelity.py", k="runner and moves_each")),
+    M("copy_between_overlapping_views", "copy_ between two views of one buffer that overlap in "
+      "part copies instead of raising PyTorch's overlap error", "flagos/runtime/_adapter_ops.py",
+      "            if _overlaps_in_part(dst, src):", "            if False and _overlaps_in_part(dst, src):",
+      sim("tests/test_fidelity.py", k="views_of_one_tensor")),
     M("runner_stages_over_the_threshold", "the runner's round trip stages a region from one byte "
       "over the staging threshold on, not from the threshold itself", "flagos/runtime/_adapter_ops.py",
       "            if stage and n >= _C.STAGING_MIN_BYTES:",

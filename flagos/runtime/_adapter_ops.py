@@ -65,6 +65,26 @@ def _span(size, stride, offset) -> tuple[int, int]:
     return offset, offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
 
 
+_PARTIAL_OVERLAP = ("unsupported operation: some elements of the input tensor and the written-to "
+                    "tensor refer to a single memory location. Please clone() the tensor before "
+                    "performing the operation.")
+
+
+def _overlaps_in_part(a, b) -> bool:
+    """PyTorch's memory-overlap rule (get_overlap_status(a, b) == Partial) for two tensors of
+    one buffer: both dense and non-overlapping (otherwise PyTorch cannot tell and does not
+    refuse), their byte ranges intersecting, and not the same bytes read in the same order."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if _dense_order(a.shape, a.stride()) is None or _dense_order(b.shape, b.stride()) is None:
+        return False
+    a0, b0 = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    if (a0, a1) == (b0, b1):
+        return tuple(a.stride()) != tuple(b.stride())
+    return a0 < b1 and b0 < a1
+
+
 def _tag(fresh: torch.Tensor, t) -> torch.Tensor:
     """fresh (a new tensor over t's bytes, host, meta or flagos) given t's conjugate and
     negative bits, which say how to read those bytes (x.conj(), torch._neg_view(x))."""
@@ -552,6 +572,13 @@ class Runner:
             dst.copy_(self._download(src) if isinstance(src, FlagosTensor) else src)
             return dst
         _strided_only(src, "copying to the flagos device")
+        if isinstance(src, FlagosTensor) and src._payload is dst._payload:  # PyTorch's copy_ rules
+            if (src.shape == dst.shape and src.stride() == dst.stride() and src.dtype == dst.dtype
+                    and src.storage_offset() == dst.storage_offset() and src.is_conj() == dst.is_conj()
+                    and src.is_neg() == dst.is_neg()):
+                return dst  # the same data: nothing to copy
+            if _overlaps_in_part(dst, src):
+                raise RuntimeError(_PARTIAL_OVERLAP)
         if isinstance(src, FlagosTensor) and src.device.index != dst.device.index:
             _transfers.add(dst.numel() * dst.element_size())
         tagged = dst.is_conj() or dst.is_neg()
