@@ -597,6 +597,11 @@ MUTATIONS = [
       "part copies instead of raising PyTorch's overlap error", "flagos/runtime/_adapter_ops.py",
       "            if _overlaps_in_part(dst, src):", "            if False and _overlaps_in_part(dst, src):",
       sim("tests/test_fidelity.py", k="views_of_one_tensor")),
+    M("fill_of_an_expanded_view_refused", "fill_ of an expanded view goes through copy_, which refuses "
+      "to write one element twice (PyTorch's fill_ writes it)", "flagos/runtime/_adapter_ops.py",
+      "        if t.is_contiguous():\n            return self.copy_(func, (t, torch.full(",
+      "        if True:\n            return self.copy_(func, (t, torch.full(",
+      sim("tests/test_fidelity.py", k="fill_and_zero")),
     M("runner_stages_over_the_threshold", "the runner's round trip stages a region from one byte "
       "over the staging threshold on, not from the threshold itself", "flagos/runtime/_adapter_ops.py",
       "            if stage and n >= _C.STAGING_MIN_BYTES:",

@@ -325,6 +325,34 @@ def test_a_copy_between_views_of_one_tensor_is_refused_or_made_as_on_cpu(dev, ca
         assert torch.equal(got, want)
 
 
+FILLS = {
+    "a view with gaps": lambda b, c: b[:, ::3].fill_(2),
+    "a transposed view": lambda b, c: b.t()[1:].fill_(2),
+    "an expanded view": lambda b, c: b[:1].expand(6, 8).fill_(2),
+    "an expanded view, zeroed": lambda b, c: b[1:2].expand(3, 8).zero_(),
+    "a negative view": lambda b, c: torch._neg_view(b[1:]).fill_(2),
+    "a negative view with gaps, zeroed": lambda b, c: torch._neg_view(b[::2]).zero_(),
+    "a conjugate view": lambda b, c: c.conj()[:, 1:].fill_(1 + 2j),
+    "from a 0-dim tensor of the chip": lambda b, c: b[2:, ::2].fill_(b[0, 0]),
+    "int32 from a float": lambda b, c: b.int()[:, 1:].fill_(2.7),
+}
+
+
+@pytest.mark.parametrize("case", FILLS)
+def test_fill_and_zero_write_every_view_as_on_cpu(dev, case):
+    """fill_ and zero_ write any view of a tensor, an expanded one included (PyTorch skips its
+    overlap check for them), through negative and conjugate bits as the CPU does."""
+    torch.manual_seed(0)
+    base, cbase = torch.randn(6, 8), torch.randn(4, 4, dtype=torch.complex64)
+    b, c = base.to(dev), cbase.to(dev)
+    got = FILLS[case](b, c)
+    want = FILLS[case](base, cbase)
+    assert (got.shape, got.stride(), got.is_neg(), got.is_conj()) == \
+        (want.shape, want.stride(), want.is_neg(), want.is_conj())
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(b.cpu(), base) and torch.equal(c.cpu(), cbase)  # and nothing else written
+
+
 # ---- one table row per op across threads -------------------------------------------------
 
 @runs_once

@@ -646,8 +646,15 @@ class Runner:
 
     def fill_(self, func, args, kwargs):
         t, value = args[0], args[1]
-        host = torch.full(t.shape, value.item() if isinstance(value, torch.Tensor) else value, dtype=t.dtype)
-        return self.copy_(func, (t, host), {})
+        value = value.item() if isinstance(value, torch.Tensor) else value
+        if t.is_contiguous():
+            return self.copy_(func, (t, torch.full(t.shape, value, dtype=t.dtype)), {})
+        # fill_ writes any view, an expanded one too (PyTorch skips its overlap check there,
+        # where copy_ refuses to write one element twice): fill the view's host region
+        region = self._download_bytes(t)
+        _tag(region.view(region.shape), t).fill_(value)
+        self._write_region(t, region)
+        return t
 
     def zero_(self, func, args, kwargs):
         return self.fill_(func, (args[0], 0), {})
