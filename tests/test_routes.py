@@ -73,6 +73,29 @@ def test_views_never_fall_back(dev):
     assert flagos.route_of("aten::view") == "native"
 
 
+@pytest.mark.parametrize("op, call, shapes, dtype", [
+    ("aten::linear", torch.nn.functional.linear, [(3, 8), (4, 8), (4,)], torch.float32),
+    ("aten::linear", torch.nn.functional.linear, [(3, 8), (4, 8), (4,)], torch.complex64),
+    ("aten::layer_norm", lambda x, w, b: torch.nn.functional.layer_norm(x, (8,), w, b), [(3, 8), (8,), (8,)],
+     torch.float32),
+], ids=["linear", "linear-complex", "layer_norm"])
+def test_a_decomposition_routed_to_the_fallback_falls_back_whole_in_inference_mode(dev, op, call, shapes,
+                                                                                    dtype):
+    """Under inference mode a decomposition (linear, layer_norm) reaches the chip whole; routed
+    to the fallback, it runs there whole, as asked, instead of as its parts on the chip (on C-ABI
+    chips complex numbers take the runner's round trip, float32 the C one)."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(shape, dtype=dtype) for shape in shapes]
+    want = call(*tensors)
+    flagos.set_route(op, "fallback")
+    on_chip = [t.to(dev) for t in tensors]
+    with torch.inference_mode(), flagos.track() as report:
+        got = call(*on_chip)
+    assert_close(got, want)
+    rows = {row["op"]: row["calls"] for row in report.to_dict()["ops"]}
+    assert rows == {op: {"override": 0, "native": 0, "fallback": 1}}, rows
+
+
 def test_route_error_and_policy_error(dev):
     a = torch.ones(2, device=dev)
     flagos.set_route("aten::exp", "error")
