@@ -602,6 +602,11 @@ MUTATIONS = [
       "        if t.is_contiguous():\n            return self.copy_(func, (t, torch.full(",
       "        if True:\n            return self.copy_(func, (t, torch.full(",
       sim("tests/test_fidelity.py", k="fill_and_zero")),
+    M("kernel_call_counts_bytes", "a call the runner runs on the chip's kernel reports a byte moved "
+      "to the host", "flagos/runtime/_adapter_ops.py",
+      "            if out is not NotImplemented:\n                return out, NATIVE, 0, 0, 0, ()",
+      "            if out is not NotImplemented:\n                return out, NATIVE, 1, 0, 0, ()",
+      cpu("tests/test_sim_fidelity.py", k="move_no_bytes")),
     M("runner_stages_over_the_threshold", "the runner's round trip stages a region from one byte "
       "over the staging threshold on, not from the threshold itself", "flagos/runtime/_adapter_ops.py",
       "            if stage and n >= _C.STAGING_MIN_BYTES:",

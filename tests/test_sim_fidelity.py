@@ -309,6 +309,24 @@ def test_a_round_trip_moves_each_buffers_region_once(path):
 
 
 @PATHS
+def test_ops_on_the_chips_kernels_move_no_bytes(path):
+    """A call sim's kernels run (through the C fast path, or the runner's when it has none)
+    counts as native and moves nothing between host and chip."""
+    run_sim(path=path, code="""
+        torch.manual_seed(0)
+        x, y = torch.randn(4, 8).to(d), torch.randn(8, 3).to(d)
+        with flagos.track() as report:
+            x + x, x * 2, x.sum(1), x @ y, torch.softmax(x, 1), torch.relu(x)
+        rows = report.to_dict()["ops"]
+        assert len(rows) == 6, rows
+        for r in rows:
+            assert r["calls"] == {"override": 0, "native": 1, "fallback": 0}, r
+            assert r["bytes_to_host"] == r["bytes_to_device"] == r["fallback_ns"] == 0, r
+        print("OK")
+    """)
+
+
+@PATHS
 def test_an_out_argument_resized_by_a_fallback_op_takes_the_cpus_shape(path):
     """out= of an op sim has no kernel for, resized by the op (grown, shrunk, re-laid), in a
     dtype the C round trip takes (float32) and one only the Python runner takes (complex64):
