@@ -47,7 +47,9 @@ TESTS: dict[str, list[Run]] = {
                                        sim(T + "sharding.py", k="bytes_between"),
                                        # the kernel cases again with the C fast path off (tests/conftest.py)
                                        Run("sim", (KERNELS,), "", (*SIM_ALL.items(), ("FLAGOS_TEST_RUNNER_ONLY", "1"))),
-                                       sim(MODELS, k="inference_mode"), sim(FIDELITY, k="inference_mode")],
+                                       sim(MODELS, k="inference_mode"),
+                                       sim(FIDELITY, k="inference_mode or views_of_one_tensor or fill_and_zero"),
+                                       sim(POLICY, k="declining")],
     "flagos/runtime/_attention.py": [cpu(T + "attention_backends.py"), cpu(MODELS, k="attention"),
                                      cpu(COMPILE, k="attention"), sim(MODELS, k="attention")],
     "flagos/runtime/_autocast.py": [cpu(AUTOCAST), sim(AUTOCAST)],
