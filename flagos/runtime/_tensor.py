@@ -29,12 +29,12 @@ def _copy_sharing_memory(t: FlagosTensor, memo: dict) -> torch.Tensor:
     """t's deep copy as PyTorch makes it: its memory copied once per deepcopy call, so the
     copies of tensors that shared memory (views, tied weights' detached state-dict entries)
     share the copied memory, each with t's sizes, strides and offset."""
+    if t.is_neg() or t.is_conj():
+        return t.clone(memory_format=torch.preserve_format)  # bits the memory does not hold
+    # (a view lies inside its storage, in its own dtype too: PyTorch checks that when it is made)
     storage = t.untyped_storage()
     item = t.element_size()
     whole = storage.nbytes() // item
-    span = 1 + t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
-    if t.is_neg() or t.is_conj() or span > whole:
-        return t.clone(memory_format=torch.preserve_format)  # bits or a dtype the memory does not hold whole
     key = ("flagos memory", str(t.device), storage.data_ptr())  # deepcopy's memo takes any key
     copied = memo.get(key)
     if copied is None:
