@@ -607,6 +607,10 @@ MUTATIONS = [
       "            if out is not NotImplemented:\n                return out, NATIVE, 0, 0, 0, ()",
       "            if out is not NotImplemented:\n                return out, NATIVE, 1, 0, 0, ()",
       cpu("tests/test_sim_fidelity.py", k="move_no_bytes")),
+    M("set_to_a_tensor_copies", "t.set_(source) on a C-ABI chip takes the host round trip, which gives "
+      "t a copy instead of source's memory", "flagos/runtime/_adapter_ops.py",
+      '    "aten::set_.source_Tensor": Runner.set_,\n', "",
+      sim("tests/test_fidelity.py", k="set_to_another")),
     M("runner_stages_over_the_threshold", "the runner's round trip stages a region from one byte "
       "over the staging threshold on, not from the threshold itself", "flagos/runtime/_adapter_ops.py",
       "            if stage and n >= _C.STAGING_MIN_BYTES:",

@@ -48,7 +48,7 @@ TESTS: dict[str, list[Run]] = {
                                        # the kernel cases again with the C fast path off (tests/conftest.py)
                                        Run("sim", (KERNELS,), "", (*SIM_ALL.items(), ("FLAGOS_TEST_RUNNER_ONLY", "1"))),
                                        sim(MODELS, k="inference_mode"),
-                                       sim(FIDELITY, k="inference_mode or views_of_one_tensor or fill_and_zero"),
+                                       sim(FIDELITY, k="inference_mode or views_of_one_tensor or fill_and_zero or set_to"),
                                        sim(POLICY, k="declining")],
     "flagos/runtime/_attention.py": [cpu(T + "attention_backends.py"), cpu(MODELS, k="attention"),
                                      cpu(COMPILE, k="attention"), sim(MODELS, k="attention")],

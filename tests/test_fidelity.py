@@ -353,6 +353,40 @@ def test_fill_and_zero_write_every_view_as_on_cpu(dev, case):
     assert torch.equal(b.cpu(), base) and torch.equal(c.cpu(), cbase)  # and nothing else written
 
 
+def test_set_to_another_tensor_shares_its_memory_as_on_cpu(dev):
+    """t.set_(source) gives t source's memory, sizes, strides and offset: a write through one
+    is seen through the other; set_() leaves it empty; PyTorch's dtype check holds."""
+    def run(device):
+        base = torch.arange(24.).reshape(4, 6).to(device)
+        t = torch.zeros(3).to(device)
+        source = base[1:3, ::2]
+        assert t.set_(source) is t
+        t[0, 1] = -1.0
+        layout = (t.shape, t.stride(), t.storage_offset())
+        empty = torch.ones(2).to(device).set_()
+        with pytest.raises(RuntimeError) as refused:
+            torch.zeros(2).to(device).set_(torch.zeros(2, dtype=torch.float64).to(device))
+        return layout, base.cpu(), t.cpu(), (empty.shape, empty.cpu()), str(refused.value)
+
+    got, want = run(dev), run("cpu")
+    assert got[0] == want[0] and got[3][0] == want[3][0] and got[4] == want[4]
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # base[1, 2] became -1
+    assert want[1][1, 2] == -1.0
+
+
+def test_set_to_its_own_storage_lays_the_tensor_out_as_on_cpu(dev):
+    def run(device):
+        x = torch.arange(12.).to(device)
+        x.set_(x.untyped_storage(), 2, (2, 3), (4, 1))
+        first = (x.shape, x.stride(), x.storage_offset(), x.cpu().clone())
+        x.set_(x.untyped_storage())
+        return first, (x.shape, x.cpu())
+
+    (got, got_whole), (want, want_whole) = run(dev), run("cpu")
+    assert got[:3] == want[:3] and torch.equal(got[3], want[3])
+    assert got_whole[0] == want_whole[0] and torch.equal(got_whole[1], want_whole[1])
+
+
 # ---- one table row per op across threads -------------------------------------------------
 
 @runs_once

@@ -326,6 +326,30 @@ def test_ops_on_the_chips_kernels_move_no_bytes(path):
     """)
 
 
+def test_set_to_memory_a_c_abi_chip_cannot_view_is_refused_with_the_way_out():
+    """A host tensor or storage, another buffer's storage, a layout past the end of the buffer
+    (the CPU would grow its storage): each refused with the message naming what to do, the
+    tensor left as it was."""
+    run_sim("""
+        x = torch.arange(12.).to(d)
+        other = torch.zeros(4).to(d)
+        cases = {
+            "a host tensor": (lambda: x.set_(torch.arange(3.)), 'to a storage on different device "cpu"'),
+            "a host storage": (lambda: x.set_(torch.arange(3.).untyped_storage()), "own storage only"),
+            "another buffer's storage": (lambda: x.set_(other.untyped_storage(), 0, (2,), (1,)),
+                                         "use t.set_(other) or other.as_strided"),
+            "past the buffer": (lambda: x.set_(x.untyped_storage(), 10, (3, 3), (3, 1)),
+                                "cannot grow a buffer in place"),
+        }
+        for name, (call, words) in cases.items():
+            message = error(call)
+            assert message is not None and message[0] == "RuntimeError" and words in message[1], (name, message)
+            assert (x.shape, x.stride(), x.storage_offset()) == ((12,), (1,), 0), name
+        assert x.cpu().tolist() == list(range(12))
+        print("OK")
+    """)
+
+
 @PATHS
 def test_an_out_argument_resized_by_a_fallback_op_takes_the_cpus_shape(path):
     """out= of an op sim has no kernel for, resized by the op (grown, shrunk, re-laid), in a

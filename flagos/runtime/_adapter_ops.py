@@ -664,6 +664,42 @@ class Runner:
         the wrapper carries): the tensor itself, no kernel and no round trip."""
         return args[0]
 
+    def set_(self, func, args, kwargs):
+        """set_(source): the tensor takes source's memory, sizes, strides and offset, and shares
+        that memory from then on, as on the CPU (a host round trip gave it a copy); set_() leaves
+        it empty, on a buffer of its own. PyTorch's own checks (the dtypes) run on stand-ins."""
+        t = args[0]
+        source = args[1] if len(args) > 1 else None
+        if isinstance(source, torch.TypedStorage):
+            source = source.untyped()
+        if isinstance(source, torch.UntypedStorage):
+            # set_(storage, offset, size, stride): t.untyped_storage() names t's buffer (a meta
+            # storage whose data_ptr() is the buffer's handle); no other buffer can be found
+            # from a storage, and a host storage is on another device
+            if source.device.type != "meta" or source.data_ptr() != t._payload.handle:
+                raise RuntimeError(
+                    f"set_(storage, ...) on {t.device} takes the tensor's own storage only (storages "
+                    f"of this chip name a buffer and hold no memory): to view another tensor's "
+                    f"memory, use t.set_(other) or other.as_strided(size, stride, offset)")
+            meta = self._meta(t)
+            m = func(meta, meta.untyped_storage(), *args[2:], **kwargs)
+            end = _span(m.shape, m.stride(), m.storage_offset())[1] * t.element_size()
+            if end > t._payload.nbytes:  # the CPU would grow its storage in place
+                raise RuntimeError(
+                    f"set_: sizes {list(m.shape)}, strides {list(m.stride())} and offset "
+                    f"{m.storage_offset()} reach byte {end} of a {t._payload.nbytes}-byte buffer; "
+                    f"{t.device} cannot grow a buffer in place: make a larger tensor and copy into it")
+            set_metadata(t, m.shape, m.stride(), m.storage_offset())
+            return t
+        if source is not None and (not isinstance(source, FlagosTensor) or source.device != t.device):
+            raise RuntimeError(f'Attempted to set the storage of a tensor on device "{t.device}" to a '
+                               f'storage on different device "{source.device}". This is no longer '
+                               f'allowed; the devices must match.')
+        m = func(self._meta(t)) if source is None else func(self._meta(t), self._meta(source))
+        t._payload = (self._alloc((0,), t.dtype, t.device.index) if source is None else source)._payload
+        set_metadata(t, m.shape, m.stride(), m.storage_offset())
+        return t
+
     def inplace_view(self, func, args, kwargs):
         """unsqueeze_, t_, as_strided_, ...: new metadata over the same buffer."""
         t = args[0]
@@ -693,6 +729,10 @@ SPECIAL = {
     "aten::zero_": Runner.zero_,
     "aten::lift_fresh": Runner.itself,
     "aten::detach_": Runner.itself,
+    "aten::set_": Runner.set_,
+    "aten::set_.source_Tensor": Runner.set_,
+    "aten::set_.source_Storage": Runner.set_,
+    "aten::set_.source_Storage_storage_offset": Runner.set_,
     **{f"aten::{op}": Runner.inplace_view for op in (
         "unsqueeze_", "squeeze_", "squeeze_.dim", "squeeze_.dims", "t_", "transpose_",
         "as_strided_", "swapdims_", "swapaxes_")},
