@@ -611,6 +611,11 @@ MUTATIONS = [
       "t a copy instead of source's memory", "flagos/runtime/_adapter_ops.py",
       '    "aten::set_.source_Tensor": Runner.set_,\n', "",
       sim("tests/test_fidelity.py", k="set_to_another")),
+    M("share_memory_of_a_buffer", "share_memory_() of a C-ABI chip's tensor shares its meta stand-in "
+      "storage as host memory (and fails)", "flagos/runtime/_tensor.py",
+      "        if not isinstance(self._payload, torch.Tensor) and not _tracing.compiling():\n            return self",
+      "        if False:\n            return self",
+      sim("tests/test_fidelity.py", k="share_memory")),
     M("runner_stages_over_the_threshold", "the runner's round trip stages a region from one byte "
       "over the staging threshold on, not from the threshold itself", "flagos/runtime/_adapter_ops.py",
       "            if stage and n >= _C.STAGING_MIN_BYTES:",

@@ -353,6 +353,19 @@ def test_fill_and_zero_write_every_view_as_on_cpu(dev, case):
     assert torch.equal(b.cpu(), base) and torch.equal(c.cpu(), cbase)  # and nothing else written
 
 
+def test_share_memory_is_a_no_op_for_chip_memory_and_keeps_the_values(dev):
+    """share_memory_() (torch.multiprocessing, Module.share_memory()) moves host memory to shared
+    memory; for an accelerator's memory it is a no-op, as for CUDA."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    fx = x.to(dev)
+    assert fx.share_memory_() is fx
+    assert fx.device == torch.device(dev) and torch.equal(fx.cpu(), x)
+    model = torch.nn.Linear(4, 2).to(dev)
+    assert model.share_memory() is model
+    close(model(fx), model.cpu()(x))
+
+
 def test_set_to_another_tensor_shares_its_memory_as_on_cpu(dev):
     """t.set_(source) gives t source's memory, sizes, strides and offset: a write through one
     is seen through the other; set_() leaves it empty; PyTorch's dtype check holds."""

@@ -102,6 +102,15 @@ class FlagosTensor(torch.Tensor):
         # for a PrivateUse1 device registered from Python.) Values are read through the tensor.
         return torch._C._construct_storage_from_data_pointer(payload.handle, _META, payload.nbytes)
 
+    def share_memory_(self):
+        # Chip memory is not host memory: moving it to shared memory is a no-op, as PyTorch makes
+        # it for CUDA (only host memory uses POSIX shared memory). A C-ABI chip's stand-in storage
+        # is a meta storage, which PyTorch would try to share as host memory and fail; a
+        # torch-native chip's payload answers for itself (the cpu chip's is host memory).
+        if not isinstance(self._payload, torch.Tensor) and not _tracing.compiling():
+            return self
+        return torch.Tensor.share_memory_(self)
+
     def data_ptr(self) -> int:
         # PyTorch answers 0 for a wrapper that owns no memory; libraries that key tensors by
         # data_ptr() (accelerate's tied-weights map when it dispatches a model) would take every
