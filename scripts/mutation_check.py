@@ -616,6 +616,10 @@ MUTATIONS = [
       "        if not isinstance(self._payload, torch.Tensor) and not _tracing.compiling():\n            return self",
       "        if False:\n            return self",
       sim("tests/test_fidelity.py", k="share_memory")),
+    M("copy_copy_copies_the_values", "copy.copy of a flagos tensor copies its values (through the host) "
+      "instead of sharing its memory", "flagos/runtime/_tensor.py",
+      "    def __copy__(self):", "    def _unused_copy(self):",
+      cpu("tests/test_fidelity.py", k="copy_copy")),
     M("runner_stages_over_the_threshold", "the runner's round trip stages a region from one byte "
       "over the staging threshold on, not from the threshold itself", "flagos/runtime/_adapter_ops.py",
       "            if stage and n >= _C.STAGING_MIN_BYTES:",

@@ -96,7 +96,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_iterator_layout.py": [cpu(T + "iterator_layout.py"),
                                            sim(KERNELS, k="layout or gapped or size_1 or broadcast")],
     "flagos/runtime/_tensor.py": [cpu(DEVICE, FIDELITY, OFFLOAD), sim(DEVICE, SIM_FIDELITY, OFFLOAD),
-                                  sim(FIDELITY, k="deepcopy or share_memory"),
+                                  sim(FIDELITY, k="deepcopy or copy_copy or share_memory"),
                                   cpu(COMPILE, k="flatten or cached_graphs or report_counts or layout_and_bits "
                                                  "or before_activation or compile_logs"),
                                   sim(COMPILE, k="inner_tensors"), cpu(ECOSYSTEM, k="storage_names"),

@@ -353,6 +353,26 @@ def test_fill_and_zero_write_every_view_as_on_cpu(dev, case):
     assert torch.equal(b.cpu(), base) and torch.equal(c.cpu(), cbase)  # and nothing else written
 
 
+def test_copy_copy_is_a_new_tensor_over_the_same_memory_as_on_cpu(dev):
+    """copy.copy of a tensor shares its memory (PyTorch hands the storage itself to the
+    rebuild), keeps requires_grad and the Python attributes, drops the history; a Parameter
+    stays a Parameter."""
+    def run(device):
+        x = torch.arange(4.).to(device).requires_grad_()
+        x.note = "kept"
+        y = x * 2
+        p = torch.nn.Parameter(torch.arange(3.).to(device))
+        cx, cy, cp = copy.copy(x), copy.copy(y), copy.copy(p)
+        with torch.no_grad():
+            cx[0] = 9.0
+            cp[1] = 7.0
+        return (x.detach().cpu().tolist(), p.detach().cpu().tolist(), cx.requires_grad, cx.is_leaf,
+                getattr(cx, "note", None), cy.requires_grad, cy.grad_fn is None,
+                isinstance(cp, torch.nn.Parameter), cp.requires_grad, cx.device.type == x.device.type)
+
+    assert run(dev) == run("cpu")
+
+
 def test_share_memory_is_a_no_op_for_chip_memory_and_keeps_the_values(dev):
     """share_memory_() (torch.multiprocessing, Module.share_memory()) moves host memory to shared
     memory; for an accelerator's memory it is a no-op, as for CUDA."""

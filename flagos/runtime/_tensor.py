@@ -123,6 +123,16 @@ class FlagosTensor(torch.Tensor):
             return payload.data_ptr()
         return payload.handle + self.storage_offset() * self.element_size()
 
+    def __copy__(self):
+        # copy.copy: PyTorch's reduce hands the storage itself to the rebuild, so the copy is a
+        # new tensor over the same memory, with requires_grad, no history, the Python attributes
+        # (a Parameter stays one); the inherited __reduce_ex__ would copy the values to the host.
+        new = self.detach()
+        for name, value in vars(self).items():
+            if name != "_payload":
+                setattr(new, name, value)
+        return new.requires_grad_(self.requires_grad)
+
     def __deepcopy__(self, memo):
         # torch.Tensor.__deepcopy__ would deep-copy the payload object too (an adapter buffer
         # cannot be pickled, a chip tensor would be copied twice): copy the memory once instead.
