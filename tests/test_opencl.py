@@ -249,8 +249,10 @@ def _native(report, op):
 
 @on_opencl
 def test_copies_on_the_device_match_cpu(dev):
-    """Copies between chip tensors stay on the device (clEnqueueCopyBuffer); a copy between
-    overlapping ranges of one buffer, which OpenCL refuses, goes through the host."""
+    """Copies between chip tensors stay on the device (clEnqueueCopyBuffer); between dense
+    views of one buffer that overlap in part PyTorch's error is raised, as on CPU; between
+    overlapping views PyTorch cannot tell apart (gapped ones), which OpenCL's copy refuses,
+    the copy goes through the host, reading the source before writing."""
     x = torch.arange(24, dtype=torch.float32)
     fx = x.to(dev)
     assert torch.equal(fx.clone().cpu(), x)
@@ -258,9 +260,14 @@ def test_copies_on_the_device_match_cpu(dev):
     into[4:12].copy_(fx[:8])
     assert torch.equal(into.cpu(), torch.cat([torch.zeros(4), x[:8], torch.zeros(12)]))
     shifted, fshifted = x.clone(), fx.clone()
-    shifted[1:13].copy_(shifted[:12].clone())
-    fshifted[1:13].copy_(fshifted[:12])  # overlapping ranges of one buffer
-    assert torch.equal(fshifted.cpu(), shifted)
+    with pytest.raises(RuntimeError) as on_cpu:
+        shifted[1:13].copy_(shifted[:12])
+    with pytest.raises(RuntimeError, match=re.escape(str(on_cpu.value))):
+        fshifted[1:13].copy_(fshifted[:12])  # dense, overlapping in part: refused
+    grid, fgrid = x.clone().view(4, 6), fx.clone().view(4, 6)
+    grid[1:, :3].copy_(grid[:3, 1:4].clone())
+    fgrid[1:, :3].copy_(fgrid[:3, 1:4])  # gapped views overlapping: through the host
+    assert torch.equal(fgrid.cpu(), grid)
     if torch.flagos.device_count() > 1:  # another device of the chip: through the host
         assert torch.equal(fx.to("flagos:1").cpu(), x)
 
