@@ -107,7 +107,7 @@ class FlagosTensor(torch.Tensor):
         # it for CUDA (only host memory uses POSIX shared memory). A C-ABI chip's stand-in storage
         # is a meta storage, which PyTorch would try to share as host memory and fail; a
         # torch-native chip's payload answers for itself (the cpu chip's is host memory).
-        if not isinstance(self._payload, torch.Tensor) and not _tracing.compiling():
+        if not isinstance(self._payload, torch.Tensor):
             return self
         return torch.Tensor.share_memory_(self)
 
