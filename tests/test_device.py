@@ -3,6 +3,7 @@ import inspect
 import io
 import pathlib
 import re
+import zipfile
 
 import pytest
 import torch
@@ -143,6 +144,65 @@ def test_save_and_load(dev, tmp_path):
     torch.save(a, buf)
     buf.seek(0)
     assert torch.equal(torch.load(buf, map_location=dev).cpu(), a.cpu())
+
+
+def _saved_records(buf: io.BytesIO) -> list[int]:
+    """The sizes of the storages a torch.save file holds."""
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        return sorted(i.file_size for i in z.infolist() if "/data/" in i.filename)
+
+
+def _saved_state(device):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(5, 4)
+    head = torch.nn.Linear(4, 5, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, head).to(device)
+    x = torch.arange(24.0).reshape(4, 6).to(device)
+    p = torch.nn.Parameter(torch.randn(3).to(device))
+    p.note = "kept"
+    return {"x": x, "slice": x[1:3, 2:], "xt": x.t(), "p": p, "model": model,
+            "state": model.state_dict()}
+
+
+def test_save_writes_each_memory_once_and_parameters_stay_parameters(dev):
+    """torch.save of flagos tensors as of CPU ones: tensors over one memory (a slice, a
+    transpose, tied weights in a state dict) are written once, and load with map_location="cpu"
+    sharing it; a Parameter, alone or in a saved module, loads as a Parameter with its
+    attributes, on flagos and on the host."""
+    files = {}
+    for device in ("cpu", dev):
+        buf = io.BytesIO()
+        torch.save(_saved_state(device), buf)
+        files[str(device)] = buf
+    ref, got = files["cpu"], files[str(dev)]
+    assert _saved_records(got) == _saved_records(ref)  # x once, p, the tied weight once
+    ref.seek(0)
+    want = torch.load(ref, weights_only=False)
+    for location in ("cpu", None):
+        got.seek(0)
+        out = torch.load(got, map_location=location, weights_only=False)
+        on = torch.device("cpu") if location == "cpu" else dev
+        for key in ("x", "slice", "xt", "p"):
+            assert out[key].device == on and torch.equal(out[key].cpu(), want[key].detach()), key
+        assert isinstance(out["p"], torch.nn.Parameter) and out["p"].note == "kept"
+        assert not isinstance(out["x"], torch.nn.Parameter)
+        model = out["model"]
+        assert all(isinstance(q, torch.nn.Parameter) and q.device == on for q in model.parameters())
+        assert model[0].weight is model[1].weight
+        tokens = torch.tensor([1, 3])
+        assert_close(model(tokens.to(on)), want["model"](tokens))
+        assert sorted(out["state"]) == sorted(want["state"])
+    tensors = _saved_state(dev)
+    del tensors["model"]
+    got = io.BytesIO()
+    torch.save(tensors, got)
+    got.seek(0)
+    out = torch.load(got, map_location="cpu", weights_only=True)  # PyTorch's own rebuilds only
+    out["x"].add_(1)  # one host storage, as CPU's load gives
+    assert torch.equal(out["slice"], want["slice"] + 1) and torch.equal(out["xt"], want["xt"] + 1)
+    assert out["state"]["0.weight"].data_ptr() == out["state"]["1.weight"].data_ptr()
+    assert isinstance(out["p"], torch.nn.Parameter)
 
 
 

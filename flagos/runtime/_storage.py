@@ -12,6 +12,11 @@ on flagos: the storage stays on the host (the deserializer registered here), is 
 when the load returns, every tensor over a noted storage is moved to the device its location
 named, one copy per storage, so tensors that shared a storage in the file share one on flagos
 (tied weights), with their strides, offsets, requires_grad and Parameter class.
+
+torch.save writes a flagos tensor as PyTorch writes any tensor of a device without storages
+(a host tensor and the device to rebuild it on, runtime/_tensor.py); while a torch.save runs,
+the tensors over one flagos memory take their host tensors from one host copy of it, so the
+file holds each memory once, as for CUDA (tied weights, a slice and its base).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch.utils._pytree as pytree
 
 _storage_new = torch._C.StorageBase.__new__
 _loading = threading.local()   # .noted: one {storage data_ptr: device} per torch.load running
+_saving = threading.local()    # .copies: one {memory key: host copy} per torch.save running
 
 
 def _names_flagos(device) -> bool:
@@ -117,11 +123,53 @@ def _load(load):
     return load_onto_flagos
 
 
+# ---- torch.save ---------------------------------------------------------------------
+
+def host_view_for_save(t: torch.Tensor) -> torch.Tensor | None:
+    """t as a host tensor for torch.save: over t's own memory where that is host memory (the
+    cpu chip), else over the one host copy of t's memory made for the torch.save running. None
+    outside a torch.save, or where the memory holds no whole number of t's elements: then t
+    alone is copied."""
+    storage = t.untyped_storage()
+    item = t.element_size()
+    if storage.device.type != "cpu":
+        stack = getattr(_saving, "copies", None)
+        if not stack or storage.nbytes() % item:
+            return None
+        key = (str(t.device), storage.data_ptr())  # one memory: one data_ptr on one device
+        copies = stack[-1]
+        host = copies.get(key)
+        if host is None:
+            with torch.no_grad():
+                whole = t.detach().as_strided((storage.nbytes() // item,), (1,), 0)
+                host = copies[key] = whole.cpu()
+        storage = host.untyped_storage()
+    # (a view of one memory as another dtype: torch.save refuses it, as it does on CPU)
+    return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
+def _save(save):
+    @functools.wraps(save)
+    def save_sharing_memory(*args, **kwargs):
+        stack = getattr(_saving, "copies", None)
+        if stack is None:
+            stack = _saving.copies = []
+        stack.append({})
+        try:
+            return save(*args, **kwargs)
+        finally:
+            stack.pop()
+    save_sharing_memory.__flagos_save__ = save
+    return save_sharing_memory
+
+
 def install() -> None:
-    """Guard torch.UntypedStorage's constructor and make torch.load move what it restores for
-    flagos (at activation, device mode, which lasts for the life of the process)."""
+    """Guard torch.UntypedStorage's constructor, make torch.load move what it restores for
+    flagos and torch.save write each flagos memory once (at activation, device mode, which
+    lasts for the life of the process)."""
     if hasattr(torch.serialization.load, "__flagos_load__"):
         return
     torch.UntypedStorage.__new__ = _new
     torch.serialization.register_package(5, tag_storage, restore_storage)
     torch.load = torch.serialization.load = _load(torch.serialization.load)
+    torch.save = torch.serialization.save = _save(torch.serialization.save)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import copy
 import copyreg
 import weakref
+from collections import OrderedDict
 
 import torch
 
 from .. import _C
-from . import _tracing
+from . import _storage, _tracing
 
 _META = torch.device("meta")
 
@@ -167,10 +168,22 @@ class FlagosTensor(torch.Tensor):
     def _stable_hash_for_caching(self) -> str:
         return _tracing.cache_key(self)
 
-    # -- pickling: saved as a CPU copy, restored with map_location --------
+    # -- pickling: PyTorch's format for a device without storages (a host tensor and the
+    # device to rebuild it on, which map_location maps), so a file loads without flagos too
     def __reduce_ex__(self, proto):
+        if isinstance(self, torch.nn.Parameter):  # a Parameter loads as one, attributes and all
+            state = {k: v for k, v in vars(self).items() if k not in ("_payload", "_is_param")}
+            if state:
+                return (torch._utils._rebuild_parameter_with_state,
+                        (self.detach(), self.requires_grad, OrderedDict(), state))
+            return torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict())
+        host = None
+        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):
+            host = _storage.host_view_for_save(self)  # one memory, written once per file
+        if host is None:
+            host = self.detach().cpu()
         return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
-                (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad))
+                (host, self.dtype, str(self.device), self.requires_grad))
 
     def __repr__(self, *, tensor_contents=None):
         if tensor_contents is None:
