@@ -163,7 +163,8 @@ void flagos_adapter_fast_resolve(flagos_state *st, op_entry *e)
     e->fast_fallback = 0;
     if (st->fast_adapter == NULL)
         return; /* a runner without a C fast path (no `c_fast`): every op goes to it */
-    if (st->fast_runner_ops != NULL && !(e->flags & OP_VIEW)) {
+    /* a host output is the runner's to keep (Runner._fallback) */
+    if (st->fast_runner_ops != NULL && !(e->flags & (OP_VIEW | OP_HOST_OUTPUT1))) {
         /* PySet_Contains on a str runs no Python code */
         int special = PySet_Contains(st->fast_runner_ops, e->name);
         int kernel = special == 0 ? PySet_Contains(st->fast_kernel_ops, e->name) : -1;

@@ -614,6 +614,8 @@ static int fl_exec(PyObject *module)
         PyModule_AddIntConstant(module, "OP_DEVICE_ARG", OP_DEVICE_ARG) < 0 ||
         PyModule_AddIntConstant(module, "OP_RELAYOUT", OP_RELAYOUT) < 0 ||
         PyModule_AddIntConstant(module, "OP_SPARSE", OP_SPARSE) < 0 ||
+        PyModule_AddIntConstant(module, "OP_HOST_OUTPUT1", OP_HOST_OUTPUT1) < 0 ||
+        PyModule_AddIntConstant(module, "OP_NESTED", OP_NESTED) < 0 ||
         PyModule_AddIntConstant(module, "OP_DTYPE_KW", OP_DTYPE_KW) < 0 ||
         PyModule_AddIntConstant(module, "OP_DECOMPOSES", OP_DECOMPOSES) < 0 ||
         PyModule_AddIntConstant(module, "OP_MATH_KEYS", OP_MATH_KEYS) < 0)

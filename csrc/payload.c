@@ -511,13 +511,18 @@ static PyObject *wrap_value(flagos_state *st, PyObject *v, int target)
 
 PyObject *flagos_wrap_outputs(flagos_state *st, op_entry *e, PyObject *out, PyObject *target)
 {
-    (void)e;
     if (!st->device_mode || out == NULL)
         return out;
     int t = (int)PyLong_AsLong(target);
     if (t == TARGET_HOST)
         return out;
     PyObject *w = wrap_value(st, out, t);
+    if (w != NULL && (e->flags & OP_HOST_OUTPUT1) && PyTuple_CheckExact(w) &&
+        PyTuple_GET_SIZE(w) > 1 && PyTuple_CheckExact(out) && PyTuple_GET_SIZE(out) > 1) {
+        /* w is the new tuple wrap_value made (a tuple of tensors is never returned as is) */
+        PyObject *host = Py_NewRef(PyTuple_GET_ITEM(out, 1));
+        Py_SETREF(PyTuple_GET_ITEM(w, 1), host);
+    }
     Py_DECREF(out);
     return w;
 }

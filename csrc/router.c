@@ -313,6 +313,14 @@ static PyObject *route_entry(flagos_state *st, op_entry *e, int route, PyObject 
                      "keep them on the CPU, or use a dense tensor (.to_dense()).", e->name);
         return NULL;
     }
+    if ((e->flags & OP_NESTED) && st->device_mode) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%U: nested tensors are not supported on flagos. nn.TransformerEncoder makes "
+                     "one in eval mode from src_key_padding_mask: build it with "
+                     "enable_nested_tensor=False (the same values for the tokens the mask keeps), "
+                     "or keep nested tensors on the CPU.", e->name);
+        return NULL;
+    }
     if (route == ROUTE_ERROR) {
         raise_route_error(st, e);
         return NULL;

@@ -36,6 +36,7 @@ from .runtime import (
     _payload_rules,
     _pinned,
     _registration,
+    _sequences,
 )
 from .runtime._tensor import FlagosTensor, set_metadata
 
@@ -252,6 +253,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
             _autocast.register(chip)
             _pinned.register(chip)
             _payload_rules.register(chip)
+            _sequences.register(chip)
             if not isinstance(chip, AdapterChip):  # torch.compile (C-ABI chips run eagerly)
                 _compile.install(_device_module)
             devices = tuple(torch.device("flagos", i) for i in range(count))

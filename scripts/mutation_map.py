@@ -31,7 +31,7 @@ GENERATORS, OFFLOAD, ACCELERATE = T + "generators.py", T + "offload.py", T + "ac
 AUTOCAST, COMPILE, BACKWARD = T + "autocast.py", T + "compile.py", T + "backward_errors.py"
 MODELS, KERNEL_CHECKS = T + "models.py", T + "sim_kernel_checks.py"
 CHIP_NAMES, CHIP_PROFILES, PACKAGE = T + "chip_names.py", T + "chip_profiles.py", T + "package.py"
-DISTRIBUTED = T + "distributed.py"
+DISTRIBUTED, SEQUENCES = T + "distributed.py", T + "sequence_models.py"
 
 TESTS: dict[str, list[Run]] = {
     # ---- the Python package ----
@@ -49,7 +49,8 @@ TESTS: dict[str, list[Run]] = {
                                        Run("sim", (KERNELS,), "", (*SIM_ALL.items(), ("FLAGOS_TEST_RUNNER_ONLY", "1"))),
                                        sim(MODELS, k="inference_mode"),
                                        sim(FIDELITY, k="inference_mode or views_of_one_tensor or fill_and_zero or set_to"),
-                                       sim(POLICY, k="declining")],
+                                       sim(POLICY, k="declining"),
+                                       sim(SEQUENCES, k="inference or packed")],
     "flagos/runtime/_attention.py": [cpu(T + "attention_backends.py"), cpu(MODELS, k="attention"),
                                      cpu(COMPILE, k="attention"), sim(MODELS, k="attention")],
     "flagos/runtime/_autocast.py": [cpu(AUTOCAST), sim(AUTOCAST)],
@@ -64,8 +65,9 @@ TESTS: dict[str, list[Run]] = {
     "flagos/core/_precision.py": [cpu(T + "precision_policy.py"), sim_default(T + "precision_policy.py")],
     "flagos/report/_exporters.py": [cpu(TOP, T + "exporters.py")],
     "flagos/runtime/_generator.py": [cpu(GENERATORS), sim(GENERATORS)],
-    "flagos/runtime/_storage.py": [cpu(ERRORS, k="storage"), cpu(DEVICE, T + "redirect.py", k="load"),
-                                   sim(ERRORS, k="storage"), sim(DEVICE, k="load")],
+    "flagos/runtime/_storage.py": [cpu(ERRORS, k="storage"), cpu(DEVICE, T + "redirect.py", k="load or save"),
+                                   sim(ERRORS, k="storage"), sim(DEVICE, k="load or save")],
+    "flagos/runtime/_sequences.py": [cpu(SEQUENCES), sim(SEQUENCES)],
     "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD), cpu(DISTRIBUTED, k="accelerate or ddp"),
                                           sim(ECOSYSTEM, ACCELERATE)],
     "flagos/integrations/_caches.py": [cpu(T + "cache_dirs.py")],
@@ -90,7 +92,8 @@ TESTS: dict[str, list[Run]] = {
                                                                  "switching_back or bad_dtype_policy"),
                               cpu(NATIVE, k="deactivate or default_mode"),
                               cpu(T + "redirect.py", k="installing_again")],
-    "flagos/core/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD), sim(COUNTERS, FIDELITY),
+    "flagos/core/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD, SEQUENCES),
+                               sim(COUNTERS, FIDELITY, SEQUENCES),
                                sim_default(T + "precision_policy.py"), cpu(T + "conformance.py")],
     "flagos/runtime/_streams.py": [sim(STREAMS), cpu(STREAMS)],
     "flagos/runtime/_iterator_layout.py": [cpu(T + "iterator_layout.py"),
@@ -144,6 +147,7 @@ TESTS: dict[str, list[Run]] = {
     "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, T + "precision_policy.py"),
                       sim(ROUTES, POLICY, COUNTERS)],
     "csrc/payload.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY), sim(ROUTES, POLICY, COUNTERS),
+                       cpu(SEQUENCES, k="packed"),
                        cpu(COMPILE, k="layout_and_bits or before_activation"),
                        cpu(NATIVE, k="routes_reports")],  # native mode: payloads are the chip's own tensors
     "csrc/fallback.c": [cpu(COUNTERS, POLICY, FIDELITY, T + "fallback_staging.py"), sim(COUNTERS)],

@@ -17,7 +17,7 @@ from flagos.chips import base, mps
 from flagos.chips.adapter import AdapterChip
 from flagos.chips.base import TorchChip
 from flagos.errors import ConfigError
-from flagos.runtime import _payload_rules
+from flagos.runtime import _payload_rules, _sequences
 
 VENDOR_PLUGINS = {"npu": ("torch_npu", "hccl"), "mlu": ("torch_mlu", "cncl"), "musa": ("torch_musa", "mccl")}
 
@@ -261,9 +261,15 @@ def test_payload_rules_hand_the_kernels_contiguous_payloads(monkeypatch):
 
 
 @device_mode_only
+def test_fused_cells_register_where_the_payload_device_has_none():
+    """The host's and a C-ABI chip's fallback have no fused LSTM/GRU cell; CUDA has its own."""
+    assert _sequences.needed(chips.profile("cpu")) and not _sequences.needed(chips.profile("cuda"))
+    assert _sequences.needed(chips.profile("sim"))
+
+
 def test_payload_rules_register_for_the_chips_that_need_them():
     overrides = flagos.core._routes._overrides
     _payload_rules.register(chips.profile("cpu"))
-    assert not any(chip == "cpu" for _, chip in overrides)
+    assert not any(chip == "cpu" and op in _payload_rules.KERNELS for op, chip in overrides)
     _payload_rules.register(chips.profile("cuda"))
     assert {op for op, chip in overrides if chip == "cuda"} == set(_payload_rules.KERNELS)

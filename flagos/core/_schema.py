@@ -25,6 +25,12 @@ REAL_DECOMPOSITIONS = frozenset(f"aten::{name}" for name in (
 
 # Ops that make sparse tensors from strided ones (to_sparse, _to_sparse_csr, sparse_coo_tensor).
 _SPARSE_OP = re.compile(r"::_?(to_sparse|sparse_(coo|csr|csc|bsr|bsc|compressed))")
+# Ops that make strided nested tensors (jagged ones are a Python subclass over a dense tensor).
+NESTED_OPS = frozenset({
+    "aten::_nested_tensor_from_mask", "aten::_nested_from_padded",
+    "aten::_nested_from_padded_and_nested_example", "aten::_nested_view_from_buffer",
+    "aten::_nested_view_from_buffer_copy", "aten::_nested_tensor_from_tensor_list",
+})
 
 # Ops whose tensor arguments may legitimately sit on different devices (copies,
 # and indexing with host index tensors, which PyTorch accepts on every device).
@@ -34,7 +40,17 @@ CROSS_DEVICE_OPS = frozenset({
     "aten::set_", "aten::_local_scalar_dense", "aten::_has_compatible_shallow_copy_type",
     # its split points are a CPU tensor on every device (reaches flagos under inference mode)
     "aten::tensor_split",
+    # lengths that PyTorch's Python API hands over on the CPU for any device: packed
+    # sequences' lengths and batch sizes (their kernels read them on the host), CTC's lengths
+    "aten::_pack_padded_sequence", "aten::_pack_padded_sequence_backward",
+    "aten::_pad_packed_sequence", "aten::ctc_loss", "aten::_ctc_loss", "aten::_ctc_loss_backward",
+    # the RNNs over a packed sequence (their `.data` overloads; whole only in inference mode)
+    "aten::lstm", "aten::gru", "aten::rnn_tanh", "aten::rnn_relu",
 })
+
+# Ops whose second output is a host tensor on every device: a packed sequence's batch sizes
+# (PackedSequence insists on it) and the lengths `pad_packed_sequence` returns.
+HOST_SECOND_OUTPUT_OPS = frozenset({"aten::_pack_padded_sequence", "aten::_pad_packed_sequence"})
 
 # In-place ops that change the metadata of the tensor they write.
 INPLACE_VIEW_OPS = frozenset({
@@ -92,10 +108,14 @@ def describe(func):
         flags |= _C.OP_RELAYOUT
     if packet_name(name) in CROSS_DEVICE_OPS:
         flags |= _C.OP_CROSS_DEVICE
+    if packet_name(name) in HOST_SECOND_OUTPUT_OPS:
+        flags |= _C.OP_HOST_OUTPUT1
     if any("Device" in str(a.type) for a in args):
         flags |= _C.OP_DEVICE_ARG
     if _SPARSE_OP.search(name):
         flags |= _C.OP_SPARSE
+    if packet_name(name) in NESTED_OPS:
+        flags |= _C.OP_NESTED
     # `dtype=` picks the output dtype (factories, _to_copy, sum(dtype=)): where the downcast
     # policy rewrites bfloat16 (flagos/_activation.py). A positional dtype (view.dtype) does not.
     if any(a.name == "dtype" and a.kwarg_only for a in args):

@@ -256,9 +256,10 @@ class Runner:
         if kwargs:
             _collect(kwargs.values(), fts)
         index = self._device_index(name, flags, fts, kwargs)
-        if flags & _C.OP_DECOMPOSES and (flags & _C.OP_VIEW or route != FALLBACK):
+        if flags & _C.OP_DECOMPOSES and (flags & _C.OP_VIEW or route == NATIVE):
             # A decomposition reached the chip whole: PyTorch skips the autograd key, where it
-            # runs them, under inference mode. Its parts run here, as they do outside it, each
+            # runs them, under inference mode (an override kernel for it runs instead, as on a
+            # torch-native chip; routed to the fallback, it runs whole on the host). Its parts run here, as they do outside it, each
             # with its own route: a maybe-view (reshape, contiguous, to) copies when it must,
             # and an op without a kernel (linear, conv2d, attention) runs on the chip's kernels
             # (no KERNEL_BUILDERS entry is a decomposition). PyTorch's own C++ decomposition, as
@@ -483,7 +484,7 @@ class Runner:
         facts = self.facts.get(func)
         if facts is None:
             facts = self.facts[func] = _schema.describe(func)
-        _, arg_names, write_args, return_alias, _ = facts
+        _, arg_names, write_args, return_alias, op_flags = facts
 
         def argument(i):
             return args[i] if i < len(args) else kwargs.get(arg_names[i])
@@ -510,7 +511,9 @@ class Runner:
         if len(return_alias) == 1:
             result = argument(return_alias[0]) if return_alias[0] >= 0 else to_chip(out)
         elif len(return_alias) > 1:
-            result = tuple(argument(a) if a >= 0 else to_chip(v) for a, v in zip(return_alias, out))
+            host = 1 if op_flags & _C.OP_HOST_OUTPUT1 else -1  # a packed sequence's batch sizes
+            result = tuple(argument(a) if a >= 0 else v if i == host else to_chip(v)
+                           for i, (a, v) in enumerate(zip(return_alias, out)))
         else:
             result = out
         return result, to_host, to_device + uploaded[0], dtypes

@@ -11,7 +11,7 @@ from .. import _C
 from ..chips.adapter import DTYPE_NAMES, AdapterChip
 from ..core import _routes, _state
 from ..errors import ConfigError
-from . import _attention, _generator, _guard_errors, _storage, _streams
+from . import _attention, _generator, _guard_errors, _sequences, _storage, _streams
 
 NAME = "flagos"
 _factory_lib = None  # keeps the PrivateUse1 fallback registered
@@ -89,12 +89,20 @@ def _register(owner, device_module) -> None:
     # failing deep inside the sparse kernels.
     for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
         _factory_lib.fallback(_sparse_unsupported, dispatch_key=key, with_keyset=False)
+    _factory_lib.fallback(_nested_unsupported, dispatch_key="NestedTensorPrivateUse1", with_keyset=False)
     _attention.register()
+    _sequences.register_autograd()
 
 
 def _sparse_unsupported(op, *args, **kwargs):
     raise RuntimeError(f"{op}: sparse tensors are not supported on flagos; keep them on the "
                        f"CPU, or move a dense copy (.to_dense().to(flagos.device())).")
+
+
+def _nested_unsupported(op, *args, **kwargs):
+    raise RuntimeError(f"{op}: nested tensors are not supported on flagos; keep them on the CPU, "
+                       f"or move their pieces (nested.unbind()) or a padded copy "
+                       f"(nested.to_padded_tensor(0.0)).")
 
 
 def _copy_from(src, dst, non_blocking=False):
