@@ -298,6 +298,14 @@ OVERLAPPING_COPIES = {
     "its own negative view": lambda b: b.copy_(torch._neg_view(b)),
     "disjoint halves": lambda b: b[:3].copy_(b[3:]),
     "as float16 halves": lambda b: b.view(-1)[:24].copy_(b.view(-1)[24:].half()),
+    "disjoint halves, into the second": lambda b: b[3:].copy_(b[:3]),
+    "one element read with another stride": lambda b: b.view(-1).as_strided((1, 1), (1, 1), 2).copy_(
+        b.view(-1).as_strided((1, 1), (4, 1), 2)),
+    "an empty view inside a float64 element": lambda b: b.view(-1)[5:5].copy_(
+        b.view(-1).view(torch.float64)[2:3]),
+    # a view with gaps: PyTorch cannot tell, and copies (each element read before it is written)
+    "even elements from the odd ones": lambda b: b.view(-1)[0::2].copy_(b.view(-1)[1::2]),
+    "the first half from its even elements": lambda b: b.view(-1)[:24].copy_(b.view(-1)[0::2]),
 }
 
 

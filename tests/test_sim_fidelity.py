@@ -317,8 +317,9 @@ def test_ops_on_the_chips_kernels_move_no_bytes(path):
         x, y = torch.randn(4, 8).to(d), torch.randn(8, 3).to(d)
         with flagos.track() as report:
             x + x, x * 2, x.sum(1), x @ y, torch.softmax(x, 1), torch.relu(x)
+            x.detach(), torch.ops.aten.alias(x)  # views: new wrappers, no kernel, no bytes
         rows = report.to_dict()["ops"]
-        assert len(rows) == 6, rows
+        assert len(rows) == 8, rows
         for r in rows:
             assert r["calls"] == {"override": 0, "native": 1, "fallback": 0}, r
             assert r["bytes_to_host"] == r["bytes_to_device"] == r["fallback_ns"] == 0, r
