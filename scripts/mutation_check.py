@@ -663,6 +663,9 @@ MUTATIONS = [
       "subclasses (a mixed-device division)", "flagos/runtime/_sequences.py",
       '        _ctc_lib.impl("ctc_loss.Tensor", ctc_loss, "AutogradPrivateUse1")', "        pass",
       cpu("tests/test_sequence_models.py", k="ctc and host and mean and grad")),
+    M("quantized_result_uploaded", "a quantized result on a C-ABI chip reaches the upload (a "
+      "DLPack BufferError instead of the way out)", "flagos/runtime/_adapter_ops.py",
+      "    if t.is_quantized:", "    if False:", sim("tests/test_fidelity.py", k="quantized")),
     M("nested_tensor_from_a_mask", "nn.TransformerEncoder's nested tensor reaches the router "
       "(PyTorch's internal error instead of the way out)", "flagos/core/_schema.py",
       "    if packet_name(name) in NESTED_OPS:", "    if False:",

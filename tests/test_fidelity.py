@@ -286,6 +286,23 @@ def test_sparse_tensors_get_a_clear_error(dev):
     assert (torch.ones(3, device=dev) + 1).sum().item() == 6.0  # nothing else is affected
 
 
+def test_quantized_tensors_where_the_payload_holds_them_and_a_clear_error_elsewhere(dev):
+    """A torch-native chip's payload device quantizes (the cpu chip: CPU's quantized tensors);
+    a C-ABI chip's buffers hold no quantized tensor, and no chip takes one moved from the host:
+    each refusal says what to do, and the process goes on."""
+    x = torch.randn(4, 4)
+    want = torch.quantize_per_tensor(x, 0.1, 0, torch.qint8)
+    with pytest.raises(RuntimeError, match="a quantized tensor cannot be moved to flagos"):
+        want.to(dev)
+    if flagos.core._state.active().chip.torch_type is None:
+        with pytest.raises(RuntimeError, match="quantized tensors are not supported on a C-ABI chip"):
+            torch.quantize_per_tensor(x.to(dev), 0.1, 0, torch.qint8)
+    else:
+        got = torch.quantize_per_tensor(x.to(dev), 0.1, 0, torch.qint8)
+        assert got.dtype == torch.qint8 and torch.equal(got.dequantize().cpu(), want.dequantize())
+    assert torch.equal((x.to(dev) + 1).cpu(), x + 1)
+
+
 # ---- copies between views of one tensor -----------------------------------------------------
 
 OVERLAPPING_COPIES = {

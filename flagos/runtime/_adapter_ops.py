@@ -101,11 +101,19 @@ def _physical(host: torch.Tensor) -> torch.Tensor:
 
 
 def _strided_only(t: torch.Tensor, what: str) -> None:
-    """Refuse a sparse (or other non-strided) tensor with a message that says what to do."""
+    """Refuse a tensor a chip buffer cannot hold (sparse, mkldnn, quantized) with a message
+    that says what to do."""
+    if t.layout is torch._mkldnn:
+        raise RuntimeError(f"{what}: mkldnn tensors are not supported on flagos; convert it "
+                           f"with .to_dense() first")
     if t.layout is not torch.strided:
         raise RuntimeError(
             f"{what}: sparse tensors are not supported on flagos (this one is {t.layout}); "
             f"convert it with .to_dense() first, or keep the sparse work on the CPU")
+    if t.is_quantized:
+        raise RuntimeError(
+            f"{what}: quantized tensors are not supported on a C-ABI chip (this one is "
+            f"{t.dtype}); keep the quantized work on the CPU, or dequantize() it first")
 
 
 def _walk(value, fn):

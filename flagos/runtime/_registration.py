@@ -90,6 +90,7 @@ def _register(owner, device_module) -> None:
     for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
         _factory_lib.fallback(_sparse_unsupported, dispatch_key=key, with_keyset=False)
     _factory_lib.fallback(_nested_unsupported, dispatch_key="NestedTensorPrivateUse1", with_keyset=False)
+    _factory_lib.fallback(_quantized_unsupported, dispatch_key="QuantizedPrivateUse1", with_keyset=False)
     _attention.register()
     _sequences.register_autograd()
 
@@ -103,6 +104,12 @@ def _nested_unsupported(op, *args, **kwargs):
     raise RuntimeError(f"{op}: nested tensors are not supported on flagos; keep them on the CPU, "
                        f"or move their pieces (nested.unbind()) or a padded copy "
                        f"(nested.to_padded_tensor(0.0)).")
+
+
+def _quantized_unsupported(op, *args, **kwargs):
+    raise RuntimeError(f"{op}: a quantized tensor cannot be moved to flagos; move the float "
+                       f"tensor and quantize it there (a torch-native chip holds the payload "
+                       f"device's quantized tensors), or dequantize() it first.")
 
 
 def _copy_from(src, dst, non_blocking=False):
