@@ -323,6 +323,12 @@ def test_ops_on_the_chips_kernels_move_no_bytes(path):
         for r in rows:
             assert r["calls"] == {"override": 0, "native": 1, "fallback": 0}, r
             assert r["bytes_to_host"] == r["bytes_to_device"] == r["fallback_ns"] == 0, r
+        flagos.register_kernel("aten::sigmoid", lambda t: (t.neg().exp() + 1).reciprocal(), chip="sim")
+        with flagos.track() as report:
+            torch.sigmoid(x)                   # an override kernel: its own ops are counted apart
+        r = report.op("aten::sigmoid")
+        assert r["calls"] == {"override": 1, "native": 0, "fallback": 0}, r
+        assert r["bytes_to_host"] == r["bytes_to_device"] == r["fallback_ns"] == 0, r
         print("OK")
     """)
 
