@@ -20,6 +20,7 @@ file holds each memory once, as for CUDA (tied weights, a slice and its base).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -107,17 +108,26 @@ def _move_noted(result, noted: dict):
     return pytree.tree_map_only((torch.Tensor, torch.nn.Module), visit, result)
 
 
+@contextlib.contextmanager
+def _scope(local: threading.local, name: str):
+    """A dict for the torch.load or torch.save running in this thread (one inside another,
+    from an object's own reduce, gets its own)."""
+    stack = getattr(local, name, None)
+    if stack is None:
+        stack = []
+        setattr(local, name, stack)
+    stack.append({})
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+
+
 def _load(load):
     @functools.wraps(load)
     def load_onto_flagos(*args, **kwargs):
-        stack = getattr(_loading, "noted", None)
-        if stack is None:
-            stack = _loading.noted = []
-        stack.append({})
-        try:
+        with _scope(_loading, "noted") as noted:
             result = load(*args, **kwargs)
-        finally:
-            noted = stack.pop()
         return _move_noted(result, noted) if noted else result
     load_onto_flagos.__flagos_load__ = load
     return load_onto_flagos
@@ -151,14 +161,8 @@ def host_view_for_save(t: torch.Tensor) -> torch.Tensor | None:
 def _save(save):
     @functools.wraps(save)
     def save_sharing_memory(*args, **kwargs):
-        stack = getattr(_saving, "copies", None)
-        if stack is None:
-            stack = _saving.copies = []
-        stack.append({})
-        try:
+        with _scope(_saving, "copies"):
             return save(*args, **kwargs)
-        finally:
-            stack.pop()
     save_sharing_memory.__flagos_save__ = save
     return save_sharing_memory
 
