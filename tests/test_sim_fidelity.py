@@ -333,6 +333,24 @@ def test_ops_on_the_chips_kernels_move_no_bytes(path):
     """)
 
 
+@PATHS
+def test_a_fallbacks_counted_time_lies_within_the_call(path):
+    """The host round trip's time is counted on its calls (the C round trip's or the runner's),
+    and lies inside the call's own time on the host clock."""
+    run_sim(path=path, code="""
+        import time
+        x = torch.randn(32, 32).to(d)
+        flagos.set_route("aten::mm", "fallback")
+        with flagos.track() as report:
+            t0 = time.perf_counter_ns()
+            x @ x
+            outside = time.perf_counter_ns() - t0
+        row = report.op("aten::mm")
+        assert row["calls"]["fallback"] == 1 and 0 < row["fallback_ns"] <= outside, (row, outside)
+        print("OK")
+    """)
+
+
 def test_set_to_memory_a_c_abi_chip_cannot_view_is_refused_with_the_way_out():
     """A host tensor or storage, another buffer's storage, a layout past the end of the buffer
     (the CPU would grow its storage): each refused with the message naming what to do, the
