@@ -334,6 +334,26 @@ def test_ops_on_the_chips_kernels_move_no_bytes(path):
 
 
 @PATHS
+def test_results_that_are_views_of_a_host_input_keep_their_values_and_layout(path):
+    """unsafe_split and unsafe_chunk return views their schema does not mark: through the host
+    round trip they are views of the host copy, at offsets past its start, uploaded as they are
+    laid out (RNN code on the CPU uses them)."""
+    run_sim(path=path, code="""
+        x = torch.arange(12.0).reshape(6, 2)
+        cases = {
+            "unsafe_split": lambda t: torch.unsafe_split(t, 2),
+            "unsafe_chunk": lambda t: torch.unsafe_chunk(t, 3, 1),
+            "unsafe_split_with_sizes": lambda t: torch.ops.aten.unsafe_split_with_sizes(t.t(), [1, 2, 3], 1),
+        }
+        for name, op in cases.items():
+            got, want = op(x.to(d)), op(x)
+            assert [g.stride() for g in got] == [w.stride() for w in want], name
+            assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), name
+        print("OK")
+    """)
+
+
+@PATHS
 def test_a_fallbacks_counted_time_lies_within_the_call(path):
     """The host round trip's time is counted on its calls (the C round trip's or the runner's),
     and lies inside the call's own time on the host clock."""
