@@ -354,6 +354,24 @@ def test_results_that_are_views_of_a_host_input_keep_their_values_and_layout(pat
 
 
 @PATHS
+def test_view_ops_take_keyword_arguments(path):
+    """A view op called with its keyword-only arguments (torch.ops, as compilers and libraries
+    call it) gets them as given: its layout is worked out on meta stand-ins, kwargs included."""
+    run_sim(path=path, code="""
+        x = torch.arange(8.0).reshape(2, 4)
+        cases = {
+            "expand, implicit": lambda t: torch.ops.aten.expand.default(t[:1], [3, 4], implicit=True),
+            "as_strided_, storage_offset": lambda t: t.clone().as_strided_((2, 2), (1, 2), storage_offset=1),
+        }
+        for name, op in cases.items():
+            got, want = op(x.to(d)), op(x)
+            assert (got.shape, got.stride()) == (want.shape, want.stride()), name
+            assert torch.equal(got.cpu(), want), name
+        print("OK")
+    """)
+
+
+@PATHS
 def test_a_fallbacks_counted_time_lies_within_the_call(path):
     """The host round trip's time is counted on its calls (the C round trip's or the runner's),
     and lies inside the call's own time on the host clock."""
