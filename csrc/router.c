@@ -308,17 +308,16 @@ static PyObject *route_entry(flagos_state *st, op_entry *e, int route, PyObject 
                              PyObject *func, PyObject *args, PyObject *kwargs, int from_factory)
 {
     PyObject *target = NULL, *uargs = NULL, *ukwargs = NULL, *out = NULL;
-    if ((e->flags & OP_SPARSE) && st->device_mode) {
-        PyErr_Format(PyExc_RuntimeError, "%U: sparse tensors are not supported on flagos; "
-                     "keep them on the CPU, or use a dense tensor (.to_dense()).", e->name);
-        return NULL;
-    }
-    if ((e->flags & OP_NESTED) && st->device_mode) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "%U: nested tensors are not supported on flagos. nn.TransformerEncoder makes "
-                     "one in eval mode from src_key_padding_mask: build it with "
-                     "enable_nested_tensor=False (the same values for the tokens the mask keeps), "
-                     "or keep nested tensors on the CPU.", e->name);
+    if ((e->flags & (OP_SPARSE | OP_NESTED)) && st->device_mode) { /* one test per op */
+        if (e->flags & OP_SPARSE)
+            PyErr_Format(PyExc_RuntimeError, "%U: sparse tensors are not supported on flagos; "
+                         "keep them on the CPU, or use a dense tensor (.to_dense()).", e->name);
+        else
+            PyErr_Format(PyExc_RuntimeError,
+                         "%U: nested tensors are not supported on flagos. nn.TransformerEncoder "
+                         "makes one in eval mode from src_key_padding_mask: build it with "
+                         "enable_nested_tensor=False (the same values for the tokens the mask "
+                         "keeps), or keep nested tensors on the CPU.", e->name);
         return NULL;
     }
     if (route == ROUTE_ERROR) {

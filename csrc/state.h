@@ -34,9 +34,9 @@ enum flagos_route {
                                      inference mode; an adapter without its kernel runs its parts */
 #define OP_MATH_KEYS (1u << 10)   /* a decomposition that may make complex values of real inputs:
                                      called with the conjugate and negative keys on */
-#define OP_NESTED (1u << 12)      /* makes a strided nested tensor: flagos tensors are not nested */
 #define OP_HOST_OUTPUT1 (1u << 11) /* its second output is a host tensor on every device (a packed
                                       sequence's batch sizes): it stays one */
+#define OP_NESTED (1u << 12)      /* makes a strided nested tensor: flagos tensors are not nested */
 
 typedef struct op_entry {
     PyObject *func;          /* key: the OpOverload (strong ref keeps the pointer valid) */

@@ -267,9 +267,10 @@ class Runner:
         if flags & _C.OP_DECOMPOSES and (flags & _C.OP_VIEW or route == NATIVE):
             # A decomposition reached the chip whole: PyTorch skips the autograd key, where it
             # runs them, under inference mode (an override kernel for it runs instead, as on a
-            # torch-native chip; routed to the fallback, it runs whole on the host). Its parts run here, as they do outside it, each
-            # with its own route: a maybe-view (reshape, contiguous, to) copies when it must,
-            # and an op without a kernel (linear, conv2d, attention) runs on the chip's kernels
+            # torch-native chip; routed to the fallback, it runs whole on the host). Its parts
+            # run here, as they do outside it, each with its own route: a maybe-view (reshape,
+            # contiguous, to) copies when it must, and an op without a kernel (linear, conv2d,
+            # attention) runs on the chip's kernels
             # (no KERNEL_BUILDERS entry is a decomposition). PyTorch's own C++ decomposition, as
             # the autograd key runs it, not a Python one registered for tracing (upsample's).
             return func._op_dk(_DECOMPOSITION, *args, **kwargs), NATIVE, 0, 0, 0, ()
