@@ -25,7 +25,16 @@ from .errors import (
     FallbackWarning,
     NoEngineQueueError,
 )
-from .integrations import _backward_errors, _caches, _compile, _distributed, _libraries, _offload, _redirect
+from .integrations import (
+    _backward_errors,
+    _caches,
+    _compile,
+    _distributed,
+    _lazy_params,
+    _libraries,
+    _offload,
+    _redirect,
+)
 from .report import _report
 from .runtime import (
     _adapter_ops,
@@ -267,6 +276,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
         state.caches = _caches.install(state)  # before anything can compile on the chip
         if mode == "device":  # libraries that asked before, or will ask, which device exists
             _offload.install()
+            _lazy_params.install()
             _libraries.install()
             _distributed.install()
         # At `import torch` (autoload) no backward can have run yet, and a probe would deadlock:

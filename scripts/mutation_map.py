@@ -31,7 +31,7 @@ GENERATORS, OFFLOAD, ACCELERATE = T + "generators.py", T + "offload.py", T + "ac
 AUTOCAST, COMPILE, BACKWARD = T + "autocast.py", T + "compile.py", T + "backward_errors.py"
 MODELS, KERNEL_CHECKS = T + "models.py", T + "sim_kernel_checks.py"
 CHIP_NAMES, CHIP_PROFILES, PACKAGE = T + "chip_names.py", T + "chip_profiles.py", T + "package.py"
-DISTRIBUTED, SEQUENCES = T + "distributed.py", T + "sequence_models.py"
+DISTRIBUTED, SEQUENCES, MODULE_KINDS = T + "distributed.py", T + "sequence_models.py", T + "module_kinds.py"
 
 TESTS: dict[str, list[Run]] = {
     # ---- the Python package ----
@@ -78,7 +78,8 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_math_keys.py": [cpu(FIDELITY), sim(SIM_FIDELITY, FIDELITY)],
     "flagos/runtime/_native_mode.py": [cpu(NATIVE)],
     "flagos/integrations/_redirect.py": [cpu(T + "redirect.py"), sim(T + "redirect.py")],
-    "flagos/integrations/_offload.py": [cpu(OFFLOAD), sim(OFFLOAD)],
+    "flagos/integrations/_offload.py": [cpu(OFFLOAD, MODULE_KINDS), sim(OFFLOAD, MODULE_KINDS)],
+    "flagos/integrations/_lazy_params.py": [cpu(MODULE_KINDS), sim(MODULE_KINDS)],
     "flagos/runtime/_payload_rules.py": [cpu(CHIP_PROFILES, k="payload_rules")],
     "flagos/runtime/_pinned.py": [cpu(ECOSYSTEM, k="pin"), sim(ECOSYSTEM, k="pin")],
     "flagos/runtime/_registration.py": [cpu(DEVICE, ERRORS, NATIVE), cpu(FIDELITY, k="sparse or quantized"),
@@ -99,7 +100,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_streams.py": [sim(STREAMS), cpu(STREAMS)],
     "flagos/runtime/_iterator_layout.py": [cpu(T + "iterator_layout.py"),
                                            sim(KERNELS, k="layout or gapped or size_1 or broadcast")],
-    "flagos/runtime/_tensor.py": [cpu(DEVICE, FIDELITY, OFFLOAD), sim(DEVICE, SIM_FIDELITY, OFFLOAD),
+    "flagos/runtime/_tensor.py": [cpu(DEVICE, FIDELITY, OFFLOAD, MODULE_KINDS), sim(DEVICE, SIM_FIDELITY, OFFLOAD, MODULE_KINDS),
                                   sim(FIDELITY, k="deepcopy or copy_copy or share_memory"),
                                   cpu(COMPILE, k="flatten or cached_graphs or report_counts or layout_and_bits "
                                                  "or before_activation or compile_logs"),

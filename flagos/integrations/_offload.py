@@ -16,6 +16,10 @@ would make new ones, and an optimizer built earlier would go on stepping the old
 the setter above the answer for flagos/host pairs is yes, so `model.cpu()` keeps its parameter
 objects as it does between CPU and CUDA.
 
+A scripted module (`torch.jit.script`) keeps its parameters in C++ slots, which a swap of Python
+objects does not reach: its `.to()` left them on the host. After a scripted module's conversion
+the slots are given the swapped parameter objects again.
+
 `module.to(dtype)`, `.half()` and `.float()` (Diffusers' layerwise casting runs them around
 every forward) swap each parameter of a wrapper subclass with `torch.utils.swap_tensors`, which
 refuses a parameter that a live autograd graph holds, or poisons the graph's AccumulateGrad node.
@@ -28,17 +32,30 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime._tensor import FlagosTensor, exchange_in_place, swap_keeping_graph, swappable, take_memory_of
+from ..runtime._tensor import (
+    FlagosTensor,
+    exchange_in_place,
+    swap_keeping_graph,
+    swappable,
+    take_memory_of,
+    take_payload_of,
+)
 
 _BASE_DATA = torch._C.TensorBase.data
 _BASE_COMPATIBLE = torch._has_compatible_shallow_copy_type
 _BASE_SWAP = torch.utils.swap_tensors
+_BASE_SCRIPT_APPLY = torch.jit.RecursiveScriptModule._apply
 _installed = False
 
 
 def _set_data(self, new):
     if isinstance(new, FlagosTensor):
-        take_memory_of(self, new)
+        # (a flagos tensor whose class overrides __torch_function__, an uninitialized parameter
+        # on flagos, reaches this setter from its own; FlagosTensor's setter serves it)
+        if isinstance(self, FlagosTensor):
+            take_payload_of(self, new)
+        else:
+            take_memory_of(self, new)
     else:
         _BASE_DATA.__set__(self, new)
 
@@ -63,10 +80,21 @@ def _swap_tensors(t1, t2):
     return _BASE_SWAP(t1, t2)
 
 
+def _script_apply(self, fn, recurse=True):
+    # The Python objects of the parameters in the C++ slots; a swap gives these objects the
+    # converted tensors, and the slots keep the old ones unless they are given them again.
+    before = dict(self._parameters.items())
+    result = _BASE_SCRIPT_APPLY(self, fn, recurse)
+    for name, param in before.items():
+        if param is not None and self._c.getattr(name) is not param:
+            self._c.setattr(name, param)
+    return result
+
+
 def install() -> None:
-    """Give torch.Tensor the `.data` setter above, answer module.to()'s question and serve
-    swap_tensors for flagos tensors (once; device mode lasts for the process). The `.data`
-    getter stays PyTorch's own descriptor."""
+    """Give torch.Tensor the `.data` setter above, answer module.to()'s question, serve
+    swap_tensors for flagos tensors and keep scripted modules' slots in step (once; device mode
+    lasts for the process). The `.data` getter stays PyTorch's own descriptor."""
     global _installed
     if _installed:
         return
@@ -75,4 +103,5 @@ def install() -> None:
     _swap_tensors.__doc__ = _BASE_SWAP.__doc__
     _swap_tensors.__wrapped__ = _BASE_SWAP
     torch.utils.swap_tensors = _swap_tensors
+    torch.jit.RecursiveScriptModule._apply = _script_apply
     _installed = True

@@ -277,7 +277,7 @@ class Runner:
         if flags & _C.OP_VIEW:
             if name in ("aten::detach", "aten::alias"):  # same view, new tensor: no meta needed
                 t = args[0]
-                out = self._wrap(t._payload, t.shape, t.stride(), t.storage_offset(), t.dtype, index)
+                out = self._wrap(t._payload, t.size(), t.stride(), t.storage_offset(), t.dtype, index)
                 return _tag(out, t), NATIVE, 0, 0, 0, ()
             return self._view(func, args, kwargs), NATIVE, 0, 0, 0, ()
         if route == OVERRIDE:

@@ -15,6 +15,7 @@ import weakref
 from collections import OrderedDict
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from .. import _C
 from . import _storage, _tracing
@@ -269,8 +270,10 @@ def take_memory_of(target: torch.Tensor, new: torch.Tensor) -> None:
     is_param = isinstance(target, torch.nn.Parameter)
     requires_grad = target.requires_grad
     grad = target._grad
-    with torch.no_grad():
-        alias = new.detach()  # shares new's memory; the swap leaves `new` itself untouched
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        # shares new's memory; the swap leaves `new` itself untouched. (Without new's own
+        # __torch_function__: an uninitialized parameter's refuses detach.)
+        alias = new.detach()
     if isinstance(alias, FlagosTensor):
         alias.requires_grad_(requires_grad)
         if is_param:
@@ -279,6 +282,8 @@ def take_memory_of(target: torch.Tensor, new: torch.Tensor) -> None:
         alias = torch.nn.Parameter(alias, requires_grad)
     else:
         alias.requires_grad_(requires_grad)
+    if isinstance(new, UninitializedTensorMixin) and not isinstance(alias, FlagosTensor):
+        alias.__class__ = type(new)  # a lazy module's parameter leaving flagos stays uninitialized
     for key, value in vars(target).items():
         if key not in ("_payload", "_is_param"):
             setattr(alias, key, value)

@@ -1,0 +1,121 @@
+"""Modules that PyTorch builds in ways of their own, moved to flagos as users move them: lazy
+modules (parameters without a shape until the first forward) and scripted modules (parameters in
+C++ slots), each compared with the same module on plain CPU, seeded alike.
+Runs on the suite's chip (cpu, and sim with FLAGOS_TEST_CHIP=sim)."""
+import copy
+import io
+
+import pytest
+import torch
+from conftest import device_mode_only
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_lazy
+
+pytestmark = device_mode_only
+
+_KINDS = ["Conv2d", "BatchNorm2d", "ReLU", "Flatten", "Linear"]
+
+
+def _lazy_net(**factory):
+    return torch.nn.Sequential(torch.nn.LazyConv2d(4, 3, **factory), torch.nn.LazyBatchNorm2d(**factory),
+                               torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(5, **factory))
+
+
+def _train_step(model, device, dtype=torch.float32):
+    """One forward, backward and SGD step on a fixed batch: the output and the module's state."""
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    out = model(x.to(device))
+    out.square().mean().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return [out.detach().cpu()] + [t.detach().cpu() for t in model.state_dict().values()]
+
+
+def _assert_same(got, expected):
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["module.to", "factory device", "to, cpu, to", "double"])
+def test_a_lazy_module_moved_before_its_first_forward_trains_as_on_cpu(dev, how):
+    dtype = torch.float64 if how == "double" else torch.float32
+    torch.manual_seed(0)
+    expected = _train_step(_lazy_net().to(dtype), "cpu", dtype)
+    torch.manual_seed(0)
+    if how == "factory device":
+        model = _lazy_net(device=dev)
+    elif how == "to, cpu, to":
+        model = _lazy_net().to(dev).cpu()
+        assert all(is_lazy(p) and p.device.type == "cpu" for p in model.parameters())
+        assert type(model[0].weight) is UninitializedParameter  # PyTorch's own class off flagos
+        model = model.to(dev)
+    else:
+        model = _lazy_net().to(dev).to(dtype)
+    assert all(is_lazy(t) and t.device == dev for t in [*model.parameters(), *model.buffers()][:4])
+    assert isinstance(model[0].weight, UninitializedParameter)
+    assert isinstance(model[1].running_mean, UninitializedBuffer)
+    got = _train_step(model, dev, dtype)
+    _assert_same(got, expected)
+    assert [type(m).__name__ for m in model] == _KINDS
+    assert all(isinstance(p, torch.nn.Parameter) and not is_lazy(p) and p.device == dev
+               for p in model.parameters())
+    assert all(b.device == dev and not is_lazy(b) for b in model.buffers())
+
+
+def test_a_lazy_module_on_flagos_loads_a_state_dict_as_on_cpu(dev):
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                 torch.nn.Flatten(), torch.nn.Linear(64, 5))
+    model = _lazy_net().to(dev)
+    model.load_state_dict(source.state_dict())
+    for name, value in source.state_dict().items():
+        loaded = model.state_dict()[name]
+        assert loaded.device == dev and not is_lazy(loaded), name
+        torch.testing.assert_close(loaded.cpu(), value)
+    x = torch.randn(2, 3, 6, 6)
+    torch.testing.assert_close(model.eval()(x.to(dev)).cpu(), source.eval()(x), rtol=1e-5, atol=1e-6)
+
+
+def test_an_uninitialized_parameter_on_flagos_refuses_use_and_saves_as_on_cpu(dev):
+    model = torch.nn.LazyLinear(3).to(dev)
+    with pytest.raises(ValueError, match="Attempted to use an uninitialized parameter"):
+        model.weight + 1
+    with pytest.raises(RuntimeError, match="Can't access the shape of an uninitialized parameter"):
+        _ = model.weight.shape
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    assert type(saved["weight"]) is UninitializedParameter  # what CPU saves: no device, no shape
+    copied = copy.deepcopy(model)
+    assert is_lazy(copied.weight) and copied.weight.device == dev and copied.weight is not model.weight
+    torch.manual_seed(0)
+    copied(torch.randn(2, 4).to(dev))
+    assert copied.weight.shape == (3, 4) and is_lazy(model.weight)
+
+
+def _scripted_net():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_a_scripted_module_moved_to_flagos_runs_and_trains_as_on_cpu(dev):
+    torch.manual_seed(0)
+    reference = torch.jit.script(_scripted_net())
+    torch.manual_seed(0)
+    model = torch.jit.script(_scripted_net())
+    params = list(model.parameters())
+    model.to(dev)
+    assert all(p.device == dev for p in model.parameters())
+    assert all(p is q for p, q in zip(model.parameters(), params))  # the objects an optimizer holds
+    x = torch.randn(3, 4)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for m, device in ((reference, "cpu"), (model, dev)):
+        m(x.to(device)).square().sum().backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model(x.to(dev)).detach().cpu(), reference(x).detach(), rtol=1e-5, atol=1e-6)
+    model.cpu()
+    assert all(p.device.type == "cpu" and p is q for p, q in zip(model.parameters(), params))
+    torch.testing.assert_close(model(x), reference(x))
