@@ -311,7 +311,9 @@ static PyObject *route_entry(flagos_state *st, op_entry *e, int route, PyObject 
     if ((e->flags & (OP_SPARSE | OP_NESTED)) && st->device_mode) { /* one test per op */
         if (e->flags & OP_SPARSE)
             PyErr_Format(PyExc_RuntimeError, "%U: sparse tensors are not supported on flagos; "
-                         "keep them on the CPU, or use a dense tensor (.to_dense()).", e->name);
+                         "keep them on the CPU, or use a dense tensor (.to_dense()). A layer "
+                         "made with sparse=True (nn.Embedding, nn.EmbeddingBag) makes sparse "
+                         "gradients: make it with sparse=False.", e->name);
         else
             PyErr_Format(PyExc_RuntimeError,
                          "%U: nested tensors are not supported on flagos. nn.TransformerEncoder "

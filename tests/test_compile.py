@@ -510,6 +510,38 @@ def test_a_library_asking_an_adapter_tensor_for_its_inner_tensors_is_told_what_t
         t.__tensor_flatten__()
 
 
+def test_fake_copies_made_outside_a_compilation(dev):
+    """A FakeTensorMode entered by hand, make_fx and torch.export's default (non-strict) export
+    copy flagos tensors as PyTorch copies CPU ones: the fake copy's wrapper describes its own storage, not
+    its payload's (taken for shared memory, PyTorch then tried to set a meta storage on a flagos
+    tensor). A C-ABI chip's tensors cannot be traced: the error says where to trace instead."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, ref = torch.randn(3, 4), torch.randn(3, 4)
+    on_chip = x.to(dev)  # made before the mode: inside it, `.to()` itself makes a fake tensor
+
+    def f(t):
+        return (t.sin() @ t.T).softmax(-1)
+
+    if not COMPILES:  # (this file imports Dynamo, which is when flagos refuses)
+        with pytest.raises(RuntimeError, match="trace the model on the CPU"):
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                mode.from_tensor(on_chip)
+        return
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(on_chip[1:])
+        out = fake @ fake.T
+    assert fake.device == dev and fake.shape == (2, 4) and fake.stride() == (4, 1)
+    assert out.shape == (2, 2) and out.device == dev
+    graph = make_fx(f)(on_chip)
+    assert_close(graph(ref.to(dev)).cpu(), f(ref))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.LayerNorm(4))
+    on_flagos = copy.deepcopy(model).to(dev)
+    exported = torch.export.export(on_flagos, (on_chip,))  # non-strict: fake parameters, no Dynamo
+    assert_close(exported.module()(ref.to(dev)).cpu(), model(ref))
+
+
 @pytest.mark.skipif(COMPILES, reason="only C-ABI chips refuse compilation")
 def test_adapter_chip_fullgraph_names_the_reason(dev):
     with warnings.catch_warnings():

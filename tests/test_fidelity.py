@@ -283,6 +283,10 @@ def test_sparse_tensors_get_a_clear_error(dev):
     for layout in (torch.sparse_coo, torch.sparse_csr):  # factories that reach the sparse keys
         with pytest.raises(RuntimeError, match=r"sparse tensors are not supported on flagos"):
             torch.empty((2, 2), layout=layout, device=dev)
+    embedding = torch.nn.Embedding(5, 2, sparse=True).to(dev)
+    loss = embedding(torch.tensor([1, 3], device=dev)).sum()
+    with pytest.raises(RuntimeError, match=r"sparse tensors are not supported.*make it with sparse=False"):
+        loss.backward()  # a sparse gradient: the error names the layer's option
     assert (torch.ones(3, device=dev) + 1).sum().item() == 6.0  # nothing else is affected
 
 

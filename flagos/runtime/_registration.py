@@ -97,7 +97,9 @@ def _register(owner, device_module) -> None:
 
 def _sparse_unsupported(op, *args, **kwargs):
     raise RuntimeError(f"{op}: sparse tensors are not supported on flagos; keep them on the "
-                       f"CPU, or move a dense copy (.to_dense().to(flagos.device())).")
+                       f"CPU, or move a dense copy (.to_dense().to(flagos.device())). A layer "
+                       f"made with sparse=True (nn.Embedding, nn.EmbeddingBag) makes sparse "
+                       f"gradients: make it with sparse=False.")
 
 
 def _nested_unsupported(op, *args, **kwargs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import copyreg
+import sys
 import weakref
 from collections import OrderedDict
 
@@ -25,6 +26,10 @@ _META = torch.device("meta")
 _BASE_DATA = torch._C.TensorBase.data
 _BASE_COMPATIBLE = torch._has_compatible_shallow_copy_type
 _PLAIN = torch.Tensor  # a real payload's exact type (a traced one is a subclass: fake, functional)
+# PyTorch's describer of a tensor it is about to copy as a fake one (on a version without it,
+# fake copies outside torch.compile fail as they did)
+_DESCRIBER = getattr(torch._subclasses.meta_utils, "MetaTensorDescriber", None)
+_DESCRIBE_TENSOR = _DESCRIBER.describe_tensor.__code__ if _DESCRIBER is not None else None
 
 
 def _copy_sharing_memory(t: FlagosTensor, memo: dict) -> torch.Tensor:
@@ -91,9 +96,12 @@ class FlagosTensor(torch.Tensor):
         # The wrapper owns no memory; its payload's storage is the memory it views (a chip
         # storage with a valid data_ptr(), which safetensors, huggingface_hub and transformers
         # read to find tensors that share memory, e.g. tied weights).
-        # While torch.compile traces, the wrapper's own storage is what its fake tensors describe.
+        # While torch.compile traces, and whenever PyTorch describes the tensor to make a fake
+        # copy of it (FakeTensorMode.from_tensor, make_fx, torch.export), the wrapper's own
+        # storage is what its fake tensors describe: the payload's, which the payload's fake
+        # copy has described already, would be taken for memory the two share.
         payload = self._payload
-        if _tracing.compiling():
+        if _tracing.compiling() or sys._getframe(1).f_code is _DESCRIBE_TENSOR:
             return torch.Tensor.untyped_storage(self)
         if isinstance(payload, torch.Tensor):
             return payload.untyped_storage()

@@ -138,7 +138,9 @@ def refuse_host_storage() -> None:
         f"flagos tensors on chip '{chip}' hold adapter buffers, not torch tensors, so they have no "
         f"inner tensor to hand to __tensor_flatten__ outside torch.compile. Ask the tensor itself: "
         f"untyped_storage() and data_ptr() name its buffer (to find tensors that share memory), "
-        f"and tensor.cpu() copies its values to the host.")
+        f"and tensor.cpu() copies its values to the host. Tracers that make fake copies of "
+        f"tensors (torch.export, make_fx, FakeTensorMode) trace torch tensors only: trace the "
+        f"model on the CPU (model.cpu()) or on a torch-native chip.")
 
 
 def skip_flagos_frames() -> None:
