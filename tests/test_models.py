@@ -216,6 +216,26 @@ def test_forward_mode_gradients_of_attention_are_the_cpus(dev):
         assert_close(on_flagos, _attention_tangent(math, q, k, v), atol=1e-5)
 
 
+def test_forward_mode_gradients_through_layers_are_the_cpus(dev):
+    """Forward-mode AD (torch.func.jvp, forward_ad) through Linear, LayerNorm and GELU: where an
+    input has no tangent, PyTorch stands in an "efficient zero tensor" that holds no memory,
+    which as a payload of the cpu chip failed in the next matmul ("its data is not allocated
+    yet"). The primal and the tangent match the CPU's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.GELU(),
+                                torch.nn.Linear(8, 3))
+    x, direction = torch.randn(4, 6), torch.randn(4, 6)
+    on_flagos = copy.deepcopy(model).to(dev)
+    expected = torch.func.jvp(model, (x,), (direction,))
+    got = torch.func.jvp(on_flagos, (x.to(dev),), (direction.to(dev),))
+    for g, e in zip(got, expected):
+        assert g.device == dev
+        assert_close(g, e)
+    with forward_ad.dual_level():
+        out = on_flagos(forward_ad.make_dual(x.to(dev), direction.to(dev)))
+        assert_close(forward_ad.unpack_dual(out).tangent, expected[1])
+
+
 @pytest.mark.parametrize("model", ["bert", "unet"])
 def test_inference_mode_runs_a_model_on_the_chip_as_no_grad_does(dev, model):
     """Under inference mode PyTorch skips the autograd key, where ops such as linear, layer_norm,

@@ -8,6 +8,9 @@ contiguous inputs only (`TORCH_CHECK(X.is_contiguous(memory_format))` with Conti
 So a Diffusers UNet whose attention hands a channels_last tensor to a GroupNorm fails on the cuda
 chip unless the payload is made contiguous first. The forward and the backward get that here, as
 override kernels of the chip, on torch-native chips whose payloads are not host tensors.
+
+And on every torch-native chip, a payload holds its memory: PyTorch's "efficient zero tensors"
+(forward-mode AD's missing tangents) are made as zeros (`efficient_zeros`).
 """
 from __future__ import annotations
 
@@ -31,8 +34,18 @@ def group_norm_backward(grad, x, mean, rstd, weight, n, c, hw, group, mask):
                                                     weight, n, c, hw, group, mask)
 
 
+def efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    # Forward-mode AD stands for a missing tangent with an "efficient zero tensor", which holds
+    # no memory and is marked with PyTorch's ZeroTensor key. As a payload it would not be marked
+    # on the wrapper (the key stays on the payload, whose data ops then read). Zeros that are
+    # there serve the same values.
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
+
+
 KERNELS = {"aten::native_group_norm": group_norm,
            "aten::native_group_norm_backward": group_norm_backward}
+# for every torch-native chip, the cpu chip's host payloads included
+PAYLOAD_KERNELS = {"aten::_efficientzerotensor": efficient_zeros}
 
 
 def needed(chip) -> bool:
@@ -42,6 +55,8 @@ def needed(chip) -> bool:
 
 def register(chip) -> None:
     """At device-mode activation (which lasts for the process)."""
-    if needed(chip):
-        for op, fn in KERNELS.items():
-            _routes.register_kernel(op, fn, chip=chip.name)
+    kernels = dict(KERNELS) if needed(chip) else {}
+    if getattr(chip, "torch_type", None) is not None:
+        kernels.update(PAYLOAD_KERNELS)
+    for op, fn in kernels.items():
+        _routes.register_kernel(op, fn, chip=chip.name)
