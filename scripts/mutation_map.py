@@ -106,6 +106,8 @@ TESTS: dict[str, list[Run]] = {
                                                  "or before_activation or compile_logs"),
                                   sim(COMPILE, k="inner_tensors"), cpu(ECOSYSTEM, k="storage_names"),
                                   sim(ECOSYSTEM, k="storage_names")],
+    "flagos/runtime/_user_subclasses.py": [cpu(FIDELITY, k="subclasses_of_the_program"),
+                                           sim(FIDELITY, k="subclasses_of_the_program")],
     "flagos/runtime/_tracing.py": [cpu(COMPILE), cpu(DEVICE, k="print"), sim(COMPILE)],
     "flagos/runtime/_guard_errors.py": [cpu(BACKWARD)],
     "flagos/core/_state.py": [cpu(DEVICE, MULTI, VERSIONS, AUTOLOAD, T + "device_module.py"), cpu(ERRORS, k="fork"), sim(MULTI)],

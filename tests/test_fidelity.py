@@ -650,3 +650,59 @@ def test_deepcopy_of_a_state_dict_keeps_tied_weights_tied(dev):
     tied = state["lm_head.weight"], state["transformer.wte.weight"]
     assert tied[0] is not tied[1] and tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr()
     assert tied[0].data_ptr() != model.lm_head.weight.data_ptr() and torch.equal(tied[0].cpu(), tied[1].cpu())
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass of a program's own (torchvision's tv_tensors are made this way)."""
+
+    def describe(self):
+        return f"tagged {tuple(self.shape)}"
+
+
+class _Noted(torch.Tensor):
+    """One with a __torch_function__ of its own, which marks its results."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if isinstance(out, _Noted) and not hasattr(out, "note"):
+            out.note = func.__name__
+        return out
+
+
+def test_tensor_subclasses_of_the_program_hold_flagos_tensors_as_on_cpu(dev):
+    """`t.to(device)`, `as_subclass` and every op keep a __torch_function__ subclass, as on
+    CPU; results leaving flagos are the program's class again; autograd goes through."""
+    x = torch.randn(4)
+    tagged = x.as_subclass(_Tagged)
+    moved = tagged.to(dev)
+    assert isinstance(moved, _Tagged) and moved.device == dev and moved.describe() == "tagged (4,)"
+    result = (moved * 2 + 1).softmax(0)
+    assert isinstance(result, _Tagged) and result.device == dev
+    close(result, (tagged * 2 + 1).softmax(0))
+    back = result.cpu()
+    assert type(back) is _Tagged and back.device.type == "cpu"
+    assert moved.add_(1) is moved  # in place: the same object, as on CPU
+    base = torch.zeros(3, device=dev)
+    view = base.as_subclass(_Tagged)
+    view.add_(5)
+    assert base.tolist() == [5.0, 5.0, 5.0]  # as_subclass shares the memory
+    leaf = x.to(dev).requires_grad_()
+    (leaf.as_subclass(_Tagged) ** 2).sum().backward()
+    close(leaf.grad, 2 * x)
+    on_cpu = torch.ones(2).as_subclass(_Noted) + 1
+    noted = torch.ones(2).as_subclass(_Noted).to(dev) + 1
+    assert isinstance(noted, _Noted) and noted.note == on_cpu.note and noted.tolist() == [2.0, 2.0]
+    module = torch.nn.Module()
+    module.register_buffer("mask", torch.ones(2).as_subclass(_Tagged))
+    module.to(dev)
+    assert isinstance(module.mask, _Tagged) and module.mask.device == dev
+
+
+    class Dispatching(torch.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with pytest.raises(TypeError, match="Dispatching has a __torch_dispatch__ of its own.*__torch_function__ only"):
+        torch.ones(2, device=dev).as_subclass(Dispatching)

@@ -19,7 +19,7 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
 from .. import _C
-from . import _storage, _tracing
+from . import _storage, _tracing, _user_subclasses
 
 _META = torch.device("meta")
 
@@ -76,6 +76,15 @@ class FlagosTensor(torch.Tensor):
             take_memory_of(self, new)  # PyTorch refuses set_data across flagos and other devices
             return
         take_payload_of(self, new)
+
+    # -- a subclass of the program's own over a flagos tensor (runtime/_user_subclasses.py)
+    def as_subclass(self, cls):
+        if isinstance(self, cls):  # torch.Tensor, FlagosTensor: PyTorch's own answer
+            return torch._C.TensorBase.as_subclass(self, cls)
+        holder = _user_subclasses.holding_flagos(cls, FlagosTensor)
+        alias = torch.ops.aten.alias.default(self)  # what PyTorch makes the object over
+        alias.__class__ = holder
+        return alias
 
     # -- host views of the values, as on every PyTorch device -------------
     def tolist(self):
