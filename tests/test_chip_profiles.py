@@ -269,7 +269,9 @@ def test_fused_cells_register_where_the_payload_device_has_none():
 
 def test_payload_rules_register_for_the_chips_that_need_them():
     overrides = flagos.core._routes._overrides
-    _payload_rules.register(chips.profile("cpu"))
+    _payload_rules.register(chips.profile("cpu"))  # host payloads: the zero-tensor rule only
+    assert {op for op, chip in overrides if chip == "cpu"} >= set(_payload_rules.PAYLOAD_KERNELS)
     assert not any(chip == "cpu" and op in _payload_rules.KERNELS for op, chip in overrides)
     _payload_rules.register(chips.profile("cuda"))
-    assert {op for op, chip in overrides if chip == "cuda"} == set(_payload_rules.KERNELS)
+    assert {op for op, chip in overrides if chip == "cuda"} == set(_payload_rules.KERNELS) | set(
+        _payload_rules.PAYLOAD_KERNELS)

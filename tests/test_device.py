@@ -206,6 +206,40 @@ def test_save_writes_each_memory_once_and_parameters_stay_parameters(dev):
 
 
 
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
+def test_a_saved_flagos_checkpoint_loads_back_as_on_cpu_in_either_format(dev, zip_format):
+    """A file of flagos tensors in the zip format or the legacy one
+    (`_use_new_zipfile_serialization=False`), loaded in place, onto the host or onto flagos:
+    the values CPU's file gives, tensors that shared memory sharing it again (tied weights, a
+    slice, a transpose), Parameters kept. The legacy format's rebuild ran before the values
+    were read (whatever the memory held) and ignored map_location; tensors loaded onto flagos
+    each got memory of their own."""
+    files = {}
+    for device in ("cpu", dev):
+        buf = io.BytesIO()
+        torch.save(_saved_state(device), buf, _use_new_zipfile_serialization=zip_format)
+        files[str(device)] = buf
+    files["cpu"].seek(0)
+    want = torch.load(files["cpu"], weights_only=False)
+    got = files[str(dev)]
+    for location, on in ((None, dev), ("cpu", torch.device("cpu")), ({str(dev): "cpu"}, torch.device("cpu")),
+                         (dev, dev)):
+        got.seek(0)
+        out = torch.load(got, map_location=location, weights_only=False)
+        for key in ("x", "slice", "xt", "p"):
+            assert out[key].device == on and torch.equal(out[key].detach().cpu(), want[key].detach()), (location, key)
+        assert isinstance(out["p"], torch.nn.Parameter) and out["p"].requires_grad and out["p"].note == "kept"
+        model = out["model"]
+        assert model[0].weight is model[1].weight and model[0].weight.device == on
+        assert_close(model(torch.tensor([1, 3]).to(on)), want["model"](torch.tensor([1, 3])))
+        state = out["state"]
+        assert state["0.weight"].data_ptr() == state["1.weight"].data_ptr()  # tied in the file
+        with torch.no_grad():
+            out["x"].add_(1)  # one memory, as CPU's load gives
+        assert torch.equal(out["slice"].cpu(), want["slice"] + 1)
+        assert torch.equal(out["xt"].cpu(), want["xt"] + 1)
+
+
 def test_load_with_map_location_flagos_lands_on_the_device(dev):
     """A host checkpoint loaded with map_location naming flagos is on flagos, as with "cuda":
     tensors that shared a storage share one (tied weights, a transpose, a slice), with their

@@ -91,8 +91,12 @@ def _mover(noted: dict):
                 whole = moved[key] = torch.empty(0, dtype=torch.uint8).set_(storage).to(device)
             out = whole.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset()).detach()
         if isinstance(t, torch.nn.Parameter):
-            return torch.nn.Parameter(out, requires_grad=t.requires_grad)
-        return out.requires_grad_(t.requires_grad)
+            out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+        else:
+            out.requires_grad_(t.requires_grad)
+        for name, value in vars(t).items():  # attributes the file restored (a Parameter's state)
+            setattr(out, name, value)
+        return out
 
     return move
 
@@ -126,11 +130,51 @@ def _scope(local: threading.local, name: str):
 def _load(load):
     @functools.wraps(load)
     def load_onto_flagos(*args, **kwargs):
-        with _scope(_loading, "noted") as noted:
+        with _scope(_loading, "noted") as noted, _scope(_loading, "asked") as asked:
+            asked["map_location"] = kwargs["map_location"] if "map_location" in kwargs else (
+                args[1] if len(args) > 1 else None)
             result = load(*args, **kwargs)
         return _move_noted(result, noted) if noted else result
     load_onto_flagos.__flagos_load__ = load
     return load_onto_flagos
+
+
+_BASE_REBUILD = torch._utils._rebuild_device_tensor_from_cpu_tensor
+
+
+def _restore_location(device: str):
+    """Where the torch.load running puts a tensor saved for `device`, by PyTorch's rules
+    (`_get_restore_location`). PyTorch hands the map_location to rebuilds in its zip format
+    only; in the legacy format this load's own is used."""
+    tls = torch.serialization._serialization_tls
+    if tls.map_location is not None:
+        return torch._utils._get_restore_location(device)
+    tls.map_location = _loading.asked[-1]["map_location"]
+    try:
+        return torch._utils._get_restore_location(device)
+    finally:
+        tls.map_location = None
+
+
+@functools.wraps(_BASE_REBUILD)
+def _rebuild_device_tensor(data, dtype, device, requires_grad):
+    # PyTorch's rebuild of a tensor saved as a host tensor (a flagos tensor's record) moves it
+    # at once. In the legacy format (`_use_new_zipfile_serialization=False`) that is before the
+    # storage's bytes are read, so the values were whatever the memory held, and without the
+    # map_location; in either format each tensor moved on its own, so tensors that shared
+    # memory in the file no longer did. Inside a torch.load a tensor for flagos stays over its
+    # host storage, noted, and moves with the load's other noted storages when it returns.
+    noted = getattr(_loading, "noted", None)
+    if not noted:
+        return _BASE_REBUILD(data, dtype, device, requires_grad)
+    location = _restore_location(device)
+    if data.dtype == dtype and _names_flagos(str(location)):
+        noted[-1][data.untyped_storage().data_ptr()] = torch.device(location)
+        data.requires_grad = requires_grad
+        return data
+    tensor = data.to(dtype=dtype, device=location)  # on the host: the file's storage itself
+    tensor.requires_grad = requires_grad
+    return tensor
 
 
 # ---- torch.save ---------------------------------------------------------------------
@@ -176,4 +220,7 @@ def install() -> None:
     torch.UntypedStorage.__new__ = _new
     torch.serialization.register_package(5, tag_storage, restore_storage)
     torch.load = torch.serialization.load = _load(torch.serialization.load)
+    torch._utils._rebuild_device_tensor_from_cpu_tensor = _rebuild_device_tensor
+    # (weights_only loads allow the rebuild functions they found at their first use)
+    torch._weights_only_unpickler._get_allowed_globals.cache_clear()
     torch.save = torch.serialization.save = _save(torch.serialization.save)
