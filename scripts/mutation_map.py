@@ -82,7 +82,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/integrations/_lazy_params.py": [cpu(MODULE_KINDS), sim(MODULE_KINDS)],
     "flagos/runtime/_payload_rules.py": [cpu(CHIP_PROFILES, k="payload_rules"), cpu(MODELS, k="forward_mode")],
     "flagos/runtime/_pinned.py": [cpu(ECOSYSTEM, k="pin"), sim(ECOSYSTEM, k="pin")],
-    "flagos/runtime/_registration.py": [cpu(DEVICE, ERRORS, NATIVE), cpu(FIDELITY, k="sparse or quantized"),
+    "flagos/runtime/_registration.py": [cpu(DEVICE, ERRORS, NATIVE), cpu(FIDELITY, k="sparse or quantized or flagos_scalars"),
                                         cpu(SEQUENCES, k="transformer"),
                                         sim(STREAMS, k="accelerator")],
     "flagos/report/_report.py": [cpu(ROUTES, COUNTERS, HTML), sim_default(T + "precision_policy.py", k="downcast")],

@@ -134,6 +134,22 @@ def test_tolist_item_and_format(dev):
     assert f"{torch.tensor(3).to(dev):>4}" == "   3"
 
 
+def test_torch_tensor_of_flagos_scalars_reads_their_values_as_on_cpu(dev):
+    """torch.tensor([a, b]) of 0-dim tensors reads each with item() while PyTorch keeps the
+    Python key out, so the read reaches the flagos key itself (it hit an internal assert)."""
+    values = [torch.tensor(1.5), torch.tensor(-2.0), torch.tensor(3, dtype=torch.int64)]
+    on_flagos = [v.to(dev) for v in values]
+    for data in (on_flagos[:2], [on_flagos[:1], on_flagos[1:2]], [on_flagos[2], 7]):
+        expected = torch.tensor([[v.cpu() for v in d] if isinstance(d, list) else d.cpu() if
+                                 isinstance(d, torch.Tensor) else d for d in data])
+        got = torch.tensor(data)
+        assert got.device.type == "cpu" and got.dtype == expected.dtype and torch.equal(got, expected)
+        placed = torch.tensor(data, device=dev, dtype=torch.float64)
+        assert placed.device == dev and torch.equal(placed.cpu(), expected.double())
+    with pytest.raises(ValueError, match="only one element tensors"):
+        torch.tensor([torch.ones(2, device=dev)])  # CPU's error for a tensor that is no scalar
+
+
 def test_numpy_says_to_copy_to_the_host_first(dev):
     t = torch.arange(3.0).to(dev)
     with pytest.raises(TypeError, match=r"can't convert flagos:0 device type tensor to numpy\. "

@@ -85,6 +85,9 @@ def _register(owner, device_module) -> None:
     # serve it there, a registered kernel can.
     _copy_lib = torch.library.Library("aten", "IMPL")
     _copy_lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    # torch.tensor([a, b]) of flagos scalars reads each with item() under the same exclusion
+    # (PyTorch's internal assert "func != nullptr" in the fallback's stead).
+    _copy_lib.impl("_local_scalar_dense", _local_scalar_dense, "PrivateUse1")
     # A sparse tensor moved to flagos lands on the sparse flagos keys: say so instead of
     # failing deep inside the sparse kernels.
     for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
@@ -116,6 +119,10 @@ def _quantized_unsupported(op, *args, **kwargs):
 
 def _copy_from(src, dst, non_blocking=False):
     return _C.dispatch_factory(torch.ops.aten.copy_.default, dst, src, non_blocking)
+
+
+def _local_scalar_dense(t):
+    return _C.dispatch_factory(torch.ops.aten._local_scalar_dense.default, t)
 
 
 # ---- what a Python backend cannot register: generators, streams, torch.accelerator ----------
