@@ -82,6 +82,40 @@ def test_accelerator_training_matches_cpu(dev, fresh_state):
     assert all(p.device == dev for p in model.parameters())
 
 
+def _trainer_run(tmp_path, use_cpu):
+    """A transformers Trainer fine-tuning a tiny BERT classifier for one epoch (4 steps) and
+    predicting: the device it chose, the loss, the weights and the predictions."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64, num_labels=2)
+    model = transformers.BertForSequenceClassification(config)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (16, 8), generator=generator)
+    labels = torch.randint(0, 2, (16,), generator=generator)
+    data = [{"input_ids": ids[i], "attention_mask": torch.ones(8, dtype=torch.long), "labels": labels[i]}
+            for i in range(16)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / ("cpu" if use_cpu else "flagos")), per_device_train_batch_size=4,
+        num_train_epochs=1, learning_rate=1e-3, report_to=[], seed=0, save_strategy="no",
+        use_cpu=use_cpu, dataloader_pin_memory=False, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    result = trainer.train()
+    predictions = trainer.predict(data).predictions
+    return args.device, result.training_loss, model.classifier.weight.detach().cpu(), predictions
+
+
+def test_trainer_trains_on_flagos_as_on_cpu(dev, fresh_state, tmp_path):
+    """The Trainer puts the batches where TrainingArguments.device says and the model where its
+    accelerate says: both flagos (the batches stayed on the host: "argument 'indices' is a tensor
+    on cpu, but the op runs on flagos"). Loss, weights and predictions are plain CPU's."""
+    device, loss, weight, predictions = _trainer_run(tmp_path, use_cpu=False)
+    want_device, want_loss, want_weight, want_predictions = _trainer_run(tmp_path, use_cpu=True)
+    assert device == dev and want_device == torch.device("cpu")
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    torch.testing.assert_close(weight, want_weight, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(predictions, want_predictions, rtol=1e-4, atol=1e-6)
+
+
 def test_accelerator_bf16_mixed_precision_matches_cpu(dev, fresh_state):
     """accelerate's bf16 autocast on flagos is bit-identical to accelerate's bf16 on the host."""
     from accelerate.state import AcceleratorState

@@ -16,6 +16,10 @@ Neither library is edited. While flagos owns the device (device mode):
   (`LOCAL_RANK` set) get the "flagos" process group (`flagos.dist_backend()`), accelerate's
   MULTI_GPU type and flagos:(local rank % device count) as their device, and
   `Accelerator.prepare` gives DDP that device's index.
+- transformers' `TrainingArguments.device` (what the `Trainer` moves batches to) asks accelerate
+  only in distributed runs; alone it lists the named accelerators and ends at "cpu", while the
+  `Trainer`'s accelerate places the model on flagos: "argument 'indices' is a tensor on cpu, but
+  the op runs on flagos". Without `use_cpu` it is accelerate's device, as in distributed runs.
 - safetensors checks device names in Rust against the ones it knows, so
   `safetensors.torch.load_file(path, device="flagos")` (Diffusers' group offloading to disk)
   loads to the host and moves the tensors to flagos.
@@ -264,6 +268,31 @@ def _huggingface_hub_torch(module) -> None:
         _replaced[id(original)] = (original, replacement)
 
 
+# ---- transformers ---------------------------------------------------------------
+
+def _transformers_training_args(module) -> None:
+    cls = module.TrainingArguments
+    cached = vars(cls)["_setup_devices"]  # a functools.cached_property
+    original = cached.func
+    if getattr(original, "_flagos", False):
+        return
+
+    def _setup_devices(self) -> torch.device:
+        device = original(self)
+        state = self.distributed_state
+        if (_flagos_default() is None or self.use_cpu or state is None
+                or state.distributed_type.name != "NO" or os.environ.get("ACCELERATE_TORCH_DEVICE")):
+            return device
+        self._n_gpu = 1  # one device, as for an XPU or NPU (no DataParallel)
+        return state.device  # flagos: where the Trainer's accelerate places the model
+
+    _setup_devices._flagos = True
+    _setup_devices.__doc__ = original.__doc__
+    replacement = type(cached)(_setup_devices)
+    replacement.__set_name__(cls, "_setup_devices")
+    cls._setup_devices = replacement
+
+
 _PATCHES = {
     "diffusers.utils.torch_utils": _diffusers_torch_utils,
     "diffusers.pipelines.pipeline_utils": _diffusers_pipeline_utils,
@@ -272,6 +301,7 @@ _PATCHES = {
     "accelerate.utils.modeling": _accelerate_modeling,
     "safetensors.torch": _safetensors_torch,
     "huggingface_hub.serialization._torch": _huggingface_hub_torch,
+    "transformers.training_args": _transformers_training_args,
 }
 
 
