@@ -116,6 +116,32 @@ def test_trainer_trains_on_flagos_as_on_cpu(dev, fresh_state, tmp_path):
     np.testing.assert_allclose(predictions, want_predictions, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", [None, 0, -1, "flagos", "cpu"])
+def test_a_pipeline_given_an_index_or_no_device_runs_on_flagos_as_on_an_accelerator(dev, tmp_path, device):
+    """pipeline(device=None or N) means the first accelerator's device N, as cuda:N on a GPU:
+    the model stays on flagos (it was moved back to the host); -1 keeps the model's device;
+    "cpu" moves it. The scores are plain CPU's."""
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(95)]))
+    tokenizer = transformers.BertTokenizer(str(vocab))
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64, num_labels=3)
+    model = transformers.BertForSequenceClassification(config).eval()
+    texts = ["w1 w2 w3", "w4 w5"]
+    expected = transformers.pipeline("text-classification", model=model, tokenizer=tokenizer, device="cpu",
+                                     top_k=None)(texts)
+    kwargs = {} if device is None else {"device": dev if device == "flagos" else device}
+    classify = transformers.pipeline("text-classification", model=model.to(dev), tokenizer=tokenizer,
+                                     top_k=None, **kwargs)
+    on = torch.device("cpu") if device == "cpu" else dev
+    assert classify.device == on and next(model.parameters()).device == on
+    got = classify(texts)
+    for g, e in zip(got, expected):
+        assert [d["label"] for d in g] == [d["label"] for d in e]
+        assert [d["score"] for d in g] == pytest.approx([d["score"] for d in e], rel=1e-5)
+
+
 def test_accelerator_bf16_mixed_precision_matches_cpu(dev, fresh_state):
     """accelerate's bf16 autocast on flagos is bit-identical to accelerate's bf16 on the host."""
     from accelerate.state import AcceleratorState

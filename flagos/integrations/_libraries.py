@@ -20,6 +20,9 @@ Neither library is edited. While flagos owns the device (device mode):
   only in distributed runs; alone it lists the named accelerators and ends at "cpu", while the
   `Trainer`'s accelerate places the model on flagos: "argument 'indices' is a tensor on cpu, but
   the op runs on flagos". Without `use_cpu` it is accelerate's device, as in distributed runs.
+  A `pipeline()` given a device index, or none (index 0), maps it to the first named accelerator
+  it finds and else to "cpu", moving a model already on flagos back to the host: the index means
+  flagos:N, as it means cuda:N on a GPU.
 - safetensors checks device names in Rust against the ones it knows, so
   `safetensors.torch.load_file(path, device="flagos")` (Diffusers' group offloading to disk)
   loads to the host and moves the tensors to flagos.
@@ -293,6 +296,29 @@ def _transformers_training_args(module) -> None:
     cls._setup_devices = replacement
 
 
+def _transformers_pipelines(module) -> None:
+    cls = module.Pipeline
+    original = cls.__init__
+    if getattr(original, "_flagos", False):
+        return
+    positional_device = 7  # model, tokenizer, feature_extractor, image_processor, processor, modelcard, task
+
+    def __init__(self, *args, **kwargs):
+        flagos = _flagos_default()
+        if flagos is not None and len(args) <= positional_device:
+            device = kwargs.get("device")
+            model = args[0] if args else kwargs.get("model")
+            if device is None and getattr(model, "hf_device_map", None) is None:
+                device = 0  # the pipeline's own default: the first accelerator
+            if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+                kwargs["device"] = torch.device(flagos.type, device)
+        original(self, *args, **kwargs)
+
+    __init__._flagos = True
+    __init__.__doc__, __init__.__wrapped__ = original.__doc__, original
+    cls.__init__ = __init__
+
+
 _PATCHES = {
     "diffusers.utils.torch_utils": _diffusers_torch_utils,
     "diffusers.pipelines.pipeline_utils": _diffusers_pipeline_utils,
@@ -302,6 +328,7 @@ _PATCHES = {
     "safetensors.torch": _safetensors_torch,
     "huggingface_hub.serialization._torch": _huggingface_hub_torch,
     "transformers.training_args": _transformers_training_args,
+    "transformers.pipelines.base": _transformers_pipelines,
 }
 
 
