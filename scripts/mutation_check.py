@@ -670,6 +670,37 @@ MUTATIONS = [
       "(PyTorch's internal error instead of the way out)", "flagos/core/_schema.py",
       "    if packet_name(name) in NESTED_OPS:", "    if False:",
       cpu("tests/test_sequence_models.py", k="transformer_encoder")),
+    M("ctc_bool_lengths_accepted", "ctc_loss takes boolean or complex length tensors as lengths "
+      "(CPU says they must be integral)", "flagos/runtime/_sequences.py",
+      "        if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:",
+      "        if lengths.is_floating_point() or lengths.is_complex() and lengths.dtype == torch.bool:",
+      cpu("tests/test_sequence_models.py", k="not_integers")),
+    M("lazy_parameter_initialized_on_move", "a lazy module's uninitialized parameter moved to flagos "
+      "comes out an empty initialized tensor (its first forward never gives it a shape)",
+      "flagos/integrations/_lazy_params.py",
+      "        result.__class__ = _on_flagos(cls)\n", "        pass\n",
+      cpu("tests/test_module_kinds.py", k="lazy_module_moved and module.to")),
+    M("scripted_slots_left_on_the_host", "a scripted module's .to() leaves its C++ slots holding "
+      "the host tensors", "flagos/integrations/_offload.py",
+      "            self._c.setattr(name, param)", "            pass",
+      cpu("tests/test_module_kinds.py", k="scripted")),
+    M("user_subclass_refused", "a tensor subclass of the program cannot hold a flagos tensor "
+      "(PyTorch's as_subclass)", "flagos/runtime/_tensor.py",
+      "        if isinstance(self, cls):  # torch.Tensor, FlagosTensor: PyTorch's own answer",
+      "        if True:",
+      cpu("tests/test_fidelity.py", k="subclasses_of_the_program")),
+    M("legacy_load_reads_before_the_bytes", "a legacy-format checkpoint of flagos tensors is "
+      "moved before its bytes are read (PyTorch's own rebuild)", "flagos/runtime/_storage.py",
+      "    torch._utils._rebuild_device_tensor_from_cpu_tensor = _rebuild_device_tensor",
+      "    pass", cpu("tests/test_device.py", k="either_format and legacy")),
+    M("efficient_zeros_kept", "forward-mode AD's efficient zero tensors become payloads that hold "
+      "no memory", "flagos/runtime/_payload_rules.py",
+      "        kernels.update(PAYLOAD_KERNELS)", "        pass",
+      cpu("tests/test_models.py", k="forward_mode_gradients_through")),
+    M("trainer_batches_on_the_host", "transformers' TrainingArguments.device stays the host while "
+      "the Trainer's accelerate puts the model on flagos", "flagos/integrations/_libraries.py",
+      '    "transformers.training_args": _transformers_training_args,', "",
+      cpu("tests/test_accelerate.py", k="trainer")),
 ]
 
 

@@ -158,12 +158,17 @@ def test_ctc_loss_matches_cpu(dev, lengths_on, reduction, mode):
         assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
-def test_ctc_loss_refuses_lengths_that_are_not_integers(dev):
+@pytest.mark.parametrize("lengths", [torch.tensor([4.0]), torch.tensor([4 + 0j]), torch.tensor([True])],
+                         ids=["float", "complex", "bool"])
+def test_ctc_loss_refuses_lengths_that_are_not_integers(dev, lengths):
     log_probs = torch.randn(4, 1, 3).log_softmax(2)
     for device in ("cpu", dev):
         with pytest.raises(RuntimeError, match="input_lengths must be integral"):
             torch.nn.functional.ctc_loss(log_probs.to(device), torch.tensor([[1]]).to(device),
-                                         torch.tensor([4.0]), torch.tensor([1]))
+                                         lengths, torch.tensor([1]))
+        with pytest.raises(RuntimeError, match="target_lengths must be integral"):
+            torch.nn.functional.ctc_loss(log_probs.to(device), torch.tensor([[1]]).to(device),
+                                         torch.tensor([4]), lengths)
 
 
 def test_the_cells_route_where_the_payload_device_has_none():
