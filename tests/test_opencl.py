@@ -146,6 +146,20 @@ def test_bad_fp16_value_is_a_clear_error():
 
 
 @from_cpu
+def test_visible_devices_pick_among_the_opencl_devices_as_sim_honours_them():
+    """FLAGOS_VISIBLE_DEVICES picks among the devices FLAGOS_OPENCL_DEVICES chose: an index
+    that exists is flagos:0; a repeated index or one past them is a clear error."""
+    code = "import torch, flagos; flagos.activate('opencl'); print(torch.flagos.device_count())"
+    env = {"FLAGOS_OPENCL_DEVICES": "0"}
+    assert run_python(code, env={**env, "FLAGOS_VISIBLE_DEVICES": "0"}).stdout.split()[-1] == "1"
+    for value in ("0,0", "1", "0,x"):
+        proc = run_python(code, check=False, env={**env, "FLAGOS_VISIBLE_DEVICES": value})
+        assert proc.returncode != 0
+        assert f"FLAGOS_VISIBLE_DEVICES='{value}' is not valid for opencl" in proc.stderr, proc.stderr[-2000:]
+        assert "Segmentation" not in proc.stderr
+
+
+@from_cpu
 def test_opencl_devices_all_and_an_index_are_accepted():
     code = "import torch, flagos; flagos.activate('opencl'); print(torch.flagos.device_count())"
     every = int(run_python(code, env={"FLAGOS_OPENCL_DEVICES": "all"}).stdout.split()[-1])
