@@ -97,12 +97,18 @@ def _scripted_net():
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
-def test_a_scripted_module_moved_to_flagos_runs_and_trains_as_on_cpu(dev):
+@pytest.mark.filterwarnings("ignore:`torch.jit.[a-z_]+` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("compile_with", ["script", "trace"])
+def test_a_scripted_module_moved_to_flagos_runs_and_trains_as_on_cpu(dev, compile_with):
+    def compiled(net):
+        if compile_with == "script":
+            return torch.jit.script(net)
+        return torch.jit.trace(net, torch.randn(3, 4, generator=torch.Generator().manual_seed(2)))
+
     torch.manual_seed(0)
-    reference = torch.jit.script(_scripted_net())
+    reference = compiled(_scripted_net())
     torch.manual_seed(0)
-    model = torch.jit.script(_scripted_net())
+    model = compiled(_scripted_net())
     params = list(model.parameters())
     model.to(dev)
     assert all(p.device == dev for p in model.parameters())

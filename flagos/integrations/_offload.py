@@ -16,9 +16,9 @@ would make new ones, and an optimizer built earlier would go on stepping the old
 the setter above the answer for flagos/host pairs is yes, so `model.cpu()` keeps its parameter
 objects as it does between CPU and CUDA.
 
-A scripted module (`torch.jit.script`) keeps its parameters in C++ slots, which a swap of Python
-objects does not reach: its `.to()` left them on the host. After a scripted module's conversion
-the slots are given the swapped parameter objects again.
+A scripted or traced module (`torch.jit.script`, `torch.jit.trace`) keeps its parameters in C++
+slots, which a swap of Python objects does not reach: its `.to()` left them on the host. After
+such a module's conversion the slots are given the swapped parameter objects again.
 
 `module.to(dtype)`, `.half()` and `.float()` (Diffusers' layerwise casting runs them around
 every forward) swap each parameter of a wrapper subclass with `torch.utils.swap_tensors`, which
@@ -44,7 +44,7 @@ from ..runtime._tensor import (
 _BASE_DATA = torch._C.TensorBase.data
 _BASE_COMPATIBLE = torch._has_compatible_shallow_copy_type
 _BASE_SWAP = torch.utils.swap_tensors
-_BASE_SCRIPT_APPLY = torch.jit.RecursiveScriptModule._apply
+_BASE_SCRIPT_APPLY = torch.jit.ScriptModule._apply
 _installed = False
 
 
@@ -103,5 +103,5 @@ def install() -> None:
     _swap_tensors.__doc__ = _BASE_SWAP.__doc__
     _swap_tensors.__wrapped__ = _BASE_SWAP
     torch.utils.swap_tensors = _swap_tensors
-    torch.jit.RecursiveScriptModule._apply = _script_apply
+    torch.jit.ScriptModule._apply = _script_apply  # scripted and traced modules
     _installed = True
