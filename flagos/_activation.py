@@ -29,6 +29,7 @@ from .integrations import (
     _backward_errors,
     _caches,
     _compile,
+    _data_parallel,
     _distributed,
     _lazy_params,
     _libraries,
@@ -277,6 +278,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
         if mode == "device":  # libraries that asked before, or will ask, which device exists
             _offload.install()
             _lazy_params.install()
+            _data_parallel.install()
             _libraries.install()
             _distributed.install()
         # At `import torch` (autoload) no backward can have run yet, and a probe would deadlock:

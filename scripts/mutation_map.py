@@ -80,6 +80,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/integrations/_redirect.py": [cpu(T + "redirect.py"), sim(T + "redirect.py")],
     "flagos/integrations/_offload.py": [cpu(OFFLOAD, MODULE_KINDS), sim(OFFLOAD, MODULE_KINDS)],
     "flagos/integrations/_lazy_params.py": [cpu(MODULE_KINDS), sim(MODULE_KINDS)],
+    "flagos/integrations/_data_parallel.py": [cpu(MODULE_KINDS, k="data_parallel"), sim(MODULE_KINDS, k="data_parallel")],
     "flagos/runtime/_payload_rules.py": [cpu(CHIP_PROFILES, k="payload_rules"), cpu(MODELS, k="forward_mode")],
     "flagos/runtime/_pinned.py": [cpu(ECOSYSTEM, k="pin"), sim(ECOSYSTEM, k="pin")],
     "flagos/runtime/_registration.py": [cpu(DEVICE, ERRORS, NATIVE), cpu(FIDELITY, k="sparse or quantized or flagos_scalars"),

@@ -1,6 +1,7 @@
 """Modules that PyTorch builds in ways of their own, moved to flagos as users move them: lazy
-modules (parameters without a shape until the first forward) and scripted modules (parameters in
-C++ slots), each compared with the same module on plain CPU, seeded alike.
+modules (parameters without a shape until the first forward), scripted and traced modules
+(parameters in C++ slots) and DataParallel wrappers, each compared with the same module on
+plain CPU, seeded alike.
 Runs on the suite's chip (cpu, and sim with FLAGOS_TEST_CHIP=sim)."""
 import copy
 import io
@@ -9,6 +10,8 @@ import pytest
 import torch
 from conftest import device_mode_only
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_lazy
+
+import flagos
 
 pytestmark = device_mode_only
 
@@ -125,3 +128,32 @@ def test_a_scripted_module_moved_to_flagos_runs_and_trains_as_on_cpu(dev, compil
     model.cpu()
     assert all(p.device.type == "cpu" and p is q for p, q in zip(model.parameters(), params))
     torch.testing.assert_close(model(x), reference(x))
+
+
+def test_data_parallel_runs_a_model_over_the_flagos_devices_as_on_cpu(dev):
+    """nn.DataParallel (a CUDA-written script wraps its model when it sees several devices)
+    over every flagos device: outputs from flagos and host inputs are CPU's; training runs where
+    the engine allows (one device), and with several it says why (NoEngineQueueError: backward
+    on flagos:1), the process going on. Its copies failed: "module 'torch._C' has no attribute
+    '_scatter'"."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = copy.deepcopy(reference).to(dev)
+    wrapped = torch.nn.DataParallel(model)
+    count = torch.flagos.device_count()
+    assert wrapped.device_ids == list(range(count))
+    x = torch.randn(6, 4)
+    expected = reference(x)
+    for given in (x.to(dev), x):
+        out = wrapped(given)
+        assert out.device == dev
+        torch.testing.assert_close(out.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
+    if count > 1:
+        with pytest.raises(flagos.NoEngineQueueError, match="flagos:1"):
+            wrapped(x.to(dev)).square().sum().backward()
+        model.zero_grad()
+        wrapped = model  # one device trains
+    wrapped(x.to(dev)).square().sum().backward()
+    expected.square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6)
