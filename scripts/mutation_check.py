@@ -701,6 +701,11 @@ MUTATIONS = [
       "the Trainer's accelerate puts the model on flagos", "flagos/integrations/_libraries.py",
       '    "transformers.training_args": _transformers_training_args,', "",
       cpu("tests/test_accelerate.py", k="trainer")),
+    M("data_parallel_host_inputs_refused", "nn.DataParallel's scatter of a host input to flagos "
+      "devices takes PyTorch's missing CUDA function", "flagos/integrations/_data_parallel.py",
+      '    return (isinstance(first, torch.Tensor) and first.device.type == "cpu"',
+      '    return (isinstance(first, torch.Tensor) and first.device.type == "meta"',
+      sim("tests/test_module_kinds.py", k="data_parallel")),
 ]
 
 
