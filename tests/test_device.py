@@ -3,6 +3,7 @@ import inspect
 import io
 import pathlib
 import re
+import types
 import zipfile
 
 import pytest
@@ -217,7 +218,9 @@ def test_a_saved_flagos_checkpoint_loads_back_as_on_cpu_in_either_format(dev, zi
     files = {}
     for device in ("cpu", dev):
         buf = io.BytesIO()
-        torch.save(_saved_state(device), buf, _use_new_zipfile_serialization=zip_format)
+        state = _saved_state(device)
+        state["held"] = types.SimpleNamespace(mask=state["x"][0])  # an object of the program's
+        torch.save(state, buf, _use_new_zipfile_serialization=zip_format)
         files[str(device)] = buf
     files["cpu"].seek(0)
     want = torch.load(files["cpu"], weights_only=False)
@@ -228,6 +231,8 @@ def test_a_saved_flagos_checkpoint_loads_back_as_on_cpu_in_either_format(dev, zi
         out = torch.load(got, map_location=location, weights_only=False)
         for key in ("x", "slice", "xt", "p"):
             assert out[key].device == on and torch.equal(out[key].detach().cpu(), want[key].detach()), (location, key)
+        mask = out["held"].mask  # where no walk of the result reaches: on the device too
+        assert mask.device == on and torch.equal(mask.cpu(), want["held"].mask)
         assert isinstance(out["p"], torch.nn.Parameter) and out["p"].requires_grad and out["p"].note == "kept"
         model = out["model"]
         assert model[0].weight is model[1].weight and model[0].weight.device == on

@@ -51,9 +51,6 @@ class UninitializedBufferOnFlagos(UninitializedBuffer, FlagosTensor):
         return (UninitializedBuffer, (self.requires_grad,))
 
 
-_BASE_NEW = {UninitializedParameter: UninitializedParameter.__new__, UninitializedBuffer: UninitializedBuffer.__new__}
-
-
 def _uninitialized(cls: type, requires_grad: bool, device, dtype) -> torch.Tensor:
     # PyTorch's constructor: an empty tensor made a subclass. A flagos tensor already has its
     # Python object, so it takes the class on flagos instead.

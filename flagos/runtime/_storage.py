@@ -133,6 +133,7 @@ def _load(load):
         with _scope(_loading, "noted") as noted, _scope(_loading, "asked") as asked:
             asked["map_location"] = kwargs["map_location"] if "map_location" in kwargs else (
                 args[1] if len(args) > 1 else None)
+            asked["moved"], asked["pending"] = {}, []  # (storage, device) -> its bytes there
             result = load(*args, **kwargs)
         return _move_noted(result, noted) if noted else result
     load_onto_flagos.__flagos_load__ = load
@@ -140,6 +141,7 @@ def _load(load):
 
 
 _BASE_REBUILD = torch._utils._rebuild_device_tensor_from_cpu_tensor
+_BASE_LEGACY_LOAD = torch.serialization._legacy_load
 
 
 def _restore_location(device: str):
@@ -158,23 +160,48 @@ def _restore_location(device: str):
 
 @functools.wraps(_BASE_REBUILD)
 def _rebuild_device_tensor(data, dtype, device, requires_grad):
-    # PyTorch's rebuild of a tensor saved as a host tensor (a flagos tensor's record) moves it
-    # at once. In the legacy format (`_use_new_zipfile_serialization=False`) that is before the
-    # storage's bytes are read, so the values were whatever the memory held, and without the
-    # map_location; in either format each tensor moved on its own, so tensors that shared
-    # memory in the file no longer did. Inside a torch.load a tensor for flagos stays over its
-    # host storage, noted, and moves with the load's other noted storages when it returns.
-    noted = getattr(_loading, "noted", None)
-    if not noted:
+    # PyTorch's rebuild of a tensor saved as a host tensor (a flagos tensor's record) moves each
+    # tensor on its own, so tensors that shared memory in the file no longer did; and in the
+    # legacy format (`_use_new_zipfile_serialization=False`) it runs before the storage's bytes
+    # are read (the values were whatever the memory held) and without the map_location. Inside
+    # a torch.load, each host storage goes to flagos once and its tensors are views of it; in
+    # the legacy format the copy waits for the bytes (_legacy_load below).
+    asked = getattr(_loading, "asked", None)
+    if not asked:
         return _BASE_REBUILD(data, dtype, device, requires_grad)
+    load = asked[-1]
     location = _restore_location(device)
-    if data.dtype == dtype and _names_flagos(str(location)):
-        noted[-1][data.untyped_storage().data_ptr()] = torch.device(location)
-        data.requires_grad = requires_grad
-        return data
-    tensor = data.to(dtype=dtype, device=location)  # on the host: the file's storage itself
-    tensor.requires_grad = requires_grad
-    return tensor
+    storage = data.untyped_storage()
+    if data.dtype != dtype or not _names_flagos(str(location)) or storage.nbytes() % data.element_size():
+        tensor = data.to(dtype=dtype, device=location)  # on the host: the file's storage itself
+        tensor.requires_grad = requires_grad
+        return tensor
+    key = (storage.data_ptr(), str(location))
+    whole = load["moved"].get(key)
+    if whole is None:
+        host = torch.empty(0, dtype=torch.uint8).set_(storage)
+        if load.get("legacy"):
+            whole = torch.empty(host.shape, dtype=torch.uint8, device=location)
+            load["pending"].append((whole, host))
+        else:
+            whole = host.to(location)
+        load["moved"][key] = whole
+    out = whole.view(dtype).as_strided(data.size(), data.stride(), data.storage_offset()).detach()
+    out.requires_grad = requires_grad
+    return out
+
+
+@functools.wraps(_BASE_LEGACY_LOAD)
+def _legacy_load(*args, **kwargs):
+    asked = getattr(_loading, "asked", None)
+    if not asked:
+        return _BASE_LEGACY_LOAD(*args, **kwargs)
+    asked[-1]["legacy"] = True
+    result = _BASE_LEGACY_LOAD(*args, **kwargs)
+    with torch.no_grad():
+        for whole, host in asked[-1]["pending"]:  # the bytes are read now
+            whole.copy_(host)
+    return result
 
 
 # ---- torch.save ---------------------------------------------------------------------
@@ -221,6 +248,7 @@ def install() -> None:
     torch.serialization.register_package(5, tag_storage, restore_storage)
     torch.load = torch.serialization.load = _load(torch.serialization.load)
     torch._utils._rebuild_device_tensor_from_cpu_tensor = _rebuild_device_tensor
+    torch.serialization._legacy_load = _legacy_load
     # (weights_only loads allow the rebuild functions they found at their first use)
     torch._weights_only_unpickler._get_allowed_globals.cache_clear()
     torch.save = torch.serialization.save = _save(torch.serialization.save)
