@@ -82,12 +82,16 @@ def test_accelerator_training_matches_cpu(dev, fresh_state):
     assert all(p.device == dev for p in model.parameters())
 
 
-def _trainer_run(tmp_path, use_cpu):
+def _trainer_run(tmp_path, use_cpu, bf16=False):
     """A transformers Trainer fine-tuning a tiny BERT classifier for one epoch (4 steps) and
     predicting: the device it chose, the loss, the weights and the predictions."""
     torch.manual_seed(0)
+    # (no dropout under bf16: PyTorch's dropout is a composite that takes a fused kernel on an
+    # accelerator, whose backward scales in float32 where the CPU's scales by a bfloat16 factor)
+    dropout = 0.0 if bf16 else 0.1
     config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=64, num_labels=2)
+                                     num_attention_heads=2, intermediate_size=64, num_labels=2,
+                                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     model = transformers.BertForSequenceClassification(config)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 100, (16, 8), generator=generator)
@@ -97,19 +101,25 @@ def _trainer_run(tmp_path, use_cpu):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / ("cpu" if use_cpu else "flagos")), per_device_train_batch_size=4,
         num_train_epochs=1, learning_rate=1e-3, report_to=[], seed=0, save_strategy="no",
-        use_cpu=use_cpu, dataloader_pin_memory=False, disable_tqdm=True)
+        use_cpu=use_cpu, dataloader_pin_memory=False, disable_tqdm=True, bf16=bf16)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     result = trainer.train()
     predictions = trainer.predict(data).predictions
     return args.device, result.training_loss, model.classifier.weight.detach().cpu(), predictions
 
 
-def test_trainer_trains_on_flagos_as_on_cpu(dev, fresh_state, tmp_path):
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_trainer_trains_on_flagos_as_on_cpu(dev, fresh_state, tmp_path, bf16):
     """The Trainer puts the batches where TrainingArguments.device says and the model where its
     accelerate says: both flagos (the batches stayed on the host: "argument 'indices' is a tensor
-    on cpu, but the op runs on flagos"). Loss, weights and predictions are plain CPU's."""
-    device, loss, weight, predictions = _trainer_run(tmp_path, use_cpu=False)
-    want_device, want_loss, want_weight, want_predictions = _trainer_run(tmp_path, use_cpu=True)
+    on cpu, but the op runs on flagos"). Loss, weights and predictions are plain CPU's. `bf16=True`
+    is accepted where the chip runs bfloat16 natively and refused elsewhere, as on a GPU."""
+    if bf16 and not flagos.supports_dtype(torch.bfloat16):
+        with pytest.raises(ValueError, match="doesn't support bf16"):
+            _trainer_run(tmp_path, use_cpu=False, bf16=True)
+        return
+    device, loss, weight, predictions = _trainer_run(tmp_path, use_cpu=False, bf16=bf16)
+    want_device, want_loss, want_weight, want_predictions = _trainer_run(tmp_path, use_cpu=True, bf16=bf16)
     assert device == dev and want_device == torch.device("cpu")
     assert loss == pytest.approx(want_loss, rel=1e-5)
     torch.testing.assert_close(weight, want_weight, rtol=1e-4, atol=1e-6)

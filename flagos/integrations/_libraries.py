@@ -19,7 +19,8 @@ Neither library is edited. While flagos owns the device (device mode):
 - transformers' `TrainingArguments.device` (what the `Trainer` moves batches to) asks accelerate
   only in distributed runs; alone it lists the named accelerators and ends at "cpu", while the
   `Trainer`'s accelerate places the model on flagos: "argument 'indices' is a tensor on cpu, but
-  the op runs on flagos". Without `use_cpu` it is accelerate's device, as in distributed runs.
+  the op runs on flagos". Without `use_cpu` it is accelerate's device, as in distributed runs;
+  and `bf16=True` is accepted where the chip runs bfloat16 natively.
   A `pipeline()` given a device index, or none (index 0), maps it to the first named accelerator
   it finds and else to "cpu", moving a model already on flagos back to the host: the index means
   flagos:N, as it means cuda:N on a GPU.
@@ -294,6 +295,18 @@ def _transformers_training_args(module) -> None:
     replacement = type(cached)(_setup_devices)
     replacement.__set_name__(cls, "_setup_devices")
     cls._setup_devices = replacement
+    # `bf16=True` is refused unless a named accelerator says it has bfloat16: the chip says it,
+    # as `torch.cuda.is_bf16_supported()` does for a GPU (native bfloat16; sim's is not).
+    bf16_available = module.is_torch_bf16_gpu_available
+
+    def is_torch_bf16_gpu_available() -> bool:
+        state = _state.active_or_none()
+        if state is not None and state.mode == "device":
+            return "bfloat16" in state.chip.native_dtypes
+        return bf16_available()
+
+    is_torch_bf16_gpu_available.__doc__ = bf16_available.__doc__
+    module.is_torch_bf16_gpu_available = is_torch_bf16_gpu_available
 
 
 def _transformers_pipelines(module) -> None:
