@@ -10,6 +10,8 @@ import pytest
 import torch
 from conftest import CHIP, device_mode_only, run_python
 
+import flagos
+
 pytestmark = device_mode_only
 
 
@@ -245,6 +247,12 @@ def test_pinned_dataloader_batches_move_with_non_blocking(dev):
         with pytest.raises(RuntimeError, match="CPU device type not an accelerator"):
             t.pin_memory("cpu")
         assert t.is_pinned("cpu") is False and t.is_pinned("meta") is False
+    on_flagos = t.to(dev)  # device memory: refused as for a CUDA tensor, and nothing falls back
+    calls_before = flagos.fallback_report().calls("fallback")
+    assert on_flagos.is_pinned() is False
+    with pytest.raises(RuntimeError, match=r"cannot pin 'torch.flagos.FloatTensor' only dense CPU tensors"):
+        on_flagos.pin_memory()
+    assert flagos.fallback_report().calls("fallback") == calls_before
 
 
 def test_safetensors_load_file_onto_flagos(dev, tmp_path):

@@ -6,11 +6,15 @@ Python backend cannot provide. flagos answers `aten::_pin_memory` and `aten::is_
 tensors instead: on a chip whose payload device has pinned memory (cuda, xpu) they use that
 device's pinned allocator; on host chips (cpu, sim) page-locking buys nothing, so `pin_memory()`
 returns a copy, as pinning does, and `is_pinned()` answers False. A request naming another
-device goes to PyTorch's own kernel.
+device goes to PyTorch's own kernel. A flagos tensor is device memory: `pin_memory()` of one
+raises PyTorch's error for a CUDA tensor and `is_pinned()` answers False, as for CUDA (it was
+copied to the host and back by the fallback, and came back a flagos tensor, unpinned).
 """
 from __future__ import annotations
 
 import torch
+
+from ..core import _routes
 
 _lib = None
 _PIN = torch.ops.aten._pin_memory.default
@@ -45,3 +49,14 @@ def register(chip) -> None:
     lib.impl("_pin_memory", pin_memory, "CPU")
     lib.impl("is_pinned", is_pinned, "CPU")
     _lib = lib
+    _routes.register_kernel("aten::_pin_memory", _refuse_pinning_device_memory, chip=chip.name)
+    _routes.register_kernel("aten::is_pinned", _device_memory_is_not_pinned, chip=chip.name)
+
+
+def _refuse_pinning_device_memory(self, device=None):
+    name = torch.empty(0, dtype=self.dtype).type().replace("torch.", "torch.flagos.", 1)
+    raise RuntimeError(f"cannot pin '{name}' only dense CPU tensors can be pinned")
+
+
+def _device_memory_is_not_pinned(self, device=None):
+    return False
