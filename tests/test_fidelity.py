@@ -1,6 +1,8 @@
 """Tensor fidelity: the same numbers, the same errors and the same tensor behaviours as plain
 PyTorch on CPU. Runs on the suite's chip (cpu, and sim with FLAGOS_TEST_CHIP=sim)."""
 import copy
+import io
+import pickle
 import warnings
 
 import pytest
@@ -713,6 +715,15 @@ def test_tensor_subclasses_of_the_program_hold_flagos_tensors_as_on_cpu(dev):
     module.register_buffer("mask", torch.ones(2).as_subclass(_Tagged))
     module.to(dev)
     assert isinstance(module.mask, _Tagged) and module.mask.device == dev
+    module.mask.note = "kept"  # saved as from the CPU: its class and attributes
+    for location, on in ((None, dev), ("cpu", torch.device("cpu"))):
+        buf = io.BytesIO()
+        torch.save(module.mask, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, map_location=location, weights_only=False)
+        assert isinstance(loaded, _Tagged) and loaded.device == on and loaded.note == "kept"
+        assert loaded.tolist() == [1.0, 1.0]
+    assert isinstance(pickle.loads(pickle.dumps(module.mask)), _Tagged)
 
 
     class Dispatching(torch.Tensor):

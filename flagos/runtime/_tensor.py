@@ -79,9 +79,9 @@ class FlagosTensor(torch.Tensor):
 
     # -- a subclass of the program's own over a flagos tensor (runtime/_user_subclasses.py)
     def as_subclass(self, cls):
-        if isinstance(self, cls):  # torch.Tensor, FlagosTensor: PyTorch's own answer
+        if issubclass(FlagosTensor, cls):  # torch.Tensor, FlagosTensor: PyTorch's own answer
             return torch._C.TensorBase.as_subclass(self, cls)
-        holder = _user_subclasses.holding_flagos(cls, FlagosTensor)
+        holder = cls if issubclass(cls, FlagosTensor) else _user_subclasses.holding_flagos(cls, FlagosTensor)
         alias = torch.ops.aten.alias.default(self)  # what PyTorch makes the object over
         alias.__class__ = holder
         return alias
@@ -200,8 +200,14 @@ class FlagosTensor(torch.Tensor):
             host = _storage.host_view_for_save(self)  # one memory, written once per file
         if host is None:
             host = self.detach().cpu()
-        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
-                (host, self.dtype, str(self.device), self.requires_grad))
+        rebuild = (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                   (host, self.dtype, str(self.device), self.requires_grad))
+        user_class = _user_subclasses.user_class(type(self))
+        if user_class is None:
+            return rebuild
+        # a subclass of the program's: PyTorch's record for one, its class and attributes kept
+        state = {k: v for k, v in vars(self).items() if k != "_payload"}
+        return torch._tensor._rebuild_from_type_v2, (rebuild[0], user_class, rebuild[1], state)
 
     def __repr__(self, *, tensor_contents=None):
         if tensor_contents is None:

@@ -36,7 +36,8 @@ def holding_flagos(cls: type, flagos_type: type) -> type:
             f"{cls.__qualname__} has a __torch_dispatch__ of its own, and a flagos tensor runs "
             f"flagos's: such a subclass cannot hold one. Make it over host tensors, or give it "
             f"__torch_function__ only.")
-    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+                 "_flagos_user_class": cls}
     raw_function = _raw(cls, "__torch_function__")
     if raw_function is not _PLAIN_FUNCTION:  # (a class that turns it off keeps it off)
         user_function = raw_function.__get__(None, cls)  # bound to cls itself
@@ -49,3 +50,9 @@ def holding_flagos(cls: type, flagos_type: type) -> type:
 
         namespace["__torch_function__"] = classmethod(__torch_function__)
     return type(cls.__name__, (cls, flagos_type), namespace)
+
+
+def user_class(holder: type) -> type | None:
+    """The program's class a holder class stands for (None for any other class): what a pickle
+    of the tensor names, so it loads as that class, as from the CPU."""
+    return vars(holder).get("_flagos_user_class")
