@@ -697,6 +697,7 @@ def test_tensor_subclasses_of_the_program_hold_flagos_tensors_as_on_cpu(dev):
     assert isinstance(moved, _Tagged) and moved.device == dev and moved.describe() == "tagged (4,)"
     result = (moved * 2 + 1).softmax(0)
     assert isinstance(result, _Tagged) and result.device == dev
+    assert type(result) is type(moved)  # one class for the program's class on flagos
     close(result, (tagged * 2 + 1).softmax(0))
     back = result.cpu()
     assert type(back) is _Tagged and back.device.type == "cpu"
