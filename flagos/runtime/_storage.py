@@ -250,5 +250,7 @@ def install() -> None:
     torch._utils._rebuild_device_tensor_from_cpu_tensor = _rebuild_device_tensor
     torch.serialization._legacy_load = _legacy_load
     # (weights_only loads allow the rebuild functions they found at their first use)
-    torch._weights_only_unpickler._get_allowed_globals.cache_clear()
+    allowed = torch._weights_only_unpickler._get_allowed_globals
+    if hasattr(allowed, "cache_clear"):
+        allowed.cache_clear()
     torch.save = torch.serialization.save = _save(torch.serialization.save)
