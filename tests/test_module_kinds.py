@@ -157,3 +157,27 @@ def test_data_parallel_runs_a_model_over_the_flagos_devices_as_on_cpu(dev):
     expected.square().sum().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:Using -1 to represent CPU:FutureWarning")
+def test_data_parallel_copies_between_flagos_devices_called_directly(dev):
+    """torch.nn.parallel.comm's copies, as a program calls them itself, over flagos tensors:
+    broadcast (one tensor and coalesced lists of one), scatter with chunk sizes, gather to a
+    device, to the current one and to the host."""
+    from torch.nn.parallel import comm
+
+    devices = list(range(torch.flagos.device_count()))
+    x = torch.arange(12.0).reshape(6, 2)
+    on = x.to(dev)
+    copies = comm.broadcast(on, devices)
+    assert copies[0] is on and all(c.device.index == d and torch.equal(c.cpu(), x) for c, d in zip(copies, devices))
+    (only,), *rest = comm.broadcast_coalesced([on], devices)
+    assert only is on and all(r[0].device.index == d for r, d in zip(rest, devices[1:]))
+    sizes = [6 - len(devices) + 1] + [1] * (len(devices) - 1)
+    chunks = comm.scatter(on, devices, chunk_sizes=sizes)
+    assert [c.shape[0] for c in chunks] == sizes and [c.device.index for c in chunks] == devices
+    last = comm.gather(chunks, destination=devices[-1])
+    assert last.device.index == devices[-1] and torch.equal(last.cpu(), x)
+    for destination, want in ((None, dev), ("cpu", torch.device("cpu")), (-1, torch.device("cpu"))):
+        gathered = comm.gather(chunks, destination=destination)
+        assert gathered.device == want and torch.equal(gathered.cpu(), x)
