@@ -56,6 +56,8 @@ def test_a_lazy_module_moved_before_its_first_forward_trains_as_on_cpu(dev, how)
     assert all(is_lazy(t) and t.device == dev for t in [*model.parameters(), *model.buffers()][:4])
     assert isinstance(model[0].weight, UninitializedParameter)
     assert isinstance(model[1].running_mean, UninitializedBuffer)
+    if how == "factory device":  # made there: marked a Buffer as on the CPU (a move drops it there too)
+        assert isinstance(model[1].running_mean, torch.nn.Buffer)
     got = _train_step(model, dev, dtype)
     _assert_same(got, expected)
     assert [type(m).__name__ for m in model] == _KINDS
