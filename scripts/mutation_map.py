@@ -94,7 +94,8 @@ TESTS: dict[str, list[Run]] = {
                               cpu(T + "precision_policy.py", k="from_the_environment or native_mode or "
                                                                  "switching_back or bad_dtype_policy"),
                               cpu(NATIVE, k="deactivate or default_mode"),
-                              cpu(T + "redirect.py", k="installing_again")],
+                              cpu(T + "redirect.py", k="installing_again"),
+                              cpu(COMPILE, k="report_counts or layout_and_bits")],
     "flagos/core/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD, SEQUENCES),
                                sim(COUNTERS, FIDELITY, SEQUENCES),
                                sim_default(T + "precision_policy.py"), cpu(T + "conformance.py")],
