@@ -1,6 +1,6 @@
-"""What Diffusers and accelerate decide about devices, answered for flagos.
+"""What Diffusers, accelerate and transformers decide about devices, answered for flagos.
 
-Neither library is edited. While flagos owns the device (device mode):
+No library is edited. While flagos owns the device (device mode):
 
 - Diffusers decides its accelerator once (`TorchDeviceBackend._detect_device_type`, cached) when
   `diffusers.pipelines` is imported. An import before `flagos.activate()` cached "cpu", and
