@@ -258,6 +258,7 @@ def test_load_with_map_location_flagos_lands_on_the_device(dev):
              "g": torch.randn(2, requires_grad=True), "i": torch.arange(5),
              "half": torch.randn(3).half(), "nested": [torch.ones(2), (torch.zeros(1),)],
              "model": torch.nn.Sequential(emb, head)}
+    state["p"].note = "kept"  # a Parameter's Python attributes, saved with it
     buf = io.BytesIO()
     torch.save(state, buf)
     for location in ("flagos", dev, str(dev), {"cpu": "flagos"}, {"cpu": dev}):
@@ -268,6 +269,7 @@ def test_load_with_map_location_flagos_lands_on_the_device(dev):
             assert got.device == dev and torch.equal(got.cpu(), want.detach()), key
             assert (got.stride(), got.requires_grad, got.is_leaf) == (want.stride(), want.requires_grad, True), key
         assert isinstance(out["p"], torch.nn.Parameter) and not isinstance(out["w"], torch.nn.Parameter)
+        assert out["p"].note == "kept"
         assert out["nested"][0].device == dev and out["nested"][1][0].device == dev
         out["w"].add_(1)  # one storage: the transpose and the slice see the write
         assert torch.equal(out["wt"].cpu(), (w + 1).t()) and torch.equal(out["slice"].cpu(), (w + 1)[1:3, 2:])

@@ -71,25 +71,37 @@ def restore_storage(storage, location):
     return storage
 
 
+def _moved_view(moved: dict, t: torch.Tensor, device, pending: list | None = None) -> torch.Tensor:
+    """Host tensor t as a view of its storage's one copy on `device` for the load running
+    (`moved`: (storage data_ptr, device) -> its bytes there), so tensors that share a storage
+    share the copy. With `pending`, the copy is only allocated now, and (copy, host bytes) noted
+    to be filled once the bytes are read. Bytes that do not view as t's dtype: t alone."""
+    storage = t.untyped_storage()
+    if storage.nbytes() % t.element_size():
+        return t.detach().to(device)
+    key = (storage.data_ptr(), str(device))
+    whole = moved.get(key)
+    if whole is None:
+        host = torch.empty(0, dtype=torch.uint8).set_(storage)
+        if pending is None:
+            whole = host.to(device)
+        else:
+            whole = torch.empty(host.shape, dtype=torch.uint8, device=device)
+            pending.append((whole, host))
+        moved[key] = whole
+    return whole.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset()).detach()
+
+
 def _mover(noted: dict):
-    moved: dict[int, torch.Tensor] = {}   # storage data_ptr -> its bytes on the device
+    moved: dict = {}
 
     def move(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu":
             return t
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        device = noted.get(key)
+        device = noted.get(t.untyped_storage().data_ptr())
         if device is None:
             return t  # a storage the map kept on the host
-        size = t.element_size()
-        if storage.nbytes() % size:  # bytes that do not view as this dtype: the tensor alone
-            out = t.detach().to(device)
-        else:
-            whole = moved.get(key)
-            if whole is None:
-                whole = moved[key] = torch.empty(0, dtype=torch.uint8).set_(storage).to(device)
-            out = whole.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset()).detach()
+        out = _moved_view(moved, t, device)
         if isinstance(t, torch.nn.Parameter):
             out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
         else:
@@ -133,7 +145,7 @@ def _load(load):
         with _scope(_loading, "noted") as noted, _scope(_loading, "asked") as asked:
             asked["map_location"] = kwargs["map_location"] if "map_location" in kwargs else (
                 args[1] if len(args) > 1 else None)
-            asked["moved"], asked["pending"] = {}, []  # (storage, device) -> its bytes there
+            asked["moved"], asked["pending"] = {}, []  # see _moved_view
             result = load(*args, **kwargs)
         return _move_noted(result, noted) if noted else result
     load_onto_flagos.__flagos_load__ = load
@@ -171,24 +183,12 @@ def _rebuild_device_tensor(data, dtype, device, requires_grad):
         return _BASE_REBUILD(data, dtype, device, requires_grad)
     load = asked[-1]
     location = _restore_location(device)
-    storage = data.untyped_storage()
-    if data.dtype != dtype or not _names_flagos(str(location)) or storage.nbytes() % data.element_size():
+    if data.dtype != dtype or not _names_flagos(str(location)):
         tensor = data.to(dtype=dtype, device=location)  # on the host: the file's storage itself
-        tensor.requires_grad = requires_grad
-        return tensor
-    key = (storage.data_ptr(), str(location))
-    whole = load["moved"].get(key)
-    if whole is None:
-        host = torch.empty(0, dtype=torch.uint8).set_(storage)
-        if load.get("legacy"):
-            whole = torch.empty(host.shape, dtype=torch.uint8, device=location)
-            load["pending"].append((whole, host))
-        else:
-            whole = host.to(location)
-        load["moved"][key] = whole
-    out = whole.view(dtype).as_strided(data.size(), data.stride(), data.storage_offset()).detach()
-    out.requires_grad = requires_grad
-    return out
+    else:
+        tensor = _moved_view(load["moved"], data, location, load["pending"] if load.get("legacy") else None)
+    tensor.requires_grad = requires_grad
+    return tensor
 
 
 @functools.wraps(_BASE_LEGACY_LOAD)
