@@ -168,9 +168,11 @@ static int check_foreign_tensor(flagos_state *st, op_entry *e, PyObject *t, Py_s
 }
 
 /* Index of a tensor on the flagos device that is not a flagos tensor, -1 for any other tensor,
- * -2 on error. Only a graph being traced by torch.compile makes such tensors: its factories
+ * -2 on error. A graph being traced by torch.compile makes such tensors: its factories
  * (`torch.arange(n, device=x.device)`) run on fake tensors, which carry the flagos device
- * without a payload. */
+ * without a payload. A plain torch.Tensor there was made outside flagos and holds no memory
+ * (PyTorch's DLPack import of a capsule that torch._C._to_dlpack took of a flagos tensor):
+ * copying it to the payload device would come back here without end. */
 static int traced_flagos_index(flagos_state *st, PyObject *t)
 {
     if (!st->device_mode)
@@ -179,6 +181,15 @@ static int traced_flagos_index(flagos_state *st, PyObject *t)
     if (dev == NULL)
         return -2;
     int i = flagos_device_index(st, dev);
+    if (i >= 0 && Py_TYPE(t) == (PyTypeObject *)st->tensor_type) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "a tensor on %S that flagos did not make: it has no memory (PyTorch made "
+                     "it from a DLPack capsule of a flagos tensor's wrapper, or from a raw "
+                     "pointer). Export a flagos tensor with torch.utils.dlpack.to_dlpack(t) or "
+                     "t.__dlpack__() (they export the chip's memory), and make flagos tensors "
+                     "with .to(flagos.device()).", dev);
+        i = -2;
+    }
     Py_DECREF(dev);
     return i;
 }

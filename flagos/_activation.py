@@ -30,6 +30,7 @@ from .integrations import (
     _caches,
     _compile,
     _data_parallel,
+    _dlpack,
     _distributed,
     _lazy_params,
     _libraries,
@@ -279,6 +280,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
             _offload.install()
             _lazy_params.install()
             _data_parallel.install()
+            _dlpack.install()
             _libraries.install()
             _distributed.install()
         # At `import torch` (autoload) no backward can have run yet, and a probe would deadlock:

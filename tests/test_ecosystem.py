@@ -274,3 +274,48 @@ def test_safetensors_load_file_onto_flagos(dev, tmp_path):
         safetensors_torch.load_file.__wrapped__(str(path), device="nonsense")
     assert (type(flagos_error.value), str(flagos_error.value)) == (type(own_error.value), str(own_error.value))
     assert "device nonsense is invalid" in str(own_error.value)
+
+
+def test_dlpack_exports_the_chips_memory(dev):
+    """DLPack shares memory in place, so what a flagos tensor exports is its chip's memory: on
+    a torch-native chip the payload's (the cpu chip's is host memory, which numpy and PyTorch
+    import as CPU arrays sharing it); a C-ABI chip's memory is the adapter's, so the export is
+    refused with BufferError naming .cpu(), unless the consumer asks for a host copy."""
+    import numpy as np
+
+    base = torch.arange(6.0).reshape(2, 3)
+    t = base.to(dev)
+    view, host_view = t[:, 1:], base[:, 1:]
+    with pytest.raises(BufferError, match="detach"):
+        torch.from_dlpack(t.clone().requires_grad_())
+    if CHIP == "cpu":
+        assert t.__dlpack_device__() == (torch.utils.dlpack.DLDeviceType.kDLCPU, 0)
+        exports = [torch.from_dlpack(view), torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(view)),
+                   torch.from_dlpack(torch.to_dlpack(view)), torch.from_numpy(np.from_dlpack(view))]
+        for e in exports:
+            assert e.device.type == "cpu" and e.stride() == host_view.stride()
+            assert torch.equal(e, host_view)
+        exports[0][1, 1] = -1.0  # the same memory: a write through the export is on the device
+        assert t[1, 2].item() == -1.0
+    else:
+        assert t.__dlpack_device__() == (torch.utils.dlpack.DLDeviceType.kDLExtDev, t.device.index)
+        for export in (lambda: torch.from_dlpack(view), lambda: torch.utils.dlpack.to_dlpack(view),
+                       lambda: torch.to_dlpack(view), lambda: np.from_dlpack(view)):
+            with pytest.raises(BufferError, match=r"tensor\.cpu\(\)"):
+                export()
+        copied = np.from_dlpack(view, device="cpu")  # a host copy asked for: that is exported
+        assert np.array_equal(copied, host_view.numpy())
+        copied[0, 0] = -1.0
+        assert t[0, 1].item() == 1.0
+
+
+def test_a_tensor_imported_from_the_wrappers_capsule_raises_a_clear_error(dev):
+    """PyTorch's own exporter, given the wrapper (which owns no memory), makes a capsule that
+    PyTorch imports as a plain tensor on the flagos device with no memory: every use of it is an
+    error that says so, not an endless recursion between the device copies."""
+    raw = torch.utils.dlpack.from_dlpack(torch._C._to_dlpack(torch.arange(3.0).to(dev)))
+    assert type(raw) is torch.Tensor and raw.device.type == "flagos"
+    for use in (raw.cpu, lambda: raw + 1, raw.sum, raw.clone, lambda: torch.zeros(3).copy_(raw)):
+        with pytest.raises(RuntimeError, match="flagos did not make"):
+            use()
+    assert torch.equal(torch.arange(3.0).to(dev).cpu(), torch.arange(3.0))  # the process goes on

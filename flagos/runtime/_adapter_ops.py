@@ -68,6 +68,11 @@ def _span(size, stride, offset) -> tuple[int, int]:
 _PARTIAL_OVERLAP = ("unsupported operation: some elements of the input tensor and the written-to "
                     "tensor refer to a single memory location. Please clone() the tensor before "
                     "performing the operation.")
+# A plain tensor on the flagos device holds no memory: PyTorch made it (a DLPack import of a
+# capsule of a flagos tensor's wrapper); the C router says the same for every other op.
+_NOT_MADE_BY_FLAGOS = ("a tensor on {} that flagos did not make: it has no memory. Export a flagos "
+                       "tensor with torch.utils.dlpack.to_dlpack(t) or t.__dlpack__(), and make "
+                       "flagos tensors with .to(flagos.device()).")
 
 
 def _overlaps_in_part(a, b) -> bool:
@@ -581,6 +586,8 @@ class Runner:
     def copy_(self, func, args, kwargs):
         dst, src = args[0], args[1]
         if not isinstance(dst, FlagosTensor):  # host destination: bring the source here
+            if not isinstance(src, FlagosTensor) and _is_flagos_device(src.device):
+                raise RuntimeError(_NOT_MADE_BY_FLAGOS.format(src.device))
             dst.copy_(self._download(src) if isinstance(src, FlagosTensor) else src)
             return dst
         _strided_only(src, "copying to the flagos device")

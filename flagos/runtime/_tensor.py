@@ -96,6 +96,36 @@ class FlagosTensor(torch.Tensor):
                             f"Tensor.cpu() to copy the tensor to host memory first.")
         return torch.Tensor.cpu(self.detach()).numpy()
 
+    # -- DLPack: what is exchanged is memory in place, and a flagos tensor's memory is its
+    # payload's (a CUDA tensor's on the cuda chip, host memory on the cpu chip): other libraries
+    # get the payload's capsule, on the payload's device. A C-ABI chip's memory is the adapter's,
+    # which no other library can address. (torch.utils.dlpack.to_dlpack: integrations/_dlpack.py)
+    def __dlpack__(self, **kwargs):
+        if self.requires_grad:  # PyTorch's rule, which the payload (no autograd) cannot see
+            raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+        device = kwargs.get("dl_device")
+        if (device is not None and device[0] == torch.utils.dlpack.DLDeviceType.kDLCPU
+                and not isinstance(self._payload, torch.Tensor) and kwargs.get("copy") is not False):
+            # a host copy asked for (torch.from_dlpack(t, device="cpu")): that copy is exported
+            return torch.Tensor.cpu(self.detach()).__dlpack__(**{**kwargs, "copy": None})
+        return self.dlpack_source().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        payload = self._payload
+        if isinstance(payload, torch.Tensor):
+            return payload.__dlpack_device__()
+        return torch.utils.dlpack.DLDeviceType.kDLExtDev, self.device.index
+
+    def dlpack_source(self) -> torch.Tensor:
+        """The tensor whose memory a DLPack capsule of this one shares: the payload."""
+        payload = self._payload
+        if not isinstance(payload, torch.Tensor):
+            raise BufferError(
+                f"{self.device} is a C-ABI chip's device: its memory belongs to the adapter, "
+                f"which other libraries cannot address through DLPack. Export a host copy "
+                f"(tensor.cpu()) instead.")
+        return payload
+
     def __format__(self, spec):
         if self.dim() == 0:
             return self.item().__format__(spec)
