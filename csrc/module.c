@@ -52,6 +52,42 @@ static void state_clear_config(flagos_state *st)
 
 /* ---- entry points ----------------------------------------------------- */
 
+/* 1 when the op's overloaded types include a tensor subclass that is not flagos's and has a
+ * __torch_dispatch__ of its own (a jagged nested tensor over flagos values, a subclass of the
+ * program): PyTorch's protocol then has flagos answer NotImplemented, so that subclass handles
+ * the op and calls flagos back with plain flagos tensors. The fake and functional tensors of a
+ * compilation are not such: flagos routes them itself (payload.c). 0 otherwise, -1 on error. */
+static int defers_to_another_subclass(flagos_state *st, PyObject *types)
+{
+    static PyObject *traced[2]; /* FakeTensor, FunctionalTensor: kept for the process */
+    if (!st->device_mode)
+        return 0;
+    if (traced[1] == NULL) {
+        const char *where[2][2] = {{"torch._subclasses.fake_tensor", "FakeTensor"},
+                                   {"torch._subclasses.functional_tensor", "FunctionalTensor"}};
+        for (int k = 0; k < 2; k++) {
+            PyObject *mod = PyImport_ImportModule(where[k][0]);
+            PyObject *cls = mod ? PyObject_GetAttrString(mod, where[k][1]) : NULL;
+            Py_XDECREF(mod);
+            if (cls == NULL) {
+                Py_CLEAR(traced[0]);
+                return -1;
+            }
+            traced[k] = cls;
+        }
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
+        PyObject *tp = PyTuple_GET_ITEM(types, i);
+        if (!PyType_Check(tp))
+            continue;
+        PyTypeObject *t = (PyTypeObject *)tp;
+        if (!PyType_IsSubtype(t, (PyTypeObject *)st->wrapper_type) &&
+            !PyType_IsSubtype(t, (PyTypeObject *)traced[0]) && !PyType_IsSubtype(t, (PyTypeObject *)traced[1]))
+            return 1;
+    }
+    return 0;
+}
+
 /* FlagosTensor.__torch_dispatch__ (bound as a classmethod): (cls, func, types, args, kwargs) */
 static PyObject *fl_dispatch(PyObject *module, PyObject *const *argv, Py_ssize_t argc)
 {
@@ -72,6 +108,14 @@ static PyObject *fl_dispatch(PyObject *module, PyObject *const *argv, Py_ssize_t
         Py_XDECREF(empty);
         PyErr_SetString(PyExc_TypeError, "dispatch: args must be a tuple and kwargs a dict");
         return NULL;
+    }
+    PyObject *types = argv[2];
+    if (PyTuple_Check(types) && PyTuple_GET_SIZE(types) > 1) {
+        int other = defers_to_another_subclass(flagos_get_state(module), types);
+        if (other != 0) {
+            Py_XDECREF(empty);
+            return other < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+        }
     }
     PyObject *r = flagos_route_call(flagos_get_state(module), argv[1], args, kwargs, 0);
     Py_XDECREF(empty);

@@ -316,10 +316,14 @@ static PyObject *route_entry(flagos_state *st, op_entry *e, int route, PyObject 
                          "gradients: make it with sparse=False.", e->name);
         else
             PyErr_Format(PyExc_RuntimeError,
-                         "%U: nested tensors are not supported on flagos. nn.TransformerEncoder "
-                         "makes one in eval mode from src_key_padding_mask: build it with "
+                         "%U: nested tensors of the strided layout are not supported on flagos "
+                         "(jagged ones, layout=torch.jagged, are). nn.TransformerEncoder makes "
+                         "one in eval mode from src_key_padding_mask: build it with "
                          "enable_nested_tensor=False (the same values for the tokens the mask "
-                         "keeps), or keep nested tensors on the CPU.", e->name);
+                         "keeps). scaled_dot_product_attention over a jagged nested tensor makes "
+                         "one where the device has no fused kernel: pad the batch "
+                         "(to_padded_tensor) and pass an attn_mask. Or keep nested tensors on "
+                         "the CPU.", e->name);
         return NULL;
     }
     if (route == ROUTE_ERROR) {

@@ -734,3 +734,74 @@ def test_tensor_subclasses_of_the_program_hold_flagos_tensors_as_on_cpu(dev):
 
     with pytest.raises(TypeError, match="Dispatching has a __torch_dispatch__ of its own.*__torch_function__ only"):
         torch.ones(2, device=dev).as_subclass(Dispatching)
+
+
+class _Logged(torch.Tensor):
+    """A wrapper subclass of the program with a __torch_dispatch__ of its own (as PyTorch's
+    LoggingTensor, torchao's quantized weights, DTensor): it holds a tensor of any device."""
+
+    @staticmethod
+    def __new__(cls, inner, log):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device,
+                                                   strides=inner.stride())
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        flat, spec = torch.utils._pytree.tree_flatten((args, kwargs or {}))
+        log = next(a.log for a in flat if isinstance(a, _Logged))
+        log.append(func.__name__)
+        args, kwargs = torch.utils._pytree.tree_unflatten([a.inner if isinstance(a, _Logged) else a for a in flat], spec)
+        out = func(*args, **kwargs)
+        return _Logged(out, log) if isinstance(out, torch.Tensor) else out
+
+
+def test_a_dispatch_subclass_of_the_program_handles_ops_mixed_with_flagos_tensors(dev):
+    """PyTorch gives an op to each argument's __torch_dispatch__ in turn until one does not
+    answer NotImplemented: flagos's defers to a subclass of the program, whichever argument
+    comes first, and that subclass calls flagos back with flagos tensors (it was routed as if
+    the subclass were a flagos tensor: a wrong result, or a device error)."""
+    results = {}
+    for device in ("cpu", dev):
+        log = []
+        held, plain = _Logged(torch.arange(4.0).to(device), log), torch.full((4,), 2.0).to(device)
+        out = [held + plain, plain * held, torch.cat([plain, held]), torch.where(plain > 1, held, plain)]
+        assert all(type(o) is _Logged and o.inner.device == o.device == torch.device(device) for o in out)
+        results[device] = ([o.inner.cpu() for o in out], log)
+    assert results["cpu"][1] == results[dev][1] == ["add.Tensor", "mul.Tensor", "cat.default", "where.self"]
+    for got, want in zip(results[dev][0], results["cpu"][0]):
+        assert torch.equal(got, want)
+
+
+def test_jagged_nested_tensors_over_flagos_values_match_cpu(dev):
+    """A jagged nested tensor (`layout=torch.jagged`) is a subclass over one values tensor: over
+    flagos values its ops run on flagos, forward and backward, with CPU's results (its
+    construction mixes the values with a meta tensor, which flagos took for a device mix-up).
+    Its scaled_dot_product_attention takes PyTorch's math path on a device without a fused
+    kernel, which makes a strided nested tensor: a clear error that names padding."""
+    def run(device):
+        torch.manual_seed(0)
+        pieces = [torch.randn(3, 8), torch.randn(5, 8)]
+        leaves = [p.to(device).requires_grad_() for p in pieces]
+        nested = torch.nested.as_nested_tensor(leaves, layout=torch.jagged)
+        layer = torch.nn.Linear(8, 8).to(device)
+        hidden = torch.nn.functional.gelu(layer(nested))
+        scores = hidden.softmax(-1)
+        loss = scores.values().pow(2).sum()
+        loss.backward()
+        with torch.no_grad():  # reductions over the ragged dimension (no backward on CPU either)
+            means = hidden.mean(dim=1)
+        padded = torch.nested.nested_tensor([torch.arange(3.0), torch.arange(5.0)], layout=torch.jagged,
+                                            device=device).sin().to_padded_tensor(0.0)
+        return [hidden.to_padded_tensor(0.0), scores.to_padded_tensor(0.0), loss, means, padded,
+                layer.weight.grad, *[leaf.grad for leaf in leaves]]
+
+    for got, want in zip(run(dev), run("cpu")):
+        assert got.device == dev
+        close(got, want)
+    heads = torch.nested.nested_tensor([torch.randn(3, 2, 4), torch.randn(5, 2, 4)], layout=torch.jagged,
+                                       device=dev).transpose(1, 2)
+    with pytest.raises(RuntimeError, match="strided layout.*to_padded_tensor"):
+        torch.nn.functional.scaled_dot_product_attention(heads, heads, heads)

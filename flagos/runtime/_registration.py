@@ -106,9 +106,10 @@ def _sparse_unsupported(op, *args, **kwargs):
 
 
 def _nested_unsupported(op, *args, **kwargs):
-    raise RuntimeError(f"{op}: nested tensors are not supported on flagos; keep them on the CPU, "
-                       f"or move their pieces (nested.unbind()) or a padded copy "
-                       f"(nested.to_padded_tensor(0.0)).")
+    raise RuntimeError(f"{op}: nested tensors of the strided layout are not supported on flagos "
+                       f"(jagged ones, layout=torch.jagged, are); keep them on the CPU, or move "
+                       f"their pieces (nested.unbind()), a padded copy (nested.to_padded_tensor(0.0)) "
+                       f"or a jagged one (torch.nested.as_nested_tensor(pieces, layout=torch.jagged)).")
 
 
 def _quantized_unsupported(op, *args, **kwargs):
