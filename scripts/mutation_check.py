@@ -706,6 +706,21 @@ MUTATIONS = [
       '    return (isinstance(first, torch.Tensor) and first.device.type == "cpu"',
       '    return (isinstance(first, torch.Tensor) and first.device.type == "meta"',
       sim("tests/test_module_kinds.py", k="data_parallel")),
+    M("dlpack_exports_the_wrapper", "a flagos tensor's DLPack export is the wrapper, which owns no "
+      "memory", "flagos/runtime/_tensor.py",
+      "        return self.dlpack_source().__dlpack__(**kwargs)",
+      "        return torch.Tensor.__dlpack__(self, **kwargs)",
+      cpu("tests/test_ecosystem.py", k="dlpack")),
+    M("memoryless_tensor_recurses", "a plain tensor on the flagos device (PyTorch's import of the "
+      "wrapper's capsule) is copied to the payload device without end", "csrc/payload.c",
+      "    if (i >= 0 && Py_TYPE(t) == (PyTypeObject *)st->tensor_type) {",
+      "    if (i >= 0 && Py_TYPE(t) == (PyTypeObject *)st->wrapper_type) {",
+      cpu("tests/test_ecosystem.py", k="capsule")),
+    M("no_deferring_to_dispatch_subclasses", "flagos routes an op that holds another tensor "
+      "subclass with its own __torch_dispatch__ instead of answering NotImplemented",
+      "csrc/module.c", "    if (PyTuple_Check(types) && PyTuple_GET_SIZE(types) > 1) {",
+      "    if (PyTuple_Check(types) && PyTuple_GET_SIZE(types) > 99) {",
+      cpu("tests/test_fidelity.py", k="dispatch_subclass or jagged")),
 ]
 
 

@@ -150,6 +150,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/tools/_top.py": [cpu(TOP)],
     # ---- the C router and loader ----
     "csrc/module.c": [cpu(DEVICE, ROUTES, ERRORS, NATIVE), sim(DEVICE), cpu(T + "benchmarks.py", k="floor"),
+                      cpu(FIDELITY, k="dispatch_subclass or jagged"),
                       cpu(COMPILE, k="layout_and_bits or before_activation or report_counts or host_outputs")],
     "csrc/state.c": [cpu(DEVICE, ROUTES)],
     "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, T + "precision_policy.py"),
