@@ -379,6 +379,7 @@ static PyObject *fl_configure(PyObject *module, PyObject *args, PyObject *kwargs
                                 &old_kernel_ops);
     st->device_mode = device_mode;
     st->chip_is_host = chip_is_host;
+    st->device_epoch++; /* every thread back on flagos:0 (Python's side: a new Active) */
     st->configured = st->refusal == NULL; /* a refused forked child stays refused */
     flagos_table_clear(st);
     for (int i = 0; i < 17; i++)
@@ -456,7 +457,8 @@ static PyObject *fl_set_fallback_policy(PyObject *module, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* The current device (torch.flagos.set_device): what "flagos" without an index means. */
+/* The calling thread's current device (torch.flagos.set_device): what "flagos" without an
+ * index means. */
 static PyObject *fl_set_current_device(PyObject *module, PyObject *arg)
 {
     long i = PyLong_AsLong(arg);
@@ -466,7 +468,7 @@ static PyObject *fl_set_current_device(PyObject *module, PyObject *arg)
         PyErr_Format(PyExc_ValueError, "device index %ld is out of range", i);
         return NULL;
     }
-    flagos_get_state(module)->current_device = (int)i;
+    flagos_set_current_device(flagos_get_state(module), (int)i);
     Py_RETURN_NONE;
 }
 

@@ -74,7 +74,7 @@ static int flagos_device_index(flagos_state *st, PyObject *dev)
     PyObject *index = PyObject_GetAttr(dev, fl_names.index);
     if (index == NULL)
         return -2;
-    long i = index == Py_None ? st->current_device : PyLong_AsLong(index);
+    long i = index == Py_None ? flagos_current_device(st) : PyLong_AsLong(index);
     Py_DECREF(index);
     if (i == -1 && PyErr_Occurred())
         return -2;

@@ -29,3 +29,19 @@ int flagos_intern_names(void)
 #undef NAME
     return 0;
 }
+
+/* Each thread's index, with the configuration it was set under (st->device_epoch): an index
+ * set before flagos was configured again (another chip, fewer devices) is not served. */
+static _Thread_local int thread_device;
+static _Thread_local uint64_t thread_epoch;
+
+int flagos_current_device(const flagos_state *st)
+{
+    return thread_epoch == st->device_epoch ? thread_device : 0;
+}
+
+void flagos_set_current_device(const flagos_state *st, int index)
+{
+    thread_device = index;
+    thread_epoch = st->device_epoch;
+}

@@ -85,7 +85,8 @@ typedef struct flagos_state {
     int device_mode;           /* 1: flagos owns PrivateUse1 and tensors are wrappers */
     int chip_is_host;          /* the chip's payloads live in host memory (cpu chip) */
     int fallback_policy;       /* 0 allow, 1 warn, 2 error */
-    int current_device;        /* the index a device without one means ("flagos": flagos:N) */
+    uint64_t device_epoch;     /* bumped by every configure(): each thread's current device,
+                                * set under an older one, is flagos:0 again (flagos_current_device) */
     unsigned long long compiled_calls; /* calls of compiled flagos graphs (count_compiled_call) */
     PyObject *tensor_type;     /* torch.Tensor */
     PyObject *device_type;     /* torch.device */
@@ -139,5 +140,10 @@ extern flagos_names fl_names;
 
 /* Creates fl_names once per process (module init); 0, or -1 with an error set. */
 int flagos_intern_names(void);
+
+/* The calling thread's current device (torch.flagos.set_device: what "flagos" without an index
+ * means), as CUDA's is: flagos:0 in a thread that has not set one under this configuration. */
+int flagos_current_device(const flagos_state *st);
+void flagos_set_current_device(const flagos_state *st, int index);
 
 #endif

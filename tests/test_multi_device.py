@@ -116,3 +116,34 @@ print("OK")
 """, env={"FLAGOS_FALLBACK": "allow", "FLAGOS_SIM_DEVICES": "2"}, check=False)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     assert "TO flagos:0 flagos:0" in proc.stdout and "OK" in proc.stdout
+
+
+def test_the_current_device_is_each_threads_own():
+    """As on CUDA, the current device belongs to the thread: a thread that serves flagos:1
+    (`torch.flagos.set_device(1)`, one thread per device as servers and pin-memory threads do)
+    does not move the others, and a new thread starts on flagos:0; factories without an index,
+    `flagos.device()` and `torch.accelerator` follow the thread's device."""
+    proc = run_python("""
+import threading
+import torch, flagos
+flagos.activate("sim")
+seen = {}
+def serve(index):
+    torch.flagos.set_device(index)
+    barrier.wait()  # both threads have set theirs before either reads it
+    made = torch.zeros(2, device="flagos") + index
+    seen[index] = (torch.flagos.current_device(), made.device.index, flagos.device().index,
+                   torch.accelerator.current_device_index(), made.cpu().tolist())
+barrier = threading.Barrier(2)
+workers = [threading.Thread(target=serve, args=(i,)) for i in (1, 0)]
+[w.start() for w in workers]; [w.join() for w in workers]
+print("SEEN", seen[0], seen[1])
+fresh = {}
+torch.flagos.set_device(1)
+t = threading.Thread(target=lambda: fresh.update(i=torch.flagos.current_device(), d=torch.empty(1, device="flagos").device.index))
+t.start(); t.join()
+print("MAIN", torch.flagos.current_device(), torch.empty(1, device="flagos").device.index, "FRESH", fresh["i"], fresh["d"])
+""", env={"FLAGOS_FALLBACK": "allow", "FLAGOS_SIM_DEVICES": "2"}, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "SEEN (0, 0, 0, 0, [0.0, 0.0]) (1, 1, 1, 1, [1.0, 1.0])" in proc.stdout
+    assert "MAIN 1 1 FRESH 0 0" in proc.stdout

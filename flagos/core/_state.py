@@ -4,6 +4,7 @@ Activation (flagos/_activation.py) sets it; everything else only reads it.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,6 @@ class Active:
     chip: object                # a chips.base.TorchChip (an AdapterChip for C-ABI chips)
     mode: str
     device_count: int
-    current: int = 0
     native_mode: object = None  # the dispatch mode object in native mode
     native_thread: int = 0      # the thread whose dispatch mode stack holds it
     backward_ok: bool = True    # autograd's engine has a queue for flagos (see _activation)
@@ -29,6 +29,17 @@ class Active:
     downcast_to: torch.dtype | None = None  # None: bfloat16 runs as bfloat16
     flagos_devices: tuple = field(default_factory=tuple)
     caches: dict = field(default_factory=dict)  # the chip's cache folder (integrations/_caches.py)
+    _thread: threading.local = field(default_factory=threading.local, repr=False, compare=False)
+
+    # The current device is the calling thread's, as CUDA's: a thread that serves one device
+    # (torch.flagos.set_device(i)) does not move the others; a new thread starts on flagos:0.
+    @property
+    def current(self) -> int:
+        return getattr(self._thread, "index", 0)
+
+    @current.setter
+    def current(self, index: int) -> None:
+        self._thread.index = index
 
     def chip_index(self, index: int) -> int:
         if not 0 <= index < self.device_count:
