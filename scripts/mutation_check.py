@@ -721,6 +721,10 @@ MUTATIONS = [
       "csrc/module.c", "    if (PyTuple_Check(types) && PyTuple_GET_SIZE(types) > 1) {",
       "    if (PyTuple_Check(types) && PyTuple_GET_SIZE(types) > 99) {",
       cpu("tests/test_fidelity.py", k="dispatch_subclass or jagged")),
+    M("current_device_of_the_process", "the current device is the process's, not each thread's: "
+      "a thread serving flagos:1 moves the others", "flagos/core/_state.py",
+      "        self._thread.index = index", "        type(self._thread).index = index",
+      cpu("tests/test_multi_device.py", k="each_threads")),
 ]
 
 
