@@ -725,6 +725,11 @@ MUTATIONS = [
       "a thread serving flagos:1 moves the others", "flagos/core/_state.py",
       "        self._thread.index = index", "        type(self._thread).index = index",
       cpu("tests/test_multi_device.py", k="each_threads")),
+    M("flagos_frames_traced_until_a_flagos_tensor", "Dynamo traces flagos's own frames in a "
+      "compilation over host tensors (its guards ask flagos's torch.accelerator for the stream "
+      "without end)", "flagos/_activation.py",
+      "        _tracing.skip_flagos_frames_once_dynamo_loads()\n", "",
+      cpu("tests/test_compile.py", k="host_model_beside")),
 ]
 
 

@@ -97,7 +97,7 @@ TESTS: dict[str, list[Run]] = {
                                                                  "switching_back or bad_dtype_policy"),
                               cpu(NATIVE, k="deactivate or default_mode"),
                               cpu(T + "redirect.py", k="installing_again"),
-                              cpu(COMPILE, k="report_counts or layout_and_bits")],
+                              cpu(COMPILE, k="report_counts or layout_and_bits or host_model_beside")],
     "flagos/core/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD, SEQUENCES),
                                sim(COUNTERS, FIDELITY, SEQUENCES),
                                sim_default(T + "precision_policy.py"), cpu(T + "conformance.py")],

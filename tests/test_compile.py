@@ -843,3 +843,30 @@ def test_a_tracer_fakes_a_flagos_tensor_from_its_own_storage(dev):
         assert t.untyped_storage().device == dev  # the wrapper's own
         fake = mode.from_tensor(t)
     assert isinstance(fake, FlagosTensor) and fake.device == dev and fake.shape == (4, 4)
+
+
+@pytest.mark.parametrize("dynamo_first", [False, True], ids=["flagos_first", "dynamo_first"])
+def test_compiling_a_host_model_beside_flagos_matches_eager(dynamo_first):
+    """A compilation over host tensors only, in a process where flagos is the accelerator: Dynamo
+    asks torch.accelerator for the current stream in its guards, which flagos's Python answers;
+    traced as frames of the model, those frames' own guards asked again without end
+    (RecursionError from `torch.compile(model, dynamic=True)`). flagos's frames are skipped from
+    the moment Dynamo loads, whichever comes first."""
+    proc = run_python(f"""
+import sys, warnings
+import torch
+if {dynamo_first}:
+    import torch._dynamo
+import flagos
+flagos.activate("{CHIP}")
+assert ("torch._dynamo" in sys.modules) == {dynamo_first}  # activation does not import Dynamo
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+compiled = torch.compile(model, dynamic=True)
+for n in (2, 3, 5):
+    x = torch.randn(n, 8)
+    torch.testing.assert_close(compiled(x), model(x))
+print("MATCHES EAGER")
+""", env={"FLAGOS_FALLBACK": "allow"}, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "MATCHES EAGER" in proc.stdout
