@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import CHIP, assert_close, device_mode_only, reference_device
+from conftest import CHIP, assert_close, device_mode_only, reference_device, run_python
 
 import flagos
 from flagos import _C
@@ -243,6 +243,61 @@ def test_a_saved_flagos_checkpoint_loads_back_as_on_cpu_in_either_format(dev, zi
             out["x"].add_(1)  # one memory, as CPU's load gives
         assert torch.equal(out["slice"].cpu(), want["slice"] + 1)
         assert torch.equal(out["xt"].cpu(), want["xt"] + 1)
+    got.seek(0)
+    out = torch.load(got, "cpu", weights_only=False)  # map_location given by position
+    assert out["x"].device.type == "cpu" and torch.equal(out["x"], want["x"])
+
+
+class _DeviceRecord:
+    """Unpickles as PyTorch's record of a tensor on a device without storages, its host data of
+    another dtype than the tensor's (as other writers than flagos may make it)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __reduce__(self):
+        return torch._utils._rebuild_device_tensor_from_cpu_tensor, (
+            torch.arange(4, dtype=torch.int32), torch.float64, self.device, False)
+
+
+def test_a_device_record_of_another_dtype_loads_as_pytorchs_rebuild_makes_it(dev):
+    """PyTorch's rebuild converts a record's host data to the record's dtype on its device;
+    inside a load flagos shares one copy per storage, but not for data of another dtype."""
+    for device, on in (("cpu", torch.device("cpu")), (str(dev), dev)):
+        buf = io.BytesIO()
+        torch.save([_DeviceRecord(device)], buf)
+        buf.seek(0)
+        (out,) = torch.load(buf, weights_only=False)
+        assert out.device == on and out.dtype == torch.float64
+        assert torch.equal(out.cpu(), torch.arange(4, dtype=torch.float64))
+
+
+def test_weights_only_load_of_flagos_tensors_after_one_before_activation():
+    """A `weights_only=True` load keeps the functions it may call from its first use: a
+    checkpoint loaded before flagos was active must not keep PyTorch's rebuild in flagos's stead
+    (each tensor then got memory of its own: views of one tensor no longer shared it)."""
+    proc = run_python(f"""
+import io, torch
+buf = io.BytesIO(); torch.save({{"w": torch.ones(2)}}, buf); buf.seek(0)
+torch.load(buf, weights_only=True)
+import flagos
+flagos.activate("{CHIP}")
+w = torch.arange(3.0).to(flagos.device())
+buf = io.BytesIO(); torch.save({{"w": w, "tail": w[1:]}}, buf); buf.seek(0)
+out = torch.load(buf, weights_only=True)
+out["w"].add_(1)  # flagos's rebuild: the two share memory again, as a CPU checkpoint's do
+print("LOADED", out["w"].device, out["tail"].tolist())
+""", env={"FLAGOS_FALLBACK": "allow"}, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "LOADED flagos:0 [2.0, 3.0]" in proc.stdout
+
+
+def test_save_and_load_keep_pytorchs_names_and_documentation():
+    """flagos wraps torch.save and torch.load (one memory written once, tensors restored onto
+    flagos): help() and tools that read signatures see PyTorch's."""
+    for wrapped, name in ((torch.save, "save"), (torch.load, "load")):
+        assert wrapped.__name__ == name and wrapped.__doc__ and "torch" in wrapped.__doc__
+        assert inspect.signature(wrapped) == inspect.signature(getattr(wrapped, "__flagos_" + name + "__"))
 
 
 def test_load_with_map_location_flagos_lands_on_the_device(dev):
