@@ -50,7 +50,7 @@ TESTS: dict[str, list[Run]] = {
                                        sim(MODELS, k="inference_mode"),
                                        sim(FIDELITY, k="inference_mode or views_of_one_tensor or fill_and_zero or set_to"),
                                        sim(POLICY, k="declining"),
-                                       sim(ECOSYSTEM, k="capsule"),
+                                       sim(ECOSYSTEM, k="capsule"), sim(ERRORS, k="meta_tensors"),
                                        sim(SEQUENCES, k="inference or packed")],
     "flagos/runtime/_attention.py": [cpu(T + "attention_backends.py"), cpu(MODELS, k="attention"),
                                      cpu(COMPILE, k="attention"), sim(MODELS, k="attention")],

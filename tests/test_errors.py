@@ -370,3 +370,22 @@ def test_the_routers_entry_points_refuse_a_call_not_of_their_form(dev):
     for args in [(), (torch.ops.aten.add.Tensor, (), [1], {}), (torch.ops.aten.add.Tensor, (), (), [])]:
         with pytest.raises(TypeError, match=r"dispatch_native\(func, types, args: tuple, kwargs: dict\)"):
             flagos._C.dispatch_native(*args)
+
+
+def test_moving_meta_tensors_gives_pytorchs_error_naming_to_empty(dev):
+    """A model made on the meta device and moved with .to(): PyTorch's NotImplementedError,
+    which Module.to() completes with the fix (to_empty), as when moving it to the CPU; the
+    same for one tensor and for a copy into a flagos tensor."""
+    def errors(device):
+        out = []
+        for move in (lambda: torch.nn.Linear(2, 2, device="meta").to(device),
+                     lambda: torch.empty(3, device="meta").to(device),
+                     lambda: torch.empty(3, device=device).copy_(torch.empty(3, device="meta"))):
+            with pytest.raises(NotImplementedError) as info:
+                move()
+            out.append(str(info.value))
+        return out
+
+    got = errors(dev)
+    assert got == errors("cpu") and "to_empty()" in got[0]
+    assert torch.nn.Linear(2, 2, device="meta").to_empty(device=dev).weight.device == dev

@@ -119,6 +119,8 @@ def _strided_only(t: torch.Tensor, what: str) -> None:
         raise RuntimeError(
             f"{what}: quantized tensors are not supported on a C-ABI chip (this one is "
             f"{t.dtype}); keep the quantized work on the CPU, or dequantize() it first")
+    if t.is_meta:  # PyTorch's own words, which Module.to() completes with to_empty()
+        raise NotImplementedError("Cannot copy out of meta tensor; no data!")
 
 
 def _walk(value, fn):
