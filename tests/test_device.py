@@ -248,6 +248,22 @@ def test_a_saved_flagos_checkpoint_loads_back_as_on_cpu_in_either_format(dev, zi
     assert out["x"].device.type == "cpu" and torch.equal(out["x"], want["x"])
 
 
+def test_conjugate_and_negative_views_saved_from_flagos_load_with_their_values(dev):
+    """A conjugate view and a negative one (`z.conj()`, `z.conj().imag`) are saved with the
+    values they show, not the memory they read, as from the CPU."""
+    z = torch.complex(torch.arange(3.0), torch.arange(3.0) + 1)
+    views = {"conj": z.conj(), "neg": z.conj().imag, "plain": z.real}
+    for device in (dev, "cpu"):
+        on = z.to(device)
+        for key, view in (("conj", on.conj()), ("neg", on.conj().imag), ("plain", on.real)):
+            buf = io.BytesIO()  # one file each: a file may not view one memory as two dtypes
+            torch.save(view, buf)
+            buf.seek(0)
+            out = torch.load(buf, map_location="cpu", weights_only=True)
+            want = views[key]
+            assert torch.equal(out.resolve_conj().resolve_neg(), want.resolve_conj().resolve_neg()), (device, key)
+
+
 class _DeviceRecord:
     """Unpickles as PyTorch's record of a tensor on a device without storages, its host data of
     another dtype than the tensor's (as other writers than flagos may make it)."""
