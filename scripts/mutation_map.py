@@ -107,7 +107,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_tensor.py": [cpu(DEVICE, FIDELITY, OFFLOAD, MODULE_KINDS), sim(DEVICE, SIM_FIDELITY, OFFLOAD, MODULE_KINDS),
                                   sim(FIDELITY, k="deepcopy or copy_copy or share_memory"),
                                   cpu(COMPILE, k="flatten or cached_graphs or report_counts or layout_and_bits "
-                                                 "or before_activation or compile_logs"),
+                                                 "or before_activation or compile_logs or fake_copies or tracer_fakes"),
                                   sim(COMPILE, k="inner_tensors"), cpu(ECOSYSTEM, k="storage_names or dlpack or capsule"),
                                   sim(ECOSYSTEM, k="storage_names or dlpack or capsule")],
     "flagos/runtime/_user_subclasses.py": [cpu(FIDELITY, k="subclasses_of_the_program"),
