@@ -121,9 +121,12 @@ def test_trainer_trains_on_flagos_as_on_cpu(dev, fresh_state, tmp_path, bf16):
     device, loss, weight, predictions = _trainer_run(tmp_path, use_cpu=False, bf16=bf16)
     want_device, want_loss, want_weight, want_predictions = _trainer_run(tmp_path, use_cpu=True, bf16=bf16)
     assert device == dev and want_device == torch.device("cpu")
-    assert loss == pytest.approx(want_loss, rel=1e-5)
-    torch.testing.assert_close(weight, want_weight, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(predictions, want_predictions, rtol=1e-4, atol=1e-6)
+    # bfloat16 in a chip's own kernels (sim with FLAGOS_SIM_DTYPES naming it) rounds where its
+    # kernels do, not where CPU's do: bfloat16's tolerance there, float32's everywhere else
+    rtol, atol = (1e-2, 1e-4) if bf16 and CHIP != "cpu" else (1e-4, 1e-6)
+    assert loss == pytest.approx(want_loss, rel=rtol / 10)
+    torch.testing.assert_close(weight, want_weight, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(predictions, want_predictions, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("device", [None, 0, -1, "flagos", "cpu"])
