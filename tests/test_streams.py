@@ -130,6 +130,8 @@ def test_event_errors_name_the_fix(dev):
 
 def test_torch_accelerator_streams_and_devices(dev):
     assert torch.accelerator.current_accelerator() == torch.device("flagos")
+    # PyTorch's C++ side asks the device's hooks whether it is available (at::getAccelerator)
+    assert torch._C._get_accelerator() == torch.device("flagos")
     assert torch.accelerator.device_count() == torch.flagos.device_count()
     assert torch.accelerator.current_device_index() == torch.flagos.current_device() == 0
     s = torch.flagos.Stream()
