@@ -116,3 +116,23 @@ def test_set_device_makes_the_payload_devices_index_current_where_payloads_live_
         state.chip = chip
         _state.set_current(current)
     assert calls == [(False, 0)]
+
+
+def test_the_device_module_describes_the_device_as_torch_cuda_does(dev):
+    """Device-agnostic code reads `torch.get_device_module(device)` as it reads torch.cuda:
+    the name, the properties (total memory the chip's own), bfloat16 support as the chip runs
+    it, no CUDA capability, a memory summary; the CUDA redirect answers with the same."""
+    module = torch.get_device_module(dev)
+    assert module is torch.flagos
+    index = dev.index or 0
+    props = module.get_device_properties(dev)
+    assert module.get_device_name(dev) == props.name == module.get_device_name() == flagos.info()["devices"][index]
+    assert props.total_memory == module.mem_get_info(dev)[1] > 0
+    assert (props.major, props.minor) == module.get_device_capability() == (0, 0)
+    assert module.is_bf16_supported() == flagos.supports_dtype(torch.bfloat16)
+    held = torch.empty(2**18, device=dev)  # 1 MiB, seen by the summary
+    summary = module.memory_summary()
+    assert f"flagos:{index}" in summary and "allocated: " in summary and "free of" in summary
+    del held
+    with pytest.raises(ValueError, match="does not exist"):
+        module.get_device_properties(module.device_count())

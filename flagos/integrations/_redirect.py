@@ -156,23 +156,6 @@ def _module_cuda(self, device=None):
     return self.to(_map_index(device))
 
 
-class _Properties(types.SimpleNamespace):
-    """What `torch.cuda.get_device_properties` answers for the active chip: the fields the
-    chip knows (name, total_memory); CUDA-only figures read 0."""
-
-
-def get_device_name(device=None) -> str:
-    state = _state.active()
-    return state.chip.device_name(state.chip_index(_device_module._index(device)))
-
-
-def get_device_properties(device=None) -> _Properties:
-    state = _state.active()
-    index = state.chip_index(_device_module._index(device))
-    return _Properties(name=state.chip.device_name(index), total_memory=state.chip.total_memory(index),
-                       major=0, minor=0, multi_processor_count=0, type=state.chip.name)
-
-
 class _HostEvent:
     """`torch.cuda.Event` for the cpu chip in native mode, where PyTorch has no CPU events:
     host work is synchronous, so recording is reading the clock."""
@@ -196,20 +179,6 @@ class _HostEvent:
 
     def query(self) -> bool:
         return True
-
-
-def is_bf16_supported(including_emulation: bool = False) -> bool:
-    """Whether the chip runs bfloat16 natively (emulated or fallen-back bf16 says False, so a
-    script that picks its dtype with this picks float16 there)."""
-    return "bfloat16" in _state.active().chip.native_dtypes
-
-
-def get_device_capability(device=None) -> tuple[int, int]:
-    """(0, 0): the chip has no CUDA compute capability, so a library that gates a CUDA-only
-    kernel (flash attention, bf16 tensor cores) on `>= (8, 0)` takes its portable path."""
-    state = _state.active()
-    state.chip_index(_device_module._index(device))
-    return (0, 0)
 
 
 def init() -> None:
@@ -237,25 +206,6 @@ def set_per_process_memory_fraction(fraction: float, device=None) -> None:
     warnings.warn(f"torch.cuda.set_per_process_memory_fraction({fraction}) is not enforced on "
                   f"chip {state.chip.name!r} (flagos:{index}): its allocator has no per-process cap",
                   stacklevel=2)
-
-
-def memory_summary(device=None, abbreviated: bool = False) -> str:
-    """What the chip's allocator reports, in words (PyTorch's table needs statistics of
-    the CUDA caching allocator that other chips do not keep)."""
-    state = _state.active()
-    index = state.chip_index(_device_module._index(device))
-    stats = _device_module.memory_stats(index)
-    free, total = _device_module.mem_get_info(index)
-
-    def mib(n: int) -> str:
-        return f"{n / 2**20:,.1f} MiB"
-
-    return "\n".join([
-        f"flagos memory summary, flagos:{index} (chip {state.chip.name}, {state.chip.device_name(index)})",
-        f"  allocated: {mib(stats['allocated_bytes.all.current'])} (peak {mib(stats['allocated_bytes.all.peak'])})",
-        f"  reserved:  {mib(stats['reserved_bytes.all.current'])} (peak {mib(stats['reserved_bytes.all.peak'])})",
-        f"  device:    {mib(free)} free of {mib(total)}",
-    ])
 
 
 class _Nvtx:
@@ -302,13 +252,14 @@ def _cuda_namespace(real: types.ModuleType, state) -> types.ModuleType:
     other name is PyTorch's own."""
     ns = _CudaModule("torch.cuda", real)
     streams = _device_module if state.mode == "device" else sys.modules.get(f"torch.{state.chip.torch_type}")
-    own = {"get_device_name": get_device_name, "get_device_properties": get_device_properties,
-           "is_bf16_supported": is_bf16_supported,
+    own = {"get_device_name": _device_module.get_device_name,
+           "get_device_properties": _device_module.get_device_properties,
+           "is_bf16_supported": _device_module.is_bf16_supported,
            "is_initialized": _device_module.is_available,
-           "get_device_capability": get_device_capability, "init": init,
+           "get_device_capability": _device_module.get_device_capability, "init": init,
            "is_current_stream_capturing": is_current_stream_capturing, "ipc_collect": ipc_collect,
            "set_per_process_memory_fraction": set_per_process_memory_fraction,
-           "memory_summary": memory_summary, "nvtx": _Nvtx}
+           "memory_summary": _device_module.memory_summary, "nvtx": _Nvtx}
     for name in CUDA_FUNCTIONS:
         if name in own:
             value = own[name]

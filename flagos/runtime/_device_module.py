@@ -5,6 +5,7 @@ allocator on the cuda chip and the host on the cpu chip.
 """
 from __future__ import annotations
 
+import types
 from collections import OrderedDict
 
 import torch
@@ -142,6 +143,59 @@ def get_rng_state(device=None) -> torch.Tensor:
 def set_rng_state(new_state: torch.Tensor, device=None) -> None:
     state = _state.active()
     state.chip.set_rng_state(new_state, state.chip_index(_index(device)))
+
+
+# ---- what the device is (as torch.cuda answers; the CUDA redirect serves these too) ----
+
+class _Properties(types.SimpleNamespace):
+    """What `get_device_properties` answers for the active chip, with the fields CUDA's has:
+    the ones the chip knows (name, total_memory); CUDA-only figures read 0."""
+
+
+def get_device_name(device=None) -> str:
+    state = _state.active()
+    return state.chip.device_name(state.chip_index(_index(device)))
+
+
+def get_device_properties(device=None) -> _Properties:
+    state = _state.active()
+    index = state.chip_index(_index(device))
+    return _Properties(name=state.chip.device_name(index), total_memory=state.chip.total_memory(index),
+                       major=0, minor=0, multi_processor_count=0, type=state.chip.name)
+
+
+def is_bf16_supported(including_emulation: bool = False) -> bool:
+    """Whether the chip runs bfloat16 natively (emulated or fallen-back bf16 says False, so a
+    script that picks its dtype with this picks float16 there)."""
+    return "bfloat16" in _state.active().chip.native_dtypes
+
+
+def get_device_capability(device=None) -> tuple[int, int]:
+    """(0, 0): the flagos device has no CUDA compute capability, so a library that gates a
+    CUDA-only kernel (flash attention, bf16 tensor cores) on `>= (8, 0)` takes its portable
+    path (under the CUDA redirect too)."""
+    state = _state.active()
+    state.chip_index(_index(device))
+    return (0, 0)
+
+
+def memory_summary(device=None, abbreviated: bool = False) -> str:
+    """What the chip's allocator reports, in words (PyTorch's table needs statistics of
+    the CUDA caching allocator that other chips do not keep)."""
+    state = _state.active()
+    index = state.chip_index(_index(device))
+    stats = memory_stats(index)
+    free, total = mem_get_info(index)
+
+    def mib(n: int) -> str:
+        return f"{n / 2**20:,.1f} MiB"
+
+    return "\n".join([
+        f"flagos memory summary, flagos:{index} (chip {state.chip.name}, {state.chip.device_name(index)})",
+        f"  allocated: {mib(stats['allocated_bytes.all.current'])} (peak {mib(stats['allocated_bytes.all.peak'])})",
+        f"  reserved:  {mib(stats['reserved_bytes.all.current'])} (peak {mib(stats['reserved_bytes.all.peak'])})",
+        f"  device:    {mib(free)} free of {mib(total)}",
+    ])
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
