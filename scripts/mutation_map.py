@@ -67,7 +67,8 @@ TESTS: dict[str, list[Run]] = {
     "flagos/report/_exporters.py": [cpu(TOP, T + "exporters.py")],
     "flagos/runtime/_generator.py": [cpu(GENERATORS), sim(GENERATORS)],
     "flagos/runtime/_storage.py": [cpu(ERRORS, k="storage"), cpu(DEVICE, T + "redirect.py", k="load or save"),
-                                   sim(ERRORS, k="storage"), sim(DEVICE, k="load or save")],
+                                   sim(ERRORS, k="storage"), sim(DEVICE, k="load or save"),
+                                   sim(FIDELITY, k="subclasses_of_the_program")],  # pickle outside a save
     "flagos/runtime/_sequences.py": [cpu(SEQUENCES), sim(SEQUENCES)],
     "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD), cpu(DISTRIBUTED, k="accelerate or ddp"),
                                           sim(ECOSYSTEM, ACCELERATE)],
