@@ -88,7 +88,7 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_pinned.py": [cpu(ECOSYSTEM, k="pin"), sim(ECOSYSTEM, k="pin")],
     "flagos/runtime/_registration.py": [cpu(DEVICE, ERRORS, NATIVE), cpu(FIDELITY, k="sparse or quantized or flagos_scalars"),
                                         cpu(SEQUENCES, k="transformer"),
-                                        sim(STREAMS, k="accelerator")],
+                                        sim(STREAMS, k="accelerator"), cpu(STREAMS, k="release_gives")],
     "flagos/report/_report.py": [cpu(ROUTES, COUNTERS, HTML), sim_default(T + "precision_policy.py", k="downcast")],
     "flagos/report/_html.py": [cpu(HTML)],
     "flagos/core/_routes.py": [cpu(ROUTES, POLICY), cpu(ENV, k="route"), cpu(ERRORS, k="environment")],
