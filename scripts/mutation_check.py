@@ -730,6 +730,20 @@ MUTATIONS = [
       "without end)", "flagos/_activation.py",
       "        _tracing.skip_flagos_frames_once_dynamo_loads()\n", "",
       cpu("tests/test_compile.py", k="host_model_beside")),
+    M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
+      "without the conjugate bit", "flagos/runtime/_tensor.py",
+      "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",
+      "        if not (self.is_neg() or self.is_conj() and _tracing.compiling()):",
+      cpu("tests/test_device.py", k="negative_views")),
+    M("refusal_names_the_keyset", "the sparse layouts' refusal is registered with the keyset, "
+      "so its message names the keyset instead of the op", "flagos/runtime/_registration.py",
+      "        _factory_lib.fallback(_sparse_unsupported, dispatch_key=key, with_keyset=False)",
+      "        _factory_lib.fallback(_sparse_unsupported, dispatch_key=key, with_keyset=True)",
+      cpu("tests/test_fidelity.py", k="sparse_tensors_get")),
+    M("weights_only_allowlist_stale", "a weights_only load before activation keeps PyTorch's "
+      "rebuild in flagos's stead", "flagos/runtime/_storage.py",
+      '    if hasattr(allowed, "cache_clear"):', '    if not hasattr(allowed, "cache_clear"):',
+      cpu("tests/test_device.py", k="weights_only_load_of")),
 ]
 
 
