@@ -48,7 +48,6 @@ from .runtime import (
     _pinned,
     _registration,
     _sequences,
-    _tracing,
 )
 from .runtime._tensor import FlagosTensor, set_metadata
 
@@ -277,7 +276,6 @@ def activate(device: str | None = "auto", mode: str | None = None,
         _routes.load_env()
         _state.set_active(state)
         state.caches = _caches.install(state)  # before anything can compile on the chip
-        _tracing.skip_flagos_frames_once_dynamo_loads()
         if mode == "device":  # libraries that asked before, or will ask, which device exists
             _offload.install()
             _lazy_params.install()

@@ -727,8 +727,8 @@ MUTATIONS = [
       cpu("tests/test_multi_device.py", k="each_threads")),
     M("flagos_frames_traced_until_a_flagos_tensor", "Dynamo traces flagos's own frames in a "
       "compilation over host tensors (its guards ask flagos's torch.accelerator for the stream "
-      "without end)", "flagos/_activation.py",
-      "        _tracing.skip_flagos_frames_once_dynamo_loads()\n", "",
+      "without end)", "flagos/integrations/_libraries.py",
+      '    "torch._dynamo.trace_rules": _tracing.skip_flagos_frames,\n', "",
       cpu("tests/test_compile.py", k="host_model_beside")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",

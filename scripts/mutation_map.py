@@ -71,6 +71,7 @@ TESTS: dict[str, list[Run]] = {
                                    sim(FIDELITY, k="subclasses_of_the_program")],  # pickle outside a save
     "flagos/runtime/_sequences.py": [cpu(SEQUENCES), sim(SEQUENCES)],
     "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD), cpu(DISTRIBUTED, k="accelerate or ddp"),
+                                          cpu(COMPILE, k="host_model_beside"),
                                           sim(ECOSYSTEM, ACCELERATE)],
     "flagos/integrations/_caches.py": [cpu(T + "cache_dirs.py")],
     "flagos/parallel.py": [cpu(T + "parallel_units.py", T + "parallel.py"), sim(T + "parallel_units.py", T + "parallel.py")],
@@ -98,7 +99,7 @@ TESTS: dict[str, list[Run]] = {
                                                                  "switching_back or bad_dtype_policy"),
                               cpu(NATIVE, k="deactivate or default_mode"),
                               cpu(T + "redirect.py", k="installing_again"),
-                              cpu(COMPILE, k="report_counts or layout_and_bits or host_model_beside")],
+                              cpu(COMPILE, k="report_counts or layout_and_bits")],
     "flagos/core/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD, SEQUENCES),
                                sim(COUNTERS, FIDELITY, SEQUENCES),
                                sim_default(T + "precision_policy.py"), cpu(T + "conformance.py")],

@@ -31,6 +31,8 @@ No library is edited. While flagos owns the device (device mode):
   state dict into shards) through the inner tensors of a wrapper subclass's
   `__tensor_flatten__`; a C-ABI chip's tensor has none (its memory is an adapter buffer), so
   such a tensor is answered as a plain tensor is, by its storage, which names the buffer.
+- torch's own Dynamo traces Python frames: its trace rules skip flagos's from the moment they
+  are imported (runtime/_tracing.py says why), without importing Dynamo at activation.
 
 A library imported after activation is answered the moment its module is imported (an import
 hook runs the patch right after the module's own code); one imported before is answered at
@@ -47,6 +49,7 @@ import threading
 import torch
 
 from ..core import _state
+from ..runtime import _device_module, _tracing
 from ..runtime._tensor import FlagosTensor
 from . import _distributed
 
@@ -302,7 +305,7 @@ def _transformers_training_args(module) -> None:
     def is_torch_bf16_gpu_available() -> bool:
         state = _state.active_or_none()
         if state is not None and state.mode == "device":
-            return "bfloat16" in state.chip.native_dtypes
+            return _device_module.is_bf16_supported()
         return bf16_available()
 
     is_torch_bf16_gpu_available.__doc__ = bf16_available.__doc__
@@ -342,6 +345,8 @@ _PATCHES = {
     "huggingface_hub.serialization._torch": _huggingface_hub_torch,
     "transformers.training_args": _transformers_training_args,
     "transformers.pipelines.base": _transformers_pipelines,
+    # Dynamo's own rules: flagos's frames are skipped from the moment Dynamo exists
+    "torch._dynamo.trace_rules": _tracing.skip_flagos_frames,
 }
 
 

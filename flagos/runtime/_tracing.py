@@ -8,8 +8,6 @@ integrations/_compile.py installs at activation (registering the flagos device w
 from __future__ import annotations
 
 import hashlib
-import importlib.abc
-import importlib.machinery
 import sys
 import warnings
 
@@ -148,46 +146,12 @@ def refuse_host_storage() -> None:
 def skip_flagos_frames(trace_rules=None) -> None:
     """flagos's own Python code (route resolution, metadata updates, adapter marshalling, the
     torch.accelerator functions it serves) runs inside ops: Dynamo must run it as it is, never
-    trace it as frames of a model."""
+    trace it as frames of a model. In device mode this runs as soon as Dynamo's trace rules are
+    imported (integrations/_libraries.py), also for a compilation over host tensors only:
+    Dynamo's guards ask `torch.accelerator` for the current stream, which is flagos's Python, and
+    traced as a frame of the model that frame's own guard asked again, without end."""
     global _skipping
     if not _skipping:
         (trace_rules or torch._dynamo.trace_rules).add("flagos")
         _skipping = True
 
-
-_RULES = "torch._dynamo.trace_rules"
-
-
-def skip_flagos_frames_once_dynamo_loads() -> None:
-    """At activation: flagos's frames are skipped from the moment Dynamo exists, for every
-    compilation, also one over host tensors only. Dynamo checks `torch.accelerator`'s current
-    stream in its guards, which is flagos's Python when flagos is the accelerator: traced as a
-    frame of the model, that frame's own guard asked for the stream again, without end (a
-    RecursionError from torch.compile(dynamic=True) of a CPU model). Dynamo costs seconds to
-    import, so this waits for whoever imports it."""
-    rules = sys.modules.get(_RULES)
-    if rules is not None:
-        skip_flagos_frames(rules)
-    elif not _skipping and not any(isinstance(f, _RulesWatch) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RulesWatch())
-
-
-class _RulesWatch(importlib.abc.MetaPathFinder):
-    """Finds Dynamo's trace rules as Python would, and has them skip flagos's frames as soon as
-    their module has run (before Dynamo can trace anything)."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != _RULES:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            skip_flagos_frames(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
