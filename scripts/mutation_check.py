@@ -730,6 +730,16 @@ MUTATIONS = [
       "without end)", "flagos/integrations/_libraries.py",
       '    "torch._dynamo.trace_rules": _tracing.skip_flagos_frames,\n', "",
       cpu("tests/test_compile.py", k="host_model_beside")),
+    M("flex_attention_backward_allowed_on_the_cpu_chip", "flex_attention's device check reads "
+      "the payloads without their requires_grad: the cpu chip runs a backward the CPU refuses",
+      "flagos/integrations/_flex_attention.py",
+      "    return payload.new_empty(0).requires_grad_(tensor.requires_grad)",
+      "    return payload.new_empty(0)",
+      cpu("tests/test_flex_attention.py", k="payload_devices_rule")),
+    M("flex_attention_autocast_uncast", "under torch.autocast(\"flagos\") flex_attention runs in "
+      "float32 where PyTorch casts query, key and value", "flagos/integrations/_flex_attention.py",
+      "        query, key, value = (cast_for_autocast(t, device_type, dtype) for t in (query, key, value))\n",
+      "", cpu("tests/test_flex_attention.py", k="autocast")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-CHIP_TESTS="tests/test_redirect.py tests/test_device.py tests/test_routes.py tests/test_errors.py tests/test_models.py tests/test_fidelity.py tests/test_ecosystem.py tests/test_autocast.py tests/test_policy.py tests/test_fallback_counters.py tests/test_fallback_staging.py tests/test_offload.py tests/test_accelerate.py tests/test_generators.py tests/test_streams.py tests/test_compile.py tests/test_cli_analyze.py tests/test_report_html.py tests/test_cli_compare.py tests/test_backward_errors.py tests/test_live_params.py tests/test_precision_policy.py tests/test_distributed.py tests/test_sharding.py tests/test_sequence_models.py tests/test_module_kinds.py tests/test_examples.py"
+CHIP_TESTS="tests/test_redirect.py tests/test_device.py tests/test_routes.py tests/test_errors.py tests/test_models.py tests/test_fidelity.py tests/test_ecosystem.py tests/test_autocast.py tests/test_policy.py tests/test_fallback_counters.py tests/test_fallback_staging.py tests/test_offload.py tests/test_accelerate.py tests/test_generators.py tests/test_streams.py tests/test_compile.py tests/test_cli_analyze.py tests/test_report_html.py tests/test_cli_compare.py tests/test_backward_errors.py tests/test_live_params.py tests/test_precision_policy.py tests/test_distributed.py tests/test_sharding.py tests/test_sequence_models.py tests/test_module_kinds.py tests/test_flex_attention.py tests/test_examples.py"
 # Random test order (pytest-randomly), so a test that depends on another's leftovers fails; the
 # seed is printed first. FLAGOS_TEST_SEED picks it: an integer to repeat an
 # order, "random" for a new one each run. The default is an order the whole suite has passed in.
@@ -27,9 +27,11 @@ CPU_RUN="tests $(for f in $SECOND_LANE_CPU_TESTS $SANITIZED_CPU_TESTS; do printf
 # The opencl run: what depends on the chip (its kernels, its memory, which is not the host's, its
 # errors and fork rules). The files whose subject is a mechanism the same on every chip of its
 # kind (errors inside backward, the CUDA redirect, the CLI tools and report pages, the process
-# group, compile's refusal on C-ABI chips) run on the cpu chip and on sim only.
+# group, the refusals of compile and of flex_attention on C-ABI chips) run on the cpu chip and
+# on sim only.
 SAME_ON_EVERY_ADAPTER="tests/test_backward_errors.py tests/test_redirect.py tests/test_cli_analyze.py
-    tests/test_cli_compare.py tests/test_report_html.py tests/test_distributed.py tests/test_compile.py"
+    tests/test_cli_compare.py tests/test_report_html.py tests/test_distributed.py tests/test_compile.py
+    tests/test_flex_attention.py"
 # The files of list $1 that list $2 does not name.
 without() {
     local skip=" $(echo $2) " f

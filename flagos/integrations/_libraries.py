@@ -33,6 +33,8 @@ No library is edited. While flagos owns the device (device mode):
   such a tensor is answered as a plain tensor is, by its storage, which names the buffer.
 - torch's own Dynamo traces Python frames: its trace rules skip flagos's from the moment they
   are imported (runtime/_tracing.py says why), without importing Dynamo at activation.
+- torch's FlexAttention checks device types against a list and needs a rule per tensor subclass
+  for its operators: both answered for flagos tensors (integrations/_flex_attention.py).
 
 A library imported after activation is answered the moment its module is imported (an import
 hook runs the patch right after the module's own code); one imported before is answered at
@@ -51,7 +53,7 @@ import torch
 from ..core import _state
 from ..runtime import _device_module, _tracing
 from ..runtime._tensor import FlagosTensor
-from . import _distributed
+from . import _distributed, _flex_attention
 
 log = logging.getLogger("flagos")
 _lock = threading.Lock()
@@ -347,6 +349,9 @@ _PATCHES = {
     "transformers.pipelines.base": _transformers_pipelines,
     # Dynamo's own rules: flagos's frames are skipped from the moment Dynamo exists
     "torch._dynamo.trace_rules": _tracing.skip_flagos_frames,
+    # FlexAttention's device check and its operators' rules for flagos tensors
+    "torch._higher_order_ops.flex_attention": _flex_attention.register_operator_rules,
+    "torch.nn.attention.flex_attention": _flex_attention.check_devices_of_payloads,
 }
 
 
