@@ -740,6 +740,11 @@ MUTATIONS = [
       "float32 where PyTorch casts query, key and value", "flagos/integrations/_flex_attention.py",
       "        query, key, value = (cast_for_autocast(t, device_type, dtype) for t in (query, key, value))\n",
       "", cpu("tests/test_flex_attention.py", k="autocast")),
+    M("accelerate_fp16_scaler_of_cuda", "accelerate's fp16 on flagos gets CUDA's GradScaler, which "
+      "turns itself off without CUDA (no loss scaling)", "flagos/integrations/_libraries.py",
+      "        return torch.amp.GradScaler(device.type, **kwargs)",
+      "        return torch.amp.GradScaler(\"cuda\", **kwargs)",
+      cpu("tests/test_accelerate.py", k="fp16")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

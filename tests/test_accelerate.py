@@ -181,6 +181,52 @@ def test_accelerator_bf16_mixed_precision_matches_cpu(dev, fresh_state):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_accelerator_fp16_mixed_precision_scales_the_loss_as_on_an_accelerator(dev, fresh_state):
+    """`mixed_precision="fp16"` on flagos gets what it gets on a GPU, float16 autocast and a
+    loss scaler of the device (accelerate refused flagos, and made CUDA's scaler, which turns
+    itself off without CUDA): the same losses, loss scale and parameters as that loop written
+    by hand on the CPU, an overflowing first step skipped by both."""
+    def data():
+        g = torch.Generator().manual_seed(1)
+        return torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g))
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    accelerator = accelerate.Accelerator(mixed_precision="fp16")
+    assert isinstance(accelerator.scaler, torch.amp.GradScaler) and accelerator.scaler._device == dev.type
+    net = model()
+    net, optimizer, loader = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                                 torch.utils.data.DataLoader(data(), batch_size=8))
+    losses = []
+    for x, y in loader:
+        with accelerator.autocast():
+            loss = torch.nn.functional.mse_loss(net(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+
+    host = model()
+    host_optimizer = torch.optim.SGD(host.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    host_losses = []
+    for x, y in torch.utils.data.DataLoader(data(), batch_size=8):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(host(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(host_optimizer)
+        scaler.update()
+        host_optimizer.zero_grad()
+        host_losses.append(loss.item())
+    assert losses == host_losses
+    assert accelerator.scaler.get_scale() == scaler.get_scale() < 65536.0  # one step skipped
+    for a, b in zip(accelerator.unwrap_model(net).parameters(), host.parameters()):
+        assert a.device == dev
+        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=0, atol=0)
+
+
 def test_get_max_memory_lists_flagos_devices_with_their_free_memory():
     from accelerate.utils import get_max_memory
 

@@ -16,6 +16,8 @@ No library is edited. While flagos owns the device (device mode):
   (`LOCAL_RANK` set) get the "flagos" process group (`flagos.dist_backend()`), accelerate's
   MULTI_GPU type and flagos:(local rank % device count) as their device, and
   `Accelerator.prepare` gives DDP that device's index.
+- accelerate's `mixed_precision="fp16"` names the devices it runs on (cuda, npu, xpu, ...) and
+  makes CUDA's GradScaler for all but a few: flagos joins the names, and gets its own scaler.
 - transformers' `TrainingArguments.device` (what the `Trainer` moves batches to) asks accelerate
   only in distributed runs; alone it lists the named accelerators and ends at "cpu", while the
   `Trainer`'s accelerate places the model on flagos: "argument 'indices' is a tensor on cpu, but
@@ -161,6 +163,21 @@ def _accelerate_accelerator(module) -> None:
     prepare_model.__doc__ = original.__doc__
     prepare_model.__wrapped__ = original
     cls.prepare_model = prepare_model
+    _fp16_on_flagos(cls)
+
+
+def _fp16_on_flagos(cls) -> None:
+    """`Accelerator(mixed_precision="fp16")` checks the device type against a list of names
+    written into `__init__` (cuda, npu, xpu, ...) and refuses flagos. The list is a constant of
+    that function's code, so flagos's name joins it there: the code itself is unchanged, and
+    flagos then gets what those devices get, float16 autocast and a GradScaler (its own:
+    get_grad_scaler below)."""
+    name = torch._C._get_privateuse1_backend_name()
+    code = cls.__init__.__code__
+    consts = tuple(c + (name,) if isinstance(c, tuple) and "cuda" in c and "npu" in c and name not in c
+                   else c for c in code.co_consts)
+    if consts != code.co_consts:
+        cls.__init__.__code__ = code.replace(co_consts=consts)
 
 
 def _accelerate_modeling(module) -> None:
@@ -179,6 +196,21 @@ def _accelerate_modeling(module) -> None:
     get_max_memory.__wrapped__ = original
     module.get_max_memory = get_max_memory
     _replaced[id(original)] = (original, get_max_memory)
+
+    scaler_for = module.get_grad_scaler
+
+    def get_grad_scaler(distributed_type=None, **kwargs):
+        """A GradScaler of the flagos device where flagos is accelerate's device (accelerate
+        otherwise makes CUDA's, which disables itself without CUDA: no loss scaling at all)."""
+        device = _flagos_default()
+        if device is None or distributed_type == module.DistributedType.FSDP:
+            return scaler_for(distributed_type, **kwargs)
+        return torch.amp.GradScaler(device.type, **kwargs)
+
+    get_grad_scaler._flagos = True
+    get_grad_scaler.__doc__, get_grad_scaler.__wrapped__ = scaler_for.__doc__, scaler_for
+    module.get_grad_scaler = get_grad_scaler
+    _replaced[id(scaler_for)] = (scaler_for, get_grad_scaler)
 
 
 def _rebind() -> None:
