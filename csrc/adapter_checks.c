@@ -65,8 +65,11 @@ void flagos_adapter_raise_status(AdapterObject *a, const char *call, int32_t dev
     const char *name = flagos_adapter_code_name(a->api, st->code);
     const char *chip = a->api->name;
     if (st->code == a->api->out_of_memory_code) {
+        /* "<device> out of memory." first, as CUDA, HIP and XPU word it: libraries find an
+         * out-of-memory error by that text (accelerate's find_executable_batch_size, and with
+         * it transformers' auto_find_batch_size, retry with a smaller batch). */
         PyErr_Format(error_type(oom_error_type),
-                     "%s device %d is out of memory%s (%s, code %d): %s. Free tensors you no "
+                     "%s device %d out of memory.%s %s (code %d): %s. Free tensors you no "
                      "longer need (del, gc.collect()) or use smaller batches; "
                      "torch.flagos.memory_allocated() shows what flagos holds.",
                      chip, device, detail ? detail : "", name, st->code, st->message);

@@ -288,7 +288,7 @@ PyObject *flagos_adapter_new_buffer(AdapterObject *self, int device, uint64_t nb
         flagos_memory_info m = {.struct_size = sizeof(m)};
         flagos_status st2 = {0};
         if (rc == self->api->out_of_memory_code && self->api->memory_info(device, &m, &st2) == 0)
-            snprintf(detail, sizeof(detail), ": requested %llu bytes, %llu bytes free of %llu",
+            snprintf(detail, sizeof(detail), " Requested %llu bytes, %llu bytes free of %llu.",
                      (unsigned long long)nbytes, (unsigned long long)m.free,
                      (unsigned long long)m.total);
         flagos_adapter_raise_status(self, "alloc", device, rc, &st, detail);

@@ -745,6 +745,11 @@ MUTATIONS = [
       "        return torch.amp.GradScaler(device.type, **kwargs)",
       "        return torch.amp.GradScaler(\"cuda\", **kwargs)",
       cpu("tests/test_accelerate.py", k="fp16")),
+    M("oom_text_libraries_miss", "a C-ABI chip's out-of-memory error lacks the \" out of memory.\" "
+      "that accelerate's batch-size search looks for", "csrc/adapter_checks.c",
+      '"%s device %d out of memory.%s %s (code %d): %s. Free tensors you no "',
+      '"%s device %d is out of memory%s %s (code %d): %s. Free tensors you no "',
+      cpu("tests/test_accelerate.py", k="find_executable")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

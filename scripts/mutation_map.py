@@ -169,7 +169,7 @@ TESTS: dict[str, list[Run]] = {
     "csrc/callsite.c": [cpu(ANALYZE), cpu(ROUTES, k="site")],
     "csrc/guard.c": [cpu(BACKWARD)],
     "csrc/adapter_load.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
-    "csrc/adapter_checks.c": [cpu(LOADER, ADAPTERS, KERNEL_CHECKS), sim(SIM_TESTS, STREAMS)],
+    "csrc/adapter_checks.c": [cpu(LOADER, ADAPTERS, KERNEL_CHECKS), cpu(ACCELERATE, k="find_executable"), sim(SIM_TESTS, STREAMS)],
     "csrc/adapter_memory.c": [cpu(LOADER, ADAPTERS, KERNEL_CHECKS), sim(SIM_TESTS, STREAMS, SIM_FIDELITY)],
     "csrc/adapter_streams.c": [cpu(LOADER, ADAPTERS), sim(SIM_TESTS, STREAMS)],
     "csrc/adapter_kernels.c": [cpu(LOADER, ADAPTERS, KERNEL_CHECKS), sim(SIM_TESTS, STREAMS)],

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import CHIP, device_mode_only, run_python, same_on_every_chip
+from conftest import CHIP, device_mode_only, run_python, runs_once, same_on_every_chip
 
 import flagos
 from flagos.core import _state
@@ -225,6 +225,33 @@ def test_accelerator_fp16_mixed_precision_scales_the_loss_as_on_an_accelerator(d
     for a, b in zip(accelerator.unwrap_model(net).parameters(), host.parameters()):
         assert a.device == dev
         torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=0, atol=0)
+
+
+@runs_once
+def test_find_executable_batch_size_retries_after_a_chips_out_of_memory():
+    """accelerate's batch-size search (and transformers' auto_find_batch_size with it) retries
+    on an error whose text says " out of memory.", as CUDA's, HIP's and XPU's do: a C-ABI chip's
+    out-of-memory error says it too. sim with a 40 MiB pool and two tensors of batch_size MiB
+    a try: accelerate's sizes 64, 57, 51, ... (each 0.9 of the last) fail down to 19, the first
+    that fits (2 x 19 MiB), and every failed try gives its memory back."""
+    proc = run_python("""
+        import torch, flagos
+        from accelerate.utils import find_executable_batch_size
+        flagos.activate("sim")
+        tried = []
+
+        @find_executable_batch_size(starting_batch_size=64)
+        def step(batch_size):
+            tried.append(batch_size)
+            x = torch.ones(batch_size, 1 << 18, device="flagos")  # batch_size MiB
+            return batch_size, (x * 2).sum().item()
+
+        print("found", step(), tried)
+        print("allocated", torch.flagos.memory_allocated())
+    """, env={"FLAGOS_SIM_MEMORY": "40M", "FLAGOS_FALLBACK": "allow",
+              "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert "found (19, 9961472.0) [64, 57, 51, 45, 40, 36, 32, 28, 25, 22, 19]" in proc.stdout, proc.stdout
+    assert "allocated 0" in proc.stdout
 
 
 def test_get_max_memory_lists_flagos_devices_with_their_free_memory():

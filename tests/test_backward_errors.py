@@ -127,7 +127,7 @@ def test_out_of_memory_inside_backward_on_sim():
         print("NEXT STEP OK")
     """, env={"FLAGOS_FALLBACK": "allow", "FLAGOS_SIM_MEMORY": "4M"}, check=False)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert "RAISED OOM | sim device 0 is out of memory" in proc.stdout, proc.stdout
+    assert "RAISED OOM | sim device 0 out of memory." in proc.stdout, proc.stdout
     assert "LEAK 0" in proc.stdout and "NEXT STEP OK" in proc.stdout
 
 
@@ -178,7 +178,7 @@ def test_fault_injection_over_a_training_loop_on_sim():
         print("FAILED STEPS", failed, "WEIGHTS MATCH")
     """, env={"FLAGOS_FALLBACK": "allow", "FLAGOS_SIM_FAIL_ALLOC_AT": "60"}, check=False)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert "FAILED | sim device 0 is out of memory" in proc.stdout
+    assert "FAILED | sim device 0 out of memory." in proc.stdout
     assert "WEIGHTS MATCH" in proc.stdout and "FAILED STEPS [" in proc.stdout
     assert "FAILED STEPS []" not in proc.stdout
 

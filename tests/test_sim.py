@@ -59,8 +59,8 @@ def test_out_of_memory_names_the_chip_and_the_process_keeps_working():
         print("SUM", (keep * 2).sum().item())
     """, FLAGOS_SIM_MEMORY="1M")
     out = proc.stdout
-    assert "OOM sim device 0 is out of memory: requested 4194304 bytes" in out
-    assert "bytes free of 1048576" in out and "(SIM_ERROR_OUT_OF_MEMORY, code 2)" in out
+    assert "OOM sim device 0 out of memory. Requested 4194304 bytes" in out
+    assert "bytes free of 1048576" in out and "SIM_ERROR_OUT_OF_MEMORY (code 2)" in out
     assert "SUM 2048.0" in out
 
 
@@ -95,7 +95,7 @@ def test_injected_failure_counts_the_programs_allocations_only():
         print("AFTER", (x * 2).cpu().tolist(), m.memory_allocated() - before)
     """, env={"FLAGOS_SIM_FAIL_ALLOC_AT": "1"})
     assert "FIRST ALLOCATION RAN" not in proc.stdout
-    assert "OOM sim device 0 is out of memory" in proc.stdout
+    assert "OOM sim device 0 out of memory." in proc.stdout
     assert "injected failure of allocation #1 (FLAGOS_SIM_FAIL_ALLOC_AT)" in proc.stdout
     assert "AFTER [0.0, 2.0, 4.0, 6.0] 16" in proc.stdout  # x lives on; x * 2 came and went
 

@@ -204,7 +204,7 @@ def test_out_of_memory_in_c_names_the_request():
         del b
         print("SUM", (a * 2)[:4].sum().item())
     """, FLAGOS_SIM_MEMORY="1M")
-    assert "OOM sim device 0 is out of memory: requested 400000 bytes" in proc.stdout
+    assert "OOM sim device 0 out of memory. Requested 400000 bytes" in proc.stdout
     assert "RAN" not in proc.stdout and "SUM 8.0" in proc.stdout
 
 
