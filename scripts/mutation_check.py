@@ -750,6 +750,11 @@ MUTATIONS = [
       '"%s device %d out of memory.%s %s (code %d): %s. Free tensors you no "',
       '"%s device %d is out of memory%s %s (code %d): %s. Free tensors you no "',
       cpu("tests/test_accelerate.py", k="find_executable")),
+    M("legacy_cuda_type_on_the_host", "torch.cuda.FloatTensor(data) under the redirect stays on "
+      "the host", "flagos/integrations/_redirect.py",
+      "        return getattr(torch, cls.__name__)(*args).to(target)  # the host type, then the chip",
+      "        return getattr(torch, cls.__name__)(*args)",
+      cpu("tests/test_redirect.py", k="gan or LongTensor")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

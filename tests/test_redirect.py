@@ -345,8 +345,34 @@ def _check_cuda_module(name, dev):
         assert c.nvtx.range_pop() == -1
         names = {e.name for e in prof.events()}
         assert {"outer", "inner 1", "point"} <= names, names
+    elif name in _redirect.LEGACY_TYPES:
+        kind, dtype = getattr(c, name), _redirect.LEGACY_TYPES[name]
+        made = kind(2, 3)                                         # sizes: uninitialized
+        assert made.shape == (2, 3) and made.dtype == dtype and made.device == dev
+        assert kind(torch.Size([4])).shape == (4,)
+        data = kind([1, 0, 1])                                    # data: copied
+        assert data.dtype == dtype and data.device == dev
+        assert torch.equal(data.cpu(), getattr(torch, name)([1, 0, 1]))
+        assert kind().shape == (0,) and kind().device == dev
+        assert isinstance(data, kind) and not isinstance(data.cpu(), kind)
+        other = torch.float64 if dtype != torch.float64 else torch.float32
+        assert not isinstance(data.to(other), kind)
     else:
         raise AssertionError(f"no check for torch.cuda.{name}")
+
+
+def _check_type(dev):
+    """`x.type(torch.cuda.LongTensor)` and `x.type("torch.cuda.HalfTensor")` move to the chip in
+    that dtype; PyTorch's own answers otherwise."""
+    host = torch.tensor([1.5, -2.0])
+    as_long = host.type(torch.cuda.LongTensor)
+    assert as_long.device == dev and torch.equal(as_long.cpu(), host.long())
+    as_half = host.type("torch.cuda.HalfTensor")
+    assert as_half.device == dev and as_half.dtype == torch.float16
+    back = as_half.type(torch.cuda.FloatTensor)
+    assert back.device == dev and back.dtype == torch.float32 and as_half.type().endswith("HalfTensor")
+    assert host.type(torch.float64).dtype == torch.float64 and host.type().startswith("torch.")
+    assert host.type("torch.DoubleTensor").device.type == "cpu"
 
 
 def _check(entry: str, dev) -> None:
@@ -357,7 +383,8 @@ def _check(entry: str, dev) -> None:
         return _check_cuda_module(parts[-1], dev)
     if entry.startswith("torch.Tensor."):
         name = parts[-1]
-        return {"to": _check_to, "cuda": _check_cuda}.get(name, lambda d: _check_new(name, d))(dev)
+        return {"to": _check_to, "cuda": _check_cuda, "type": _check_type}.get(
+            name, lambda d: _check_new(name, d))(dev)
     if len(parts) == 2 and parts[1] in FACTORY_CALLS:
         return _check_factory(parts[1], dev)
     return {
@@ -376,7 +403,8 @@ CHECKED = (
     | {"torch.Tensor.to", "torch.Tensor.cuda", "torch.nn.Module.cuda", "torch.load",
        "torch.Generator", "torch.set_default_device", "torch.autocast", "torch.amp.GradScaler", "torch.cuda.amp.GradScaler",
        "torch.distributed.init_process_group"}
-    | {f"torch.cuda.{n}" for n in _redirect.CUDA_FUNCTIONS}
+    | {f"torch.cuda.{n}" for n in _redirect.CUDA_FUNCTIONS} | {"torch.Tensor.type"}
+    | {f"torch.cuda.{n}" for n in _redirect.LEGACY_TYPES}
 )
 
 
@@ -571,11 +599,59 @@ torch.save({"tokens": tokens.cpu(), "logits": logits.cpu()}, sys.argv[1])
 """
 
 
+# An older script's idiom (a GAN training step as the PyTorch-GAN collection writes it): the
+# legacy CUDA tensor types as constructors and as `.type()` targets.
+GAN_SCRIPT = """
+import sys
+import numpy as np
+import torch
+
+cuda = True if torch.cuda.is_available() else False
+Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor
+torch.manual_seed(0)
+np.random.seed(0)
+generator = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 4), torch.nn.Tanh())
+discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LeakyReLU(0.2), torch.nn.Linear(8, 1), torch.nn.Sigmoid())
+adversarial_loss = torch.nn.BCELoss()
+if cuda:
+    generator.cuda()
+    discriminator.cuda()
+    adversarial_loss.cuda()
+opt_g = torch.optim.Adam(generator.parameters(), lr=2e-3)
+opt_d = torch.optim.Adam(discriminator.parameters(), lr=2e-3)
+losses = []
+for step in range(3):
+    imgs = torch.from_numpy(np.random.uniform(-1, 1, (6, 4))).double()
+    valid = Tensor(imgs.size(0), 1).fill_(1.0)
+    fake = Tensor(imgs.size(0), 1).fill_(0.0)
+    real_imgs = imgs.type(Tensor)
+    opt_g.zero_grad()
+    z = Tensor(np.random.normal(0, 1, (imgs.shape[0], 8)))
+    gen_imgs = generator(z)
+    g_loss = adversarial_loss(discriminator(gen_imgs), valid)
+    g_loss.backward()
+    opt_g.step()
+    opt_d.zero_grad()
+    d_loss = (adversarial_loss(discriminator(real_imgs), valid)
+              + adversarial_loss(discriminator(gen_imgs.detach()), fake)) / 2
+    d_loss.backward()
+    opt_d.step()
+    assert isinstance(real_imgs, Tensor) and real_imgs.dtype == torch.float32
+    losses.append([g_loss.item(), d_loss.item()])
+labels = torch.cuda.LongTensor([1, 0, 2]) if cuda else torch.LongTensor([1, 0, 2])
+torch.save({"losses": torch.tensor(losses), "weight": generator[0].weight.detach().cpu(),
+            "labels": labels.cpu()}, sys.argv[1])
+"""
+
+
 def _as_cpu_script(script: str) -> str:
     """The plain-CPU version of a CUDA script: "cuda" -> "cpu" (torch.cpu has no seeding
-    functions; torch.manual_seed seeds the CPU generator)."""
+    functions; torch.manual_seed seeds the CPU generator; the legacy CUDA tensor types are
+    the host's, torch.FloatTensor)."""
     for seeding in ("torch.cuda.manual_seed_all(", "torch.cuda.manual_seed("):
         script = script.replace(seeding, "torch.manual_seed(")
+    for name in _redirect.LEGACY_TYPES:
+        script = script.replace(f"torch.cuda.{name}", f"torch.{name}")
     return script.replace("cuda", "cpu")
 
 
@@ -591,9 +667,9 @@ def _run(script: str, out: str, env: dict) -> dict:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("script", ["ddpm", "train", "load"])
+@pytest.mark.parametrize("script", ["ddpm", "train", "load", "gan"])
 def test_cuda_script_runs_unchanged(tmp_path, script):
-    text = {"ddpm": DDPM_SCRIPT, "train": TRAIN_SCRIPT, "load": LOAD_SCRIPT}[script]
+    text = {"ddpm": DDPM_SCRIPT, "train": TRAIN_SCRIPT, "load": LOAD_SCRIPT, "gan": GAN_SCRIPT}[script]
     assert 'to("cuda")' in text or ".cuda()" in text or 'device_map="cuda"' in text
     got = _run(text, str(tmp_path / "script_chip"), {"FLAGOS_DEVICE": CHIP, "FLAGOS_REDIRECT_CUDA": "1"})
     want = _run(_as_cpu_script(text), str(tmp_path / "script_cpu"), {})

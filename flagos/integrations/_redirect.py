@@ -3,14 +3,14 @@
 
 `torch.device("cuda")` is parsed in C++ and nothing can make it mean another device, so the
 redirect rewrites device arguments where they enter PyTorch: the Python-visible functions and
-methods that take a device (factories, `Tensor.to`/`.cuda()`, `Module.cuda()`, `torch.load`,
-`torch.Generator`, autocast, GradScaler, `init_process_group`: "nccl" becomes
-`flagos.dist_backend()`) are replaced by wrappers that
-turn "cuda", "cuda:N" and `torch.device("cuda", N)` into the active chip's device (flagos:N in
-device mode, the chip's own device in native mode), and `torch.cuda` is replaced by a module
-whose common functions answer for the active chip (everything else falls through to PyTorch's
-own `torch.cuda`). Only the wrapped entry points pay (a Python call); ordinary ops pay nothing,
-and with the redirect off nothing is installed. Why wrappers and not a TorchFunctionMode, and
+methods that take a device (factories, `Tensor.to`/`.cuda()`/`.type()`, `Module.cuda()`,
+`torch.load`, `torch.Generator`, autocast, GradScaler, `init_process_group`: "nccl" becomes
+`flagos.dist_backend()`) are replaced by wrappers that turn "cuda", "cuda:N" and
+`torch.device("cuda", N)` into the active chip's device (flagos:N in device mode, the chip's own
+device in native mode), and `torch.cuda` is replaced by a module whose common functions and
+legacy tensor types (`torch.cuda.FloatTensor`, ...) answer for the active chip (everything else
+falls through to PyTorch's own `torch.cuda`). Only the wrapped entry points pay (a Python call);
+ordinary ops pay nothing, and with the redirect off nothing is installed. Why wrappers and not a TorchFunctionMode, and
 what each costs: docs/design.md §16.
 
 flagos's own detection reads the real module (`sys.modules["torch.cuda"]`, see
@@ -54,14 +54,23 @@ CUDA_FUNCTIONS = (
     "default_stream", "get_device_capability", "init", "is_current_stream_capturing", "ipc_collect",
     "set_per_process_memory_fraction", "memory_summary", "nvtx",
 )
+# The legacy tensor types of CUDA (`torch.cuda.FloatTensor(2, 3)`, `x.type(torch.cuda.LongTensor)`,
+# `Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor` in older scripts), by dtype.
+LEGACY_TYPES = {
+    "FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
+    "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
+    "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8,
+    "BoolTensor": torch.bool,
+}
 ENTRY_POINTS = (
     tuple(f"torch.{n}" for n in FACTORIES)
-    + tuple(f"torch.Tensor.{n}" for n in TENSOR_METHODS)
+    + tuple(f"torch.Tensor.{n}" for n in TENSOR_METHODS) + ("torch.Tensor.type",)
     + ("torch.nn.Module.cuda", "torch.load", "torch.Generator", "torch.set_default_device",
        "torch.autocast",
        "torch.amp.GradScaler", "torch.cuda.amp.GradScaler",
        "torch.distributed.init_process_group")
     + tuple(f"torch.cuda.{n}" for n in CUDA_FUNCTIONS)
+    + tuple(f"torch.cuda.{n}" for n in LEGACY_TYPES)
 )
 
 _DEVICE_KWARGS = ("device",)
@@ -154,6 +163,51 @@ def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.pres
 
 def _module_cuda(self, device=None):
     return self.to(_map_index(device))
+
+
+class _LegacyType(type):
+    """`torch.cuda.FloatTensor` and its kin on the chip: called, a tensor of the type's dtype on
+    the current device (sizes give an uninitialized one, data is copied, as PyTorch's legacy
+    constructors do); `isinstance` of a tensor of that dtype on the chip, as
+    `isinstance(x, torch.cuda.FloatTensor)` is of a CUDA float tensor."""
+
+    def __call__(cls, *args, device=None):
+        target = _map_index(device)
+        if all(type(a) is int for a in args) and args or (len(args) == 1 and type(args[0]) is torch.Size):
+            return torch.empty(*args, dtype=cls.dtype, device=target)
+        return getattr(torch, cls.__name__)(*args).to(target)  # the host type, then the chip
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, torch.Tensor) and obj.dtype == cls.dtype and obj.device.type == _target_type
+
+
+def _legacy_type(name: str) -> type:
+    kind = _LegacyType(name, (), {"dtype": LEGACY_TYPES[name], "__module__": "torch.cuda"})
+    kind.__doc__ = f"CUDA's legacy {name}, on the active chip (flagos redirect_cuda)."
+    return kind
+
+
+def _legacy_dtype(kind):
+    """The dtype a legacy CUDA type names (the class or its name, 'torch.cuda.FloatTensor');
+    None for anything else."""
+    if isinstance(kind, _LegacyType):
+        return kind.dtype
+    if isinstance(kind, str) and kind.startswith("torch.cuda."):
+        return LEGACY_TYPES.get(kind[len("torch.cuda."):])
+    return None
+
+
+def _tensor_type(original):
+    """`x.type(torch.cuda.FloatTensor)` / `x.type("torch.cuda.LongTensor")`: to the chip, in that
+    dtype; every other call is PyTorch's."""
+    @functools.wraps(original)
+    def redirected(self, dtype=None, non_blocking=False, **kwargs):
+        target = _legacy_dtype(dtype)
+        if target is None:
+            return original(self, dtype, non_blocking, **kwargs)
+        return self.to(_map_index(None), target, non_blocking=non_blocking)
+    redirected.__flagos_redirect__ = original
+    return redirected
 
 
 class _HostEvent:
@@ -272,6 +326,8 @@ def _cuda_namespace(real: types.ModuleType, state) -> types.ModuleType:
         else:
             value = getattr(_device_module, name)
         ns.__dict__[name] = value
+    for name in LEGACY_TYPES:
+        ns.__dict__[name] = _legacy_type(name)
     return ns
 
 
@@ -380,6 +436,7 @@ def install(state) -> bool:
     _set(torch.Tensor, "cuda", _tensor_cuda)
     for name in TENSOR_METHODS[2:]:
         _set(torch.Tensor, name, _rewrite(getattr(torch.Tensor, name)))
+    _set(torch.Tensor, "type", _tensor_type(torch.Tensor.type))
     _set(torch.nn.Module, "cuda", _module_cuda)
     _set(torch, "load", _load(torch.load))
     _set(torch, "set_default_device", _rewrite(torch.set_default_device))
