@@ -418,6 +418,27 @@ def test_entry_point_runs_on_the_active_chip(redirect, entry):
     _check(entry, redirect)
 
 
+def test_transformers_offloaded_kv_cache_generates_as_without_offloading(redirect):
+    """transformers' offloaded KV caches order their copies with `torch.cuda.default_stream`
+    (CUDA's only, whatever the model's device: without the redirect, "Torch not compiled with
+    CUDA enabled" on any other device): under the redirect they generate the tokens the
+    ordinary cache does."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(1, 100, (2, 8))
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    model.cuda()
+    for cache in ("offloaded", "offloaded_static"):
+        tokens = model.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=5,
+                                do_sample=False, cache_implementation=cache)
+        assert tokens.device == redirect and torch.equal(tokens.cpu(), expected), cache
+
+
 @pytest.mark.skipif(CHIP != "sim", reason="needs a chip with two devices (sim has two)")
 def test_a_cuda_index_is_the_chips_device_of_that_index(redirect):
     """"cuda:1" and torch.device("cuda", 1) are flagos:1, whichever device is current; "cuda"
