@@ -755,6 +755,18 @@ MUTATIONS = [
       "        return getattr(torch, cls.__name__)(*args).to(target)  # the host type, then the chip",
       "        return getattr(torch, cls.__name__)(*args)",
       cpu("tests/test_redirect.py", k="gan or LongTensor")),
+    M("process_group_without_a_name", "the flagos process group keeps no name: DeviceMesh, "
+      "DTensor and FSDP2 find none (\"ProcessGroup name not set\")", "flagos/integrations/_distributed.py",
+      "        self._name = name\n", "        self._name = None\n",
+      cpu("tests/test_distributed.py", k="mesh")),
+    M("collective_results_left_registered", "a functional collective's host result on a C-ABI chip "
+      "is never waited on: the work registry keeps it to the end of the process",
+      "flagos/runtime/_adapter_ops.py", "                torch.ops._c10d_functional.wait_tensor(t)\n",
+      "                pass\n", sim("tests/test_distributed.py", k="mesh")),
+    M("subclass_result_uploaded_as_is", "a host result that is a wrapper subclass (DTensor's "
+      "AsyncCollectiveTensor) is uploaded as if it had memory", "flagos/runtime/_adapter_ops.py",
+      "        host = host.clone()  # through the subclass's own dispatch: a plain tensor\n",
+      "        pass\n", sim("tests/test_distributed.py", k="mesh")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

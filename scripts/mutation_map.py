@@ -48,6 +48,7 @@ TESTS: dict[str, list[Run]] = {
                                        # the kernel cases again with the C fast path off (tests/conftest.py)
                                        Run("sim", (KERNELS,), "", (*SIM_ALL.items(), ("FLAGOS_TEST_RUNNER_ONLY", "1"))),
                                        sim(MODELS, k="inference_mode"),
+                                       sim(DISTRIBUTED, k="mesh"),
                                        sim(FIDELITY, k="inference_mode or views_of_one_tensor or fill_and_zero or set_to"),
                                        sim(POLICY, k="declining"),
                                        sim(ECOSYSTEM, k="capsule"), sim(ERRORS, k="meta_tensors"),

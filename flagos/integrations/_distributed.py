@@ -282,6 +282,26 @@ class FlagosProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
+    # PyTorch keeps a group's name on its C++ backends, which a group made in Python has none
+    # of: `group_name` raised "ProcessGroup name not set", and with it DeviceMesh (DTensor,
+    # FSDP2) and the functional collectives, which find a group by its name.
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        name = getattr(self, "_name", None)
+        if name is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_desc", "undefined")
+
     def _get_backend(self, device):
         """The chip's group for flagos (and its payload device), gloo for the host: what
         init_process_group(device_id=...) and PyTorch's helpers ask a group for."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.dlpack import to_dlpack
 
 from .. import _C
@@ -97,7 +98,12 @@ def _tag(fresh: torch.Tensor, t) -> torch.Tensor:
 
 
 def _physical(host: torch.Tensor) -> torch.Tensor:
-    """A host tensor whose memory holds its values: bits resolved, efficient zeros made real."""
+    """A host tensor whose memory holds its values: bits resolved, efficient zeros made real, a
+    wrapper subclass's values in a plain tensor (an op run on the host may answer with one:
+    the functional collectives' `_wrap_tensor_autograd` gives an AsyncCollectiveTensor, whose
+    own memory is none)."""
+    if type(host) is not torch.Tensor and is_traceable_wrapper_subclass(host):
+        host = host.clone()  # through the subclass's own dispatch: a plain tensor
     if host._is_zerotensor():
         return torch.zeros(host.shape, dtype=host.dtype)
     if host.is_conj() or host.is_neg():
@@ -257,7 +263,7 @@ class Runner:
         # path of its own for: never the SPECIAL ones, the KERNEL_BUILDERS ones only when
         # routed to the fallback (routed native, they try the kernel here first)
         self.c_fast = (self.adapter, tuple(self.native), tuple(codes[i] for i in range(len(codes))),
-                       frozenset(SPECIAL), frozenset(KERNEL_BUILDERS))
+                       frozenset(SPECIAL) | FUNCTIONAL_COLLECTIVES, frozenset(KERNEL_BUILDERS))
         self.facts = {}
         self.layouts = {}  # (op, operand layouts) -> result strides of elementwise kernels
 
@@ -496,6 +502,12 @@ class Runner:
             out = _math_keys.call(func, hargs, hkwargs)  # conjugate views inside composite ops
         else:
             out = func(*hargs, **hkwargs)
+        if func.namespace == "_c10d_functional":
+            # A functional collective's host result is registered until someone waits on it;
+            # its values are copied to the chip now, so the wait is now (the flagos group has
+            # finished the collective already): otherwise the registry keeps it to the end.
+            for t in _collect((out,), [], torch.Tensor):
+                torch.ops._c10d_functional.wait_tensor(t)
 
         facts = self.facts.get(func)
         if facts is None:
@@ -736,6 +748,13 @@ def _flatten(value):
     else:
         yield value
 
+
+# The functional collectives (DTensor's, FSDP2's): their host results are waited on before the
+# upload (Runner._round_trip), which the C round trip does not do; so they take the runner's.
+FUNCTIONAL_COLLECTIVES = frozenset(f"_c10d_functional::{name}" for name in (
+    "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_reduce",
+    "all_reduce_coalesced", "all_to_all_single", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced", "broadcast"))
 
 SPECIAL = {
     "aten::empty.memory_format": Runner.empty,
