@@ -35,10 +35,15 @@ def test_native_mode_routes_reports_and_falls_back():
         report = flagos.fallback_report()
         print(report)
         assert report.op("aten::add_.Tensor")["calls"]["fallback"] == 1
+        # the chip's tensors are the host's: the fallback still counts what it moved (the
+        # view's 2 float32 values each way) and their dtype, as in device mode
+        row = report.op("aten::add_.Tensor")
+        print("moved", row["bytes_to_host"], row["bytes_to_device"], row["dtypes"])
         assert report.op("aten::addmm")["calls"]["native"] == 1
         print("OK")
     """)
     assert "OK" in proc.stdout and "no flagos device: True" in proc.stdout
+    assert "moved 8 8 ['torch.float32']" in proc.stdout, proc.stdout
 
 
 def test_native_mode_models_match_plain_cpu():
