@@ -150,6 +150,9 @@ def test_the_cache_key_of_a_flagos_input_holds_the_chip(dev, monkeypatch):
     assert key == torch.arange(12.0).to(dev)._stable_hash_for_caching()   # a key, not an identity
     assert first.view(3, 4)._stable_hash_for_caching() != key
     assert first.double()._stable_hash_for_caching() != key
+    with torch.inference_mode():  # the same values, sizes and strides; its payload an inference tensor
+        made_in_inference_mode = torch.arange(12.0).to(dev)
+    assert made_in_inference_mode._stable_hash_for_caching() != key
     other_chip = dataclasses.replace(state_module.active(), chip=flagos.chips.profile("sim"))
     monkeypatch.setattr(state_module, "active_or_none", lambda: other_chip)
     assert first._stable_hash_for_caching() != key
