@@ -767,6 +767,11 @@ MUTATIONS = [
       "AsyncCollectiveTensor) is uploaded as if it had memory", "flagos/runtime/_adapter_ops.py",
       "        host = host.clone()  # through the subclass's own dispatch: a plain tensor\n",
       "        pass\n", sim("tests/test_distributed.py", k="mesh")),
+    M("stand_in_storage_unguarded", "a C-ABI chip's stand-in storage read or resized gives "
+      "PyTorch's \"Trying to resize storage that is not resizable\"", "flagos/runtime/_storage.py",
+      '        if storage.device.type == "meta" and storage.data_ptr() != 0:  # a plain meta storage has none',
+      '        if storage.device.type == "meta" and storage.data_ptr() == 0:  # a plain meta storage has none',
+      sim("tests/test_ecosystem.py", k="storage_names")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

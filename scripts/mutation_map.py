@@ -69,7 +69,8 @@ TESTS: dict[str, list[Run]] = {
     "flagos/runtime/_generator.py": [cpu(GENERATORS), sim(GENERATORS)],
     "flagos/runtime/_storage.py": [cpu(ERRORS, k="storage"), cpu(DEVICE, T + "redirect.py", k="load or save"),
                                    sim(ERRORS, k="storage"), sim(DEVICE, k="load or save"),
-                                   sim(FIDELITY, k="subclasses_of_the_program")],  # pickle outside a save
+                                   sim(FIDELITY, k="subclasses_of_the_program"),  # pickle outside a save
+                                   sim(ECOSYSTEM, k="storage_names")],
     "flagos/runtime/_sequences.py": [cpu(SEQUENCES), sim(SEQUENCES)],
     "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD), cpu(DISTRIBUTED, k="accelerate or ddp"),
                                           cpu(COMPILE, k="host_model_beside"),

@@ -40,8 +40,15 @@ def test_storage_names_the_memory_a_tensor_views(dev):
     if CHIP == "sim":  # it names the buffer and holds no data: reading through it is an error
         with pytest.raises(RuntimeError):
             copy.deepcopy(storage)
-        with pytest.raises(NotImplementedError):
-            storage.tolist()
+        # that says what it is and what to use instead (PyTorch's own words were "Trying to
+        # resize storage that is not resizable" and a meta error)
+        for use in (storage.tolist, storage.cpu, storage.clone, lambda: storage.fill_(0),
+                    lambda: storage[0], base.storage().tolist, lambda: base.storage().__setitem__(0, 1.0)):
+            with pytest.raises(RuntimeError, match=r"holds none of its memory: read and write the tensor instead \(tensor\.cpu\(\)"):
+                use()
+        with pytest.raises(RuntimeError, match="FSDP2, which resizes its parameters' storages, needs a torch-native chip"):
+            storage.resize_(0)
+        assert base.tolist() == list(range(12))  # the tensor itself is untouched
     tied = torch.nn.Linear(4, 4).to(dev)
     state = {"a": tied.weight, "b": tied.weight.detach(), "c": tied.bias}
     ids = {k: (v.untyped_storage().data_ptr(), v.untyped_storage().nbytes()) for k, v in state.items()}

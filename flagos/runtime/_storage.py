@@ -238,13 +238,45 @@ def _save(save):
     return save_sharing_memory
 
 
+# ---- a C-ABI chip's storages ----------------------------------------------------------
+
+# What reads, writes or resizes a storage's memory. A C-ABI chip's tensor has a stand-in
+# storage: a meta storage that names the adapter buffer (its handle as data_ptr(), its size as
+# nbytes()), so tensors sharing a buffer are found by it, but it holds no memory, and PyTorch's
+# answer to these was "Trying to resize storage that is not resizable" or a meta error.
+_MEMORY_METHODS = ("cpu", "clone", "tolist", "copy_", "fill_", "resize_", "__getitem__", "__setitem__")
+
+
+def _stand_in_guard(name: str, method, typed: bool = False):
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        storage = self._untyped_storage if typed else self
+        if storage.device.type == "meta" and storage.data_ptr() != 0:  # a plain meta storage has none
+            hint = ("free memory by deleting tensors (del, then gc.collect()) or with "
+                    "param.data = torch.empty(0, device=param.device); FSDP2, which resizes its "
+                    "parameters' storages, needs a torch-native chip"
+                    if name == "resize_" else
+                    "read and write the tensor instead (tensor.cpu(), tensor.copy_(...))")
+            raise RuntimeError(
+                f"storage.{name}(): this is the storage of a tensor on a C-ABI chip, which only "
+                f"names the chip's buffer (data_ptr() and nbytes(), to find tensors that share "
+                f"memory) and holds none of its memory: {hint}.")
+        return method(self, *args, **kwargs)
+    guarded.__flagos_storage__ = method
+    return guarded
+
+
 def install() -> None:
-    """Guard torch.UntypedStorage's constructor, make torch.load move what it restores for
-    flagos and torch.save write each flagos memory once (at activation, device mode, which
-    lasts for the life of the process)."""
+    """Guard torch.UntypedStorage's constructor and its memory methods on a C-ABI chip's
+    stand-in storages, make torch.load move what it restores for flagos and torch.save write
+    each flagos memory once (at activation, device mode, which lasts for the life of the
+    process)."""
     if hasattr(torch.serialization.load, "__flagos_load__"):
         return
     torch.UntypedStorage.__new__ = _new
+    for name in _MEMORY_METHODS:
+        setattr(torch.UntypedStorage, name, _stand_in_guard(name, getattr(torch.UntypedStorage, name)))
+        setattr(torch.TypedStorage, name, _stand_in_guard(name, getattr(torch.TypedStorage, name), typed=True))
     torch.serialization.register_package(5, tag_storage, restore_storage)
     torch.load = torch.serialization.load = _load(torch.serialization.load)
     torch._utils._rebuild_device_tensor_from_cpu_tensor = _rebuild_device_tensor
