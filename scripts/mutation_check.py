@@ -772,6 +772,10 @@ MUTATIONS = [
       '        if storage.device.type == "meta" and storage.data_ptr() != 0:  # a plain meta storage has none',
       '        if storage.device.type == "meta" and storage.data_ptr() == 0:  # a plain meta storage has none',
       sim("tests/test_ecosystem.py", k="storage_names")),
+    M("library_kernel_for_the_device_unnamed", "a kernel registered for the flagos device "
+      "through torch.library is silently not called", "flagos/core/_routes.py",
+      "    if override is None:\n        _warn_if_registered_for_the_device(name)\n", "",
+      cpu("tests/test_routes.py", k="through_torch_library")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

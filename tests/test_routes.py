@@ -412,6 +412,45 @@ def test_a_scope_counts_only_what_ran_inside_it():
     assert (scope.compiled_calls, scope.to_dict()["totals"]["bytes_between_devices"]) == (3, 250_000)
 
 
+_library_ops = torch.library.Library("flagos_routes_test", "DEF")  # kept for the process
+_library_ops.define("scaled(Tensor x) -> Tensor")
+_library_ops.impl("scaled", lambda x: x * 3, "CompositeExplicitAutograd")
+_library_ops.impl("scaled", lambda x: x * 3 + 100, "PrivateUse1")  # the flagos device's kernel
+
+
+def test_a_kernel_registered_for_the_device_through_torch_library_is_named_once(dev):
+    """flagos routes above PrivateUse1, so a kernel a library registers there for the flagos
+    device is not called: a warning says so, once per op, naming flagos.register_kernel, and
+    a kernel registered that way is called instead (with the chip's own tensors)."""
+    op = torch.ops.flagos_routes_test.scaled
+    x = torch.arange(3.0).to(dev)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = op(x), op(x)
+    named = [w for w in caught if "through torch.library" in str(w.message)]
+    assert len(named) == 1 and "flagos.register_kernel('flagos_routes_test::scaled', fn)" in str(named[0].message)
+    assert first.tolist() == second.tolist() == [0.0, 3.0, 6.0]  # the op ran, as the message says
+    seen = []
+
+    def kernel(t):
+        seen.append(type(t))
+        return t * 3 + 100
+
+    flagos.register_kernel("flagos_routes_test::scaled", kernel)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert op(x).tolist() == [100.0, 103.0, 106.0]
+        assert not [w for w in caught if "through torch.library" in str(w.message)]
+        assert seen and flagos.route_of("flagos_routes_test::scaled") == "override"
+    finally:
+        flagos.unregister_kernel("flagos_routes_test::scaled")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        op(x)
+    assert not [w for w in caught if "through torch.library" in str(w.message)]  # once per op
+
+
 def test_an_unregistered_kernel_is_let_go(dev):
     """After unregister_kernel, flagos keeps no reference to the kernel: whatever it holds (a
     closure over model weights, say) is freed, even before the op runs again."""

@@ -7,7 +7,10 @@ runs per call.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
+
+import torch
 
 from .. import _C
 from ..errors import ConfigError
@@ -23,6 +26,7 @@ _forced: dict[str, str] = {}
 # (op name, chip) -> kernel; chip None means every chip
 _overrides: dict[tuple[str, str | None], Callable] = {}
 _active_chip: str | None = None
+_warned_library_kernels: set[str] = set()
 log = logging.getLogger("flagos")
 
 
@@ -84,10 +88,33 @@ def _forced_route(name: str) -> str:
     return _forced.get(name) or _forced.get(packet_name(name)) or "auto"
 
 
+def _warn_if_registered_for_the_device(name: str) -> None:
+    """A kernel registered for the flagos device through torch.library (`custom_op(...,
+    device_types="flagos")`, `torch.library.register_kernel(op, "flagos")`) sits on the
+    PrivateUse1 key, below the wrapper's Python key where flagos routes: it is never called.
+    Say so once, with the way flagos takes such a kernel. (PyTorch's own aten and c10d ops
+    carry PrivateUse1 kernels of PyTorch's and flagos's making: not these.)"""
+    if name.split("::", 1)[0] in ("aten", "c10d") or name in _warned_library_kernels:
+        return
+    try:
+        registered = torch._C._dispatch_has_kernel_for_dispatch_key(name, "PrivateUse1")
+    except RuntimeError:  # not an operator the dispatcher knows by that name
+        return
+    if registered:
+        _warned_library_kernels.add(name)
+        warnings.warn(
+            f"{name} has a kernel registered for the flagos device through torch.library; flagos "
+            f"routes ops above that key, so it is not called (the op runs on the chip's own "
+            f"kernel or the CPU fallback). Register it with flagos.register_kernel({name!r}, fn), "
+            f"which calls fn with the chip's own tensors.", UserWarning, stacklevel=3)
+
+
 def resolve(name: str):
     """(route code, override kernel or None) for the active chip; called by the C router."""
     forced = _forced_route(name)
     override = _override_for(name)
+    if override is None:
+        _warn_if_registered_for_the_device(name)
     if forced == "override" and override is None:
         raise ConfigError(f"{name} is routed to 'override' but no kernel is registered for it "
                           f"on chip {_active_chip!r}; use flagos.register_kernel()")
