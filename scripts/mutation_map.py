@@ -103,7 +103,10 @@ TESTS: dict[str, list[Run]] = {
                                                                  "switching_back or bad_dtype_policy"),
                               cpu(NATIVE, k="deactivate or default_mode"),
                               cpu(T + "redirect.py", k="installing_again"),
-                              cpu(COMPILE, k="report_counts or layout_and_bits")],
+                              cpu(COMPILE, k="report_counts or layout_and_bits"),
+                              # what activation installs in device mode for the libraries
+                              cpu(ACCELERATE, k="partial_state_and_accelerator_pick_flagos"),
+                              cpu(ECOSYSTEM, k="dlpack_exports")],
     "flagos/core/_schema.py": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, BACKWARD, SEQUENCES),
                                sim(COUNTERS, FIDELITY, SEQUENCES),
                                sim_default(T + "precision_policy.py"), cpu(T + "conformance.py")],
