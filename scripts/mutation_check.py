@@ -769,8 +769,8 @@ MUTATIONS = [
       "        pass\n", sim("tests/test_distributed.py", k="mesh")),
     M("stand_in_storage_unguarded", "a C-ABI chip's stand-in storage read or resized gives "
       "PyTorch's \"Trying to resize storage that is not resizable\"", "flagos/runtime/_storage.py",
-      '        if storage.device.type == "meta" and storage.data_ptr() != 0:  # a plain meta storage has none',
-      '        if storage.device.type == "meta" and storage.data_ptr() == 0:  # a plain meta storage has none',
+      '        return storage.device.type == "meta" and storage.data_ptr() != 0',
+      '        return storage.device.type == "meta" and storage.data_ptr() == 0',
       sim("tests/test_ecosystem.py", k="storage_names")),
     M("library_kernel_for_the_device_unnamed", "a kernel registered for the flagos device "
       "through torch.library is silently not called", "flagos/core/_routes.py",

@@ -247,21 +247,34 @@ def _save(save):
 _MEMORY_METHODS = ("cpu", "clone", "tolist", "copy_", "fill_", "resize_", "__getitem__", "__setitem__")
 
 
+def _is_stand_in(storage) -> bool:
+    """A C-ABI chip's stand-in: a meta storage with an address (a plain meta storage has none;
+    a fake one, under torch.compile, has no address to ask for)."""
+    try:
+        return storage.device.type == "meta" and storage.data_ptr() != 0
+    except RuntimeError:
+        return False
+
+
 def _stand_in_guard(name: str, method, typed: bool = False):
+    """The storage method, whose failure on a stand-in is said in flagos's words; every other
+    call and every other failure is PyTorch's, untouched (the check runs only after a failure)."""
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
-        storage = self._untyped_storage if typed else self
-        if storage.device.type == "meta" and storage.data_ptr() != 0:  # a plain meta storage has none
-            hint = ("free memory by deleting tensors (del, then gc.collect()) or with "
-                    "param.data = torch.empty(0, device=param.device); FSDP2, which resizes its "
-                    "parameters' storages, needs a torch-native chip"
-                    if name == "resize_" else
-                    "read and write the tensor instead (tensor.cpu(), tensor.copy_(...))")
-            raise RuntimeError(
-                f"storage.{name}(): this is the storage of a tensor on a C-ABI chip, which only "
-                f"names the chip's buffer (data_ptr() and nbytes(), to find tensors that share "
-                f"memory) and holds none of its memory: {hint}.")
-        return method(self, *args, **kwargs)
+        try:
+            return method(self, *args, **kwargs)
+        except (RuntimeError, NotImplementedError):
+            if not _is_stand_in(self._untyped_storage if typed else self):
+                raise
+        hint = ("free memory by deleting tensors (del, then gc.collect()) or with "
+                "param.data = torch.empty(0, device=param.device); FSDP2, which resizes its "
+                "parameters' storages, needs a torch-native chip"
+                if name == "resize_" else
+                "read and write the tensor instead (tensor.cpu(), tensor.copy_(...))")
+        raise RuntimeError(
+            f"storage.{name}(): this is the storage of a tensor on a C-ABI chip, which only "
+            f"names the chip's buffer (data_ptr() and nbytes(), to find tensors that share "
+            f"memory) and holds none of its memory: {hint}.")
     guarded.__flagos_storage__ = method
     return guarded
 
