@@ -629,11 +629,19 @@ drain("NATIVE")
 def test_the_exit_drain_gives_up_after_pytorchs_limit_and_says_so():
     """The engine thread held in a hook past TORCH_AUTOGRAD_SHUTDOWN_WAIT_LIMIT: drain() says
     False and warns; once the hook returns, a drain finds the thread free (the limit is read at
-    each drain)."""
+    each drain) and waits for the thread the first drain left behind too: if that one were still
+    returning from the engine when the interpreter finalizes, the process would abort at exit.
+    Here it is made slow to return."""
     proc = run_python(SPY_ON_THE_DRAIN + f"""
 import os
 flagos.activate("{CHIP}")
 started, release = threading.Event(), threading.Event()
+one_pass_of_the_drain = _engine_exit._one_pass
+def slow_first_return(device, first=[True]):
+    one_pass_of_the_drain(device)
+    if first.pop() if first else False:
+        time.sleep(1.5)
+_engine_exit._one_pass = slow_first_return
 
 class FailsOnceTheHookRuns(torch.autograd.Function):
     @staticmethod
@@ -662,12 +670,14 @@ drain("BUSY")
 release.set()
 os.environ["TORCH_AUTOGRAD_SHUTDOWN_WAIT_LIMIT"] = "120"
 drain("FREE")
+print("LEFT", [t.name for t in threading.enumerate() if t.name == "flagos-engine-drain"])
 """, env={"FLAGOS_FALLBACK": "allow", "TORCH_AUTOGRAD_SHUTDOWN_WAIT_LIMIT": "0.5"}, check=False)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     lines = proc.stdout.splitlines()
     assert lines[0] == "BUSY False []", proc.stdout
     # the first drain's pass, still queued when it gave up, runs first; then the second one's
     assert lines[1] in ("FREE True ['flagos:0']", "FREE True ['flagos:0', 'flagos:0']"), proc.stdout
+    assert lines[2] == "LEFT []", proc.stdout
     assert "autograd's engine thread was still busy 0 s after the program ended" in proc.stderr
 
 

@@ -20,6 +20,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -28,6 +29,11 @@ from ..core import _state
 log = logging.getLogger("flagos")
 
 _passes_ran = False   # a backward pass went through the engine since flagos was activated
+
+# The drains' threads not yet seen to end. One that gave up can still be inside the engine's
+# run_backward: when its pass completes it takes the GIL back in a C++ destructor, and if the
+# interpreter is finalizing by then that ends the process (the abort this module is for).
+_workers: list[threading.Thread] = []
 
 # PyTorch's own limit on waiting for its autograd threads at shutdown; the same wait here.
 WAIT_LIMIT_VARIABLE = "TORCH_AUTOGRAD_SHUTDOWN_WAIT_LIMIT"
@@ -53,12 +59,18 @@ def drain() -> bool:
     state = _state.active_or_none()
     if not _passes_ran or state is None or state.mode != "device" or not state.backward_ok:
         return True
+    deadline = time.monotonic() + wait_limit()
     # A fresh thread: its thread-local state holds no Python object for the pass to copy.
     worker = threading.Thread(target=_one_pass, args=(state.flagos_devices[0],),
                               name="flagos-engine-drain", daemon=True)
     worker.start()
-    worker.join(wait_limit())
-    if worker.is_alive():
+    _workers.append(worker)
+    # Earlier drains' threads too, within the same limit: one may still be on its way out
+    # of the engine.
+    for waiting in _workers:
+        waiting.join(max(deadline - time.monotonic(), 0.0))
+    _workers[:] = [waiting for waiting in _workers if waiting.is_alive()]
+    if _workers:
         log.warning("autograd's engine thread was still busy %.0f s after the program ended "
                     "(a hook or op that does not return?); the process may abort while it "
                     "exits", wait_limit())
