@@ -790,6 +790,10 @@ MUTATIONS = [
       "rebuild in flagos's stead", "flagos/runtime/_storage.py",
       '    if hasattr(allowed, "cache_clear"):', '    if not hasattr(allowed, "cache_clear"):',
       cpu("tests/test_device.py", k="weights_only_load_of")),
+    M("exit_drain_forgets_earlier_threads", "a drain waits only for its own thread, not for one an "
+      "earlier drain left in the engine (an abort at exit)", "flagos/integrations/_engine_exit.py",
+      "    for waiting in _workers:", "    for waiting in [worker]:",
+      cpu("tests/test_backward_errors.py", k="gives_up_after")),
 ]
 
 
