@@ -794,6 +794,11 @@ MUTATIONS = [
       "earlier drain left in the engine (an abort at exit)", "flagos/integrations/_engine_exit.py",
       "    for waiting in _workers:", "    for waiting in [worker]:",
       cpu("tests/test_backward_errors.py", k="gives_up_after")),
+    M("short_table_read_as_whole", "a table too short to hold its ABI version is read as a "
+      "whole table", ADAPTER_LOAD,
+      "    if (api == NULL || api->struct_size < offsetof(flagos_adapter, abi_minor)",
+      "    if (api == NULL && api->struct_size < offsetof(flagos_adapter, abi_minor)",
+      cpu("tests/test_adapter_loader.py", k="entry_point_without and not NULL")),
 ]
 
 

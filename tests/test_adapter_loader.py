@@ -4,6 +4,7 @@ built for an older minor of the ABI keep loading."""
 import os
 
 import pytest
+import torch
 from conftest import device_mode_only, run_python
 from test_adapters import MAJOR, MINOR, build, guide_example
 
@@ -38,6 +39,22 @@ def test_adapter_table_shorter_than_the_abi_is_refused(tmp_path, size):
                        match=rf"cannot use chip adapter .*libflagos_short_adapter\.so: its adapter "
                              rf"table is \d+ bytes, shorter than ABI {MAJOR}\.{MINOR} requires"):
         load(str(lib))
+
+
+@pytest.mark.parametrize("entry", ["return NULL;", "return (const flagos_adapter *)&no_table;"])
+def test_an_entry_point_without_a_table_is_refused(tmp_path, entry):
+    """flagos_adapter_get() returning NULL, or a table too short to hold its own ABI version:
+    refused with the reason (the short one is not read past its size), and the process keeps
+    working."""
+    source = variant("    return &toy_adapter;", f"    {entry}").replace(
+        "const flagos_adapter *flagos_adapter_get(void)",
+        "static const size_t no_table[2] = {sizeof(size_t), 0};\nconst flagos_adapter *flagos_adapter_get(void)")
+    lib = build(tmp_path, "tableless", source, strict=False)
+    with pytest.raises(flagos.errors.AdapterError,
+                       match=r"cannot use chip adapter .*libflagos_tableless_adapter\.so: "
+                             r"flagos_adapter_get\(\) returned no adapter table"):
+        load(str(lib))
+    assert (torch.ones(2) + 1).tolist() == [2.0, 2.0]
 
 
 def test_adapter_built_for_abi_1_0_loads_and_runs_synchronously(tmp_path):
