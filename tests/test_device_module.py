@@ -2,6 +2,8 @@
 PyTorch's seeding asks of it, and the cpu chip's facts as it reports them."""
 import os
 import platform
+import sys
+import types
 
 import pytest
 import torch
@@ -56,6 +58,43 @@ def test_torch_manual_seed_seeds_the_device(dev):
     torch.manual_seed(3)
     assert torch.equal(torch.randn(16, device=dev).cpu(), first)
     assert not torch.flagos._is_in_bad_fork()   # what torch.manual_seed asks before seeding
+
+
+def test_the_device_modules_seeding_functions_answer_as_cudas(dev):
+    """initial_seed, seed, seed_all, get/set_rng_state_all: what torch.cuda has and libraries
+    call (through the CUDA redirect too)."""
+    torch.flagos.manual_seed(11)
+    assert torch.flagos.initial_seed() == 11
+    states = torch.flagos.get_rng_state_all()
+    assert len(states) == torch.flagos.device_count()
+    assert torch.equal(states[dev.index or 0], torch.flagos.get_rng_state(dev))
+    first = torch.randn(8, device=dev).cpu()
+    torch.flagos.set_rng_state_all(states)
+    assert torch.equal(torch.randn(8, device=dev).cpu(), first)
+    for reseed in (torch.flagos.seed, torch.flagos.seed_all):
+        torch.flagos.manual_seed(11)
+        reseed()
+        assert torch.flagos.initial_seed() != 11   # a fresh random seed (1 in 2**64 to fail)
+        again = torch.flagos.initial_seed()
+        torch.flagos.manual_seed(again)
+        drawn = torch.randn(4, device=dev).cpu()
+        torch.flagos.manual_seed(again)
+        assert torch.equal(torch.randn(4, device=dev).cpu(), drawn)
+
+
+def test_the_mps_chip_seeds_its_one_generator(monkeypatch):
+    """torch.mps has no manual_seed_all, seed_all or initial_seed, and PyTorch's torch.manual_seed
+    calls the device module's manual_seed_all: the mps chip answers them from its one generator
+    (torch.mps stubbed: no Apple GPU here)."""
+    generator = torch.Generator()
+    stub = types.SimpleNamespace(manual_seed=generator.manual_seed, seed=generator.seed,
+                                 _get_default_mps_generator=lambda: generator)
+    monkeypatch.setitem(sys.modules, "torch.mps", stub)
+    mps = flagos.chips.profile("mps")
+    mps.manual_seed_all(21)
+    assert mps.initial_seed() == generator.initial_seed() == 21
+    mps.seed_all()
+    assert mps.initial_seed() == generator.initial_seed() != 21
 
 
 @pytest.mark.skipif(CHIP != "cpu", reason="the cpu chip's own facts")

@@ -22,7 +22,7 @@ from conftest import CHIP, device_mode_only, run_python, runs_once
 
 import flagos
 from flagos import chips
-from flagos.chips.base import TorchChip
+from flagos.chips.base import HostGenerator, TorchChip
 from flagos.core import _state
 from flagos.integrations import _redirect
 from flagos.report import _probe
@@ -258,6 +258,31 @@ def _check_cuda_module(name, dev):
         a = torch.randn(3, device="cuda")
         c.set_rng_state(s)
         assert torch.equal(torch.randn(3, device="cuda").cpu(), a.cpu())
+    elif name in ("get_rng_state_all", "set_rng_state_all"):
+        states = c.get_rng_state_all()
+        assert len(states) == state.device_count
+        assert all(torch.equal(s, torch.flagos.get_rng_state(i)) for i, s in enumerate(states))
+        a = torch.randn(3, device="cuda")
+        c.set_rng_state_all(states)
+        assert torch.equal(torch.randn(3, device="cuda").cpu(), a.cpu())
+    elif name in ("seed", "seed_all"):
+        c.manual_seed(5)
+        getattr(c, name)()
+        assert c.initial_seed() == torch.flagos.initial_seed() != 5   # a new random seed (1 in 2**64 to fail)
+    elif name == "initial_seed":
+        c.manual_seed(7)
+        assert c.initial_seed() == torch.flagos.initial_seed() == 7
+    elif name == "random":
+        real = sys.modules["torch.cuda"].random
+        for fn in _redirect.RANDOM_FUNCTIONS:
+            assert getattr(c.random, fn) is getattr(torch.flagos, fn) is not getattr(real, fn), fn
+        c.random.manual_seed(3)
+        s = c.random.get_rng_state()
+        a = torch.randn(3, device="cuda")
+        c.random.set_rng_state(s)
+        assert torch.equal(torch.randn(3, device="cuda").cpu(), a.cpu())
+        assert c.random.initial_seed() == 3
+        assert c.random.Tensor is real.Tensor   # any other name: PyTorch's
     elif name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                   "max_memory_reserved"):
         assert getattr(c, name)() == getattr(torch.flagos, name)(0)
@@ -437,6 +462,47 @@ def test_transformers_offloaded_kv_cache_generates_as_without_offloading(redirec
         tokens = model.generate(ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=5,
                                 do_sample=False, cache_implementation=cache)
         assert tokens.device == redirect and torch.equal(tokens.cpu(), expected), cache
+
+
+def _trainer_with_checkpoints(out, use_cpu, resume_from=None):
+    """A tiny BERT classifier (dropout on) trained for 4 steps by transformers' Trainer, which
+    checkpoints at step 2 with the RNG states (torch.cuda.random's on a CUDA machine); resumed
+    from `resume_from` if given. Its classifier weights."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32, num_labels=2,
+                                     hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2)
+    model = transformers.BertForSequenceClassification(config)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (16, 6), generator=generator)
+    labels = torch.randint(0, 2, (16,), generator=generator)
+    data = [{"input_ids": ids[i], "labels": labels[i]} for i in range(16)]
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=4, max_steps=4, save_steps=2,
+        learning_rate=1e-2, report_to=[], seed=0, use_cpu=use_cpu, dataloader_pin_memory=False,
+        disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train(resume_from_checkpoint=resume_from)
+    return args.device, model.classifier.weight.detach().cpu()
+
+
+def test_trainer_checkpoints_and_resumes_a_cuda_script_as_on_cpu(redirect, tmp_path):
+    """transformers' Trainer saves torch.cuda.random's RNG state in each checkpoint and restores
+    it on resume when torch.cuda.is_available(): under the redirect that is the chip's (it asked
+    PyTorch's CUDA: "Torch not compiled with CUDA enabled" at the first checkpoint). A run
+    resumed from step 2 ends where the uninterrupted one does, and both where plain CPU's does."""
+    device, weight = _trainer_with_checkpoints(tmp_path / "chip", use_cpu=False)
+    assert device == redirect
+    saved = torch.load(tmp_path / "chip" / "checkpoint-2" / "rng_state.pth", weights_only=False)
+    if isinstance(_state.active().chip, HostGenerator):   # its random ops use the host's generator
+        assert torch.equal(saved["cuda"], saved["cpu"])
+    _, resumed = _trainer_with_checkpoints(tmp_path / "chip", use_cpu=False,
+                                           resume_from=str(tmp_path / "chip" / "checkpoint-2"))
+    cpu_device, expected = _trainer_with_checkpoints(tmp_path / "cpu", use_cpu=True)
+    assert cpu_device == torch.device("cpu")
+    torch.testing.assert_close(weight, expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(resumed, weight, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.skipif(CHIP != "sim", reason="needs a chip with two devices (sim has two)")

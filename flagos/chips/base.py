@@ -167,6 +167,15 @@ class TorchChip:
     def set_rng_state(self, state: torch.Tensor, index: int) -> None:
         self._module().set_rng_state(state, index)
 
+    def seed(self) -> None:
+        self._module().seed()
+
+    def seed_all(self) -> None:
+        self._module().seed_all()
+
+    def initial_seed(self) -> int:
+        return int(self._module().initial_seed())
+
     # -- errors ----------------------------------------------------------
     def is_out_of_memory(self, exc: BaseException) -> bool:
         text = str(exc).lower()
@@ -199,6 +208,15 @@ class HostGenerator:
 
     def set_rng_state(self, state: torch.Tensor, index: int) -> None:
         torch.default_generator.set_state(state)
+
+    def seed(self) -> None:
+        torch.default_generator.seed()
+
+    def seed_all(self) -> None:
+        torch.default_generator.seed()
+
+    def initial_seed(self) -> int:
+        return torch.default_generator.initial_seed()
 
 
 def host_memory() -> tuple[int, int]:

@@ -25,6 +25,17 @@ class MpsChip(TorchChip):
         import torch
         torch.mps.synchronize()
 
+    # torch.mps has one generator and no *_all or initial_seed functions: PyTorch's seeding
+    # calls manual_seed_all on the device module, which must not fail here.
+    def manual_seed_all(self, seed: int) -> None:
+        self._module().manual_seed(seed)
+
+    def seed_all(self) -> None:
+        self._module().seed()
+
+    def initial_seed(self) -> int:
+        return int(self._module()._get_default_mps_generator().initial_seed())
+
 
 CHIP = MpsChip(name="mps", torch_type="mps", vendor="apple", collective_backend="gloo",
                native_dtypes=_COMMON_DTYPES, oom_patterns=("mps backend out of memory",),

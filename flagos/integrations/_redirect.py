@@ -48,6 +48,7 @@ TENSOR_METHODS = ("to", "cuda", "new_empty", "new_zeros", "new_ones", "new_full"
 CUDA_FUNCTIONS = (
     "is_available", "is_initialized", "device_count", "current_device", "set_device", "device",
     "synchronize", "manual_seed", "manual_seed_all", "get_rng_state", "set_rng_state",
+    "get_rng_state_all", "set_rng_state_all", "seed", "seed_all", "initial_seed", "random",
     "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "reset_peak_memory_stats", "memory_stats", "mem_get_info", "empty_cache",
     "get_device_name", "get_device_properties", "is_bf16_supported", "Event", "Stream", "stream", "current_stream",
@@ -313,7 +314,8 @@ def _cuda_namespace(real: types.ModuleType, state) -> types.ModuleType:
            "get_device_capability": _device_module.get_device_capability, "init": init,
            "is_current_stream_capturing": is_current_stream_capturing, "ipc_collect": ipc_collect,
            "set_per_process_memory_fraction": set_per_process_memory_fraction,
-           "memory_summary": _device_module.memory_summary, "nvtx": _Nvtx}
+           "memory_summary": _device_module.memory_summary, "nvtx": _Nvtx,
+           "random": _random_namespace(real.random)}
     for name in CUDA_FUNCTIONS:
         if name in own:
             value = own[name]
@@ -328,6 +330,19 @@ def _cuda_namespace(real: types.ModuleType, state) -> types.ModuleType:
         ns.__dict__[name] = value
     for name in LEGACY_TYPES:
         ns.__dict__[name] = _legacy_type(name)
+    return ns
+
+
+# `torch.cuda.random`'s functions (transformers' Trainer saves and restores the device's RNG
+# state through it when torch.cuda.is_available()).
+RANDOM_FUNCTIONS = ("get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all",
+                    "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed")
+
+
+def _random_namespace(real: types.ModuleType) -> types.ModuleType:
+    ns = _CudaModule("torch.cuda.random", real)
+    for name in RANDOM_FUNCTIONS:
+        ns.__dict__[name] = getattr(_device_module, name)
     return ns
 
 

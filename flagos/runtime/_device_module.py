@@ -145,6 +145,29 @@ def set_rng_state(new_state: torch.Tensor, device=None) -> None:
     state.chip.set_rng_state(new_state, state.chip_index(_index(device)))
 
 
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state(index) for index in range(device_count())]
+
+
+def set_rng_state_all(new_states) -> None:
+    for index, new_state in enumerate(new_states):
+        set_rng_state(new_state, index)
+
+
+def seed() -> None:
+    """A random seed for the current device's generator (all of them where the chip's random
+    ops run on the host: there is one generator)."""
+    _state.active().chip.seed()
+
+
+def seed_all() -> None:
+    _state.active().chip.seed_all()
+
+
+def initial_seed() -> int:
+    return _state.active().chip.initial_seed()
+
+
 # ---- what the device is (as torch.cuda answers; the CUDA redirect serves these too) ----
 
 class _Properties(types.SimpleNamespace):
