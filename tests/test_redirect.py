@@ -258,6 +258,13 @@ def _check_cuda_module(name, dev):
         a = torch.randn(3, device="cuda")
         c.set_rng_state(s)
         assert torch.equal(torch.randn(3, device="cuda").cpu(), a.cpu())
+    elif name in ("CUDAGraph", "graph", "make_graphed_callables", "graph_pool_handle"):
+        args = {"graph": (None,), "make_graphed_callables": (torch.nn.Linear(2, 2).cuda(),
+                                                            (torch.ones(1, 2, device="cuda"),))}
+        with pytest.raises(RuntimeError, match=rf"CUDA graphs are not available under "
+                                               rf"redirect_cuda: chip '{chip.name}'.*eagerly"):
+            getattr(c, name)(*args.get(name, ()))
+        assert torch.ones(2, device="cuda").sum().item() == 2.0   # and the process goes on
     elif name in ("get_rng_state_all", "set_rng_state_all"):
         states = c.get_rng_state_all()
         assert len(states) == state.device_count

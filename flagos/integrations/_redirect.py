@@ -54,6 +54,7 @@ CUDA_FUNCTIONS = (
     "get_device_name", "get_device_properties", "is_bf16_supported", "Event", "Stream", "stream", "current_stream",
     "default_stream", "get_device_capability", "init", "is_current_stream_capturing", "ipc_collect",
     "set_per_process_memory_fraction", "memory_summary", "nvtx",
+    "CUDAGraph", "graph", "make_graphed_callables", "graph_pool_handle",
 )
 # The legacy tensor types of CUDA (`torch.cuda.FloatTensor(2, 3)`, `x.type(torch.cuda.LongTensor)`,
 # `Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor` in older scripts), by dtype.
@@ -263,6 +264,16 @@ def set_per_process_memory_fraction(fraction: float, device=None) -> None:
                   stacklevel=2)
 
 
+def _no_cuda_graphs(*args, **kwargs):
+    """`torch.cuda.CUDAGraph()`, `graph`, `make_graphed_callables`, `graph_pool_handle`: a CUDA
+    graph records CUDA kernels, and the chip has none to record (PyTorch's own answer without
+    CUDA is "Tried to instantiate dummy base class CUDAGraph")."""
+    chip = _state.active().chip.name
+    raise RuntimeError(f"CUDA graphs are not available under redirect_cuda: chip {chip!r} has no "
+                       f"CUDA kernels to capture. Run the captured code eagerly (drop the capture "
+                       f"and replay), or torch.compile it with the default mode.")
+
+
 class _Nvtx:
     """`torch.cuda.nvtx`: NVTX ranges become PyTorch profiler ranges (record_function), so a
     script's annotations still show in torch.profiler traces on the chip."""
@@ -315,7 +326,9 @@ def _cuda_namespace(real: types.ModuleType, state) -> types.ModuleType:
            "is_current_stream_capturing": is_current_stream_capturing, "ipc_collect": ipc_collect,
            "set_per_process_memory_fraction": set_per_process_memory_fraction,
            "memory_summary": _device_module.memory_summary, "nvtx": _Nvtx,
-           "random": _random_namespace(real.random)}
+           "random": _random_namespace(real.random), "CUDAGraph": _no_cuda_graphs,
+           "graph": _no_cuda_graphs, "make_graphed_callables": _no_cuda_graphs,
+           "graph_pool_handle": _no_cuda_graphs}
     for name in CUDA_FUNCTIONS:
         if name in own:
             value = own[name]
