@@ -799,6 +799,11 @@ MUTATIONS = [
       "    if (api == NULL || api->struct_size < offsetof(flagos_adapter, abi_minor)",
       "    if (api == NULL && api->struct_size < offsetof(flagos_adapter, abi_minor)",
       cpu("tests/test_adapter_loader.py", k="entry_point_without and not NULL")),
+    M("guard_type_takes_arguments", "the device guard's type_() accepts positional or keyword "
+      "arguments alone", "csrc/guard.c",
+      "    if (PyTuple_GET_SIZE(args) != 0 || (kwargs",
+      "    if (PyTuple_GET_SIZE(args) != 0 && (kwargs",
+      cpu("tests/test_backward_errors.py", k="cyclic_collector")),
 ]
 
 

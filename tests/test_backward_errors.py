@@ -509,6 +509,9 @@ def test_the_guards_answer_shows_the_cyclic_collector_what_it_holds():
     referents = gc.get_referents(answer)
     assert len(referents) == 2 and referents[0] is device_type and referents[1] is keeper
     assert answer() is device_type
+    for args, kwargs in (((1,), {}), ((), {"device": 0}), ((1,), {"device": 0})):
+        with pytest.raises(TypeError, match=r"type_\(\) takes no arguments"):
+            answer(*args, **kwargs)
 
 
 def test_a_pass_still_running_on_the_engine_thread_at_exit_ends_cleanly(tmp_path):
