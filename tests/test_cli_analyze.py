@@ -486,6 +486,16 @@ def test_a_run_without_flagos_gives_no_report(tmp_path, capfd):
     assert main(["analyze", "--chip", CHIP, "--", sys.executable, str(quiet)]) == 1
     out, err = capfd.readouterr()
     assert "left no flagos report" in err and "never imports torch" in out
+    failing = tmp_path / "failing.py"
+    failing.write_text("raise SystemExit('the script gave up')\n")
+    assert main(["analyze", "--chip", CHIP, "--", sys.executable, str(failing)]) == 1
+    err = capfd.readouterr().err
+    assert "the script gave up" in err
+    assert "failed with exit status 1 before flagos wrote its report" in err and "must import" not in err
+    killed = tmp_path / "killed.py"
+    killed.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    assert main(["analyze", "--chip", CHIP, "--", sys.executable, str(killed)]) == 1
+    assert "was ended by signal 9 before flagos wrote its report" in capfd.readouterr().err
 
 
 @runs_once
@@ -639,7 +649,11 @@ def test_the_command_and_the_report_file_are_read_as_given(tmp_path):
     """`--` before the command is dropped (only it); a script alone runs with this Python; a
     report file that is missing, blank or not JSON reads as no report."""
     assert _analyze._command(["--", "python3", "-c", "pass"]) == ["python3", "-c", "pass"]
-    assert _analyze._command(["train.py", "--steps", "2"]) == [sys.executable, "train.py", "--steps", "2"]
+    train = tmp_path / "train.py"
+    train.write_text("pass\n")
+    assert _analyze._command([str(train), "--steps", "2"]) == [sys.executable, str(train), "--steps", "2"]
+    with pytest.raises(_analyze.UsageError, match=r"no such script: .*missing\.py"):
+        _analyze._command([str(tmp_path / "missing.py")])
     with pytest.raises(_analyze.UsageError, match="no command to analyze"):
         _analyze._command(["--"])
     for name, text in (("blank.json", " \n"), ("bad.json", "{not json"), ("good.json", '{"ops": []}')):

@@ -75,6 +75,8 @@ def _command(command) -> list[str]:
         raise UsageError("no command to analyze: give it after '--', e.g. "
                          "flagos analyze --chip sim -- python train.py")
     if command[0].endswith(".py"):  # `flagos analyze -- train.py`: this interpreter runs it
+        if not os.path.isfile(command[0]):
+            raise UsageError(f"no such script: {command[0]}")
         command = [sys.executable, *command]
     return command
 
@@ -154,10 +156,14 @@ def analyze(command, chip: str | None = None, target: str | None = None,
             status = child.wait()
         report = _read_report(report_path)
     if report is None:
+        if status != 0:  # it failed on its own (its error is above): no advice about flagos
+            how = f"was ended by signal {-status}" if status < 0 else f"failed with exit status {status}"
+            raise RuntimeError(f"{' '.join(command)} {how} before flagos wrote its report "
+                               f"(see the command's error above)")
         raise RuntimeError(
             f"{' '.join(command)} exited with status {status} and left no flagos report: it must "
             f"import torch (flagos activates there on chip {chip!r}) and exit normally "
-            f"(os._exit and fatal signals skip the report)")
+            f"(os._exit skips the report)")
     analysis = {"command": command, "status": status, **report}
     analysis["verdict"] = _verdict(report["totals"], report["elapsed_s"])
     analysis["target"] = None
