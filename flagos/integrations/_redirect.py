@@ -265,13 +265,24 @@ def set_per_process_memory_fraction(fraction: float, device=None) -> None:
 
 
 def _no_cuda_graphs(*args, **kwargs):
-    """`torch.cuda.CUDAGraph()`, `graph`, `make_graphed_callables`, `graph_pool_handle`: a CUDA
-    graph records CUDA kernels, and the chip has none to record (PyTorch's own answer without
-    CUDA is "Tried to instantiate dummy base class CUDAGraph")."""
+    """`torch.cuda.make_graphed_callables`, `graph_pool_handle`, and the constructors of the
+    classes below: a CUDA graph records CUDA kernels, and the chip has none to record (PyTorch's
+    own answer without CUDA is "Tried to instantiate dummy base class CUDAGraph")."""
     chip = _state.active().chip.name
     raise RuntimeError(f"CUDA graphs are not available under redirect_cuda: chip {chip!r} has no "
                        f"CUDA kernels to capture. Run the captured code eagerly (drop the capture "
                        f"and replay), or torch.compile it with the default mode.")
+
+
+class _CUDAGraph:
+    """`torch.cuda.CUDAGraph`: a class still (libraries annotate with `torch.cuda.CUDAGraph | None`
+    at import), refused when made."""
+    __init__ = _no_cuda_graphs
+
+
+class _Graph:
+    """`torch.cuda.graph`, the capture context: refused when made."""
+    __init__ = _no_cuda_graphs
 
 
 class _Nvtx:
@@ -326,8 +337,8 @@ def _cuda_namespace(real: types.ModuleType, state) -> types.ModuleType:
            "is_current_stream_capturing": is_current_stream_capturing, "ipc_collect": ipc_collect,
            "set_per_process_memory_fraction": set_per_process_memory_fraction,
            "memory_summary": _device_module.memory_summary, "nvtx": _Nvtx,
-           "random": _random_namespace(real.random), "CUDAGraph": _no_cuda_graphs,
-           "graph": _no_cuda_graphs, "make_graphed_callables": _no_cuda_graphs,
+           "random": _random_namespace(real.random), "CUDAGraph": _CUDAGraph,
+           "graph": _Graph, "make_graphed_callables": _no_cuda_graphs,
            "graph_pool_handle": _no_cuda_graphs}
     for name in CUDA_FUNCTIONS:
         if name in own:
