@@ -804,6 +804,10 @@ MUTATIONS = [
       "    if (PyTuple_GET_SIZE(args) != 0 || (kwargs",
       "    if (PyTuple_GET_SIZE(args) != 0 && (kwargs",
       cpu("tests/test_backward_errors.py", k="cyclic_collector")),
+    M("router_trusts_a_device_index", "an op on a flagos tensor naming flagos:N past the chip's "
+      "devices reads past the device table", "csrc/payload.c",
+      "    if (i < 0 || i >= PyTuple_GET_SIZE(st->chip_devices)) {", "    if (0) {",
+      sim("tests/test_errors.py", k="nonexistent_device_index")),
 ]
 
 

@@ -161,14 +161,15 @@ TESTS: dict[str, list[Run]] = {
     "csrc/module.c": [cpu(DEVICE, ROUTES, ERRORS, NATIVE), sim(DEVICE), cpu(T + "benchmarks.py", k="floor"),
                       cpu(FIDELITY, k="dispatch_subclass or jagged"),
                       cpu(COMPILE, k="layout_and_bits or before_activation or report_counts or host_outputs")],
-    "csrc/state.c": [cpu(DEVICE, ROUTES)],
+    "csrc/state.c": [cpu(DEVICE, ROUTES), cpu(MULTI, k="each_threads_own")],  # which activates sim itself
     "csrc/router.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY, T + "precision_policy.py"),
                       sim(ROUTES, POLICY, COUNTERS)],
     "csrc/payload.c": [cpu(ROUTES, POLICY, COUNTERS, FIDELITY), sim(ROUTES, POLICY, COUNTERS),
                        cpu(SEQUENCES, k="packed"),
                        cpu(COMPILE, k="layout_and_bits or before_activation"),
                        cpu(ECOSYSTEM, k="capsule"),
-                       cpu(NATIVE, k="routes_reports")],  # native mode: payloads are the chip's own tensors
+                       cpu(NATIVE, k="routes_reports"),  # native mode: payloads are the chip's own tensors
+                       cpu(ERRORS, k="nonexistent_device_index"), sim(ERRORS, k="nonexistent_device_index")],
     "csrc/fallback.c": [cpu(COUNTERS, POLICY, FIDELITY, T + "fallback_staging.py"), sim(COUNTERS)],
     "csrc/staging.c": [cpu(T + "fallback_staging.py", FIDELITY), sim(T + "fallback_staging.py")],
     "csrc/callsite.c": [cpu(ANALYZE), cpu(ROUTES, k="site")],

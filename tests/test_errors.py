@@ -119,6 +119,15 @@ def test_nonexistent_device_index(dev):
         torch.ones(2, device="flagos:3")
     with pytest.raises(ValueError, match=r"flagos:2 does not exist"):
         flagos.device(2)
+    # ops on a flagos tensor that name another flagos device (the router reads the index)
+    x = torch.ones(2, device=dev)
+    count = torch.flagos.device_count()
+    for make in (lambda: x.to("flagos:3"), lambda: torch.empty_like(x, device="flagos:3"),
+                 lambda: x.new_zeros(2, device=torch.device("flagos", 3))):
+        with pytest.raises(RuntimeError, match=rf"flagos:3 does not exist: the active chip has "
+                                               rf"{count} device\(s\) \(see flagos.list_devices\(\)\)"):
+            make()
+    assert (x + 1).cpu().tolist() == [2.0, 2.0]
 
 
 @runs_once
