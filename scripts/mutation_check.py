@@ -808,6 +808,10 @@ MUTATIONS = [
       "devices reads past the device table", "csrc/payload.c",
       "    if (i < 0 || i >= PyTuple_GET_SIZE(st->chip_devices)) {", "    if (0) {",
       sim("tests/test_errors.py", k="nonexistent_device_index")),
+    M("fork_hooks_pile_up", "each activation registers another fork hook (they cannot be "
+      "removed)", "flagos/_activation.py",
+      "        _fork_hook_registered = True", "        _fork_hook_registered = False",
+      cpu("tests/test_errors.py", k="fork_hook")),
 ]
 
 

@@ -7,6 +7,7 @@ import torch
 from conftest import CHIP, device_mode_only, run_python, runs_once
 
 import flagos
+from flagos import _activation
 from flagos.chips import opencl as opencl_chip
 
 pytestmark = device_mode_only
@@ -353,6 +354,17 @@ def test_a_forked_child_uses_the_chip_only_where_its_driver_survives_fork(chip):
     expected = ("True refused refused refused refused" if chip == "opencl"
                 else "False ran ran ran ran")
     assert lines[-2:] == [expected, "parent [1.0, 2.0, 3.0, 4.0] False"]
+
+
+def test_the_fork_hook_is_registered_once_per_process(monkeypatch):
+    """os.register_at_fork cannot be undone: activating again (native mode comes and goes)
+    must not pile up hooks that each run in every forked child."""
+    registered = []
+    monkeypatch.setattr(_activation.os, "register_at_fork", lambda **hooks: registered.append(hooks))
+    monkeypatch.setattr(_activation, "_fork_hook_registered", False)
+    for _ in range(3):
+        _activation._refuse_in_forked_children()
+    assert registered == [{"after_in_child": _activation._in_forked_child}]
 
 
 def test_the_routers_downcast_switch_refuses_half_a_policy():
