@@ -171,7 +171,9 @@ def test_the_device_module_describes_the_device_as_torch_cuda_does(dev):
     assert module.is_bf16_supported() == flagos.supports_dtype(torch.bfloat16)
     held = torch.empty(2**18, device=dev)  # 1 MiB, seen by the summary
     summary = module.memory_summary()
-    assert f"flagos:{index}" in summary and "allocated: " in summary and "free of" in summary
+    assert f"flagos:{index}" in summary and "free of" in summary
+    assert f"allocated: {module.memory_allocated(dev) / 2**20:,.1f} MiB" in summary   # sim: 1.0 MiB and more
+    assert summary.splitlines()[-1].endswith(f" free of {module.mem_get_info(dev)[1] / 2**20:,.1f} MiB")
     del held
     with pytest.raises(ValueError, match="does not exist"):
         module.get_device_properties(module.device_count())
