@@ -109,11 +109,18 @@ def test_deactivate_where_native_mode_cannot_be_left_is_a_clear_error():
         class Later(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 return func(*args, **(kwargs or {}))
+        class Latest(Later):
+            pass
         with Later():
             try:
                 flagos.deactivate()
             except flagos.ConfigError as e:
                 print("UNDER", e)
+            with Latest():   # two modes on top: the message names the one to leave first
+                try:
+                    flagos.deactivate()
+                except flagos.ConfigError as e:
+                    print("UNDER TWO", e)
 
         # still active, still routing
         assert flagos.info()["active"]
@@ -134,4 +141,5 @@ def test_deactivate_where_native_mode_cannot_be_left_is_a_clear_error():
     assert "Call it after the op returns" in out
     assert "THREAD flagos.deactivate() must be called in the thread that activated native mode" in out
     assert "UNDER flagos.deactivate(): the dispatch mode Later, entered after flagos.activate()" in out
+    assert "UNDER TWO flagos.deactivate(): the dispatch mode Latest, entered after flagos.activate()" in out
     assert "OK" in out
