@@ -12,6 +12,7 @@ from conftest import CHIP, assert_close, device_mode_only, reference_device, run
 
 import flagos
 from flagos import _C
+from flagos.chips.adapter import AdapterChip
 from flagos.runtime._tensor import wrap
 
 pytestmark = device_mode_only
@@ -449,6 +450,10 @@ def test_public_api(dev):
     assert all(d.available for d in devices)   # absent chips' rows only when asked for
     absent = [d for d in flagos.list_devices(include_unavailable=True) if not d.available]
     assert absent and all(d.chip not in ("cpu", CHIP) for d in absent)   # no machine has every vendor
+    for row in absent:   # a torch-native chip's dtypes are its profile's; an adapter's come from its library
+        profile = flagos.chips.profile(row.chip)
+        assert row.native_dtypes == (() if isinstance(profile, AdapterChip) else profile.native_dtypes)
+        assert (row.name, row.total_memory, row.index) == ("not found", 0, 0)
     low, high = re.search(r"flagos accepts PyTorch (\d+\.\d+) to (\d+\.\d+)", README).groups()
     assert flagos.info()["torch_tested"] == f"{low} to {high}"  # what README.md promises
 
