@@ -168,6 +168,7 @@ def test_the_device_module_describes_the_device_as_torch_cuda_does(dev):
     assert module.get_device_name(dev) == props.name == module.get_device_name() == flagos.info()["devices"][index]
     assert props.total_memory == module.mem_get_info(dev)[1] > 0
     assert (props.major, props.minor) == module.get_device_capability() == (0, 0)
+    assert props.multi_processor_count == 0 and props.type == flagos.info()["chip"]   # no figure made up
     assert module.is_bf16_supported() == flagos.supports_dtype(torch.bfloat16)
     held = torch.empty(2**18, device=dev)  # 1 MiB, seen by the summary
     summary = module.memory_summary()
