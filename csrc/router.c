@@ -142,22 +142,25 @@ static op_entry *entry_create(flagos_state *st, PyObject *func)
 }
 
 /* The route of this call, and in *override a new reference to its override kernel (NULL
- * when none): the entry's cached answer, or the resolver's. The resolver is Python and may
- * let another thread change the routes meanwhile; its answer is then used for this call
- * only, so a change made during the call is not overwritten by the answer from before it. */
-static int entry_route(flagos_state *st, op_entry *e, PyObject **override)
+ * when none): the entry's cached answer, or the resolver's. *on_device: the override is the
+ * device's own kernel, which takes the flagos tensors themselves (OP_DEVICE_KERNEL). The
+ * resolver is Python and may let another thread change the routes meanwhile; its answer is
+ * then used for this call only, so a change made during the call is not overwritten by the
+ * answer from before it. */
+static int entry_route(flagos_state *st, op_entry *e, PyObject **override, int *on_device)
 {
     if (e->route != ROUTE_UNRESOLVED) {
         *override = Py_XNewRef(e->override);
+        *on_device = (e->flags & OP_DEVICE_KERNEL) != 0;
         return e->route;
     }
     uint64_t generation = st->routes_generation;
     PyObject *res = PyObject_CallOneArg(st->resolve, e->name);
     if (res == NULL)
         return -1;
-    int route;
+    int route, device_kernel = 0;
     PyObject *kernel;
-    if (!PyArg_ParseTuple(res, "iO", &route, &kernel)) {
+    if (!PyArg_ParseTuple(res, "iO|p", &route, &kernel, &device_kernel)) {
         Py_DECREF(res);
         return -1;
     }
@@ -173,11 +176,13 @@ static int entry_route(flagos_state *st, op_entry *e, PyObject **override)
     if (e->flags & OP_NOT_IMPLEMENTED && route == ROUTE_NATIVE)
         route = ROUTE_FALLBACK;
     *override = kernel == Py_None ? NULL : Py_NewRef(kernel);
+    *on_device = route == ROUTE_OVERRIDE && device_kernel;
     Py_DECREF(res);
     if (st->routes_generation == generation && e->route == ROUTE_UNRESOLVED) {
         PyObject *previous = e->override;
         e->override = Py_XNewRef(*override);
         e->route = route;
+        e->flags = *on_device ? e->flags | OP_DEVICE_KERNEL : e->flags & ~OP_DEVICE_KERNEL;
         Py_XDECREF(previous);
     }
     return route;
@@ -572,9 +577,16 @@ static PyObject *route_call(flagos_state *st, PyObject *func, PyObject *args, Py
     if (downcast != NULL)
         kwargs = downcast;
     PyObject *override = NULL, *out = NULL;
-    int route = entry_route(st, e, &override);
-    if (route >= 0)
+    int on_device = 0;
+    int route = entry_route(st, e, &override, &on_device);
+    if (route >= 0 && on_device) {
+        /* The device's own kernel: its ops on the flagos tensors come back through here. */
+        out = PyObject_Call(override, args, kwargs);
+        if (out != NULL)
+            e->calls[ROUTE_OVERRIDE]++;
+    } else if (route >= 0) {
         out = route_entry(st, e, route, override, func, args, kwargs, from_factory);
+    }
     Py_XDECREF(override);
     if (out != NULL && downcast != NULL && count_downcast(e, out) < 0)
         Py_CLEAR(out);

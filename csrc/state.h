@@ -37,6 +37,8 @@ enum flagos_route {
 #define OP_HOST_OUTPUT1 (1u << 11) /* its second output is a host tensor on every device (a packed
                                       sequence's batch sizes): it stays one */
 #define OP_NESTED (1u << 12)      /* makes a strided nested tensor: flagos tensors are not nested */
+#define OP_DEVICE_KERNEL (1u << 13) /* its override is the device's own kernel (torch.library's
+                                       PrivateUse1 one): called with the flagos tensors themselves */
 
 typedef struct op_entry {
     PyObject *func;          /* key: the OpOverload (strong ref keeps the pointer valid) */

@@ -272,7 +272,7 @@ def activate(device: str | None = "auto", mode: str | None = None,
             devices = tuple(chip.torch_device(i) for i in range(count))
         state = Active(chip=chip, mode=mode, device_count=count, flagos_devices=devices)
         _configure_router(state)
-        _routes.set_active_chip(chip.name)
+        _routes.set_active_chip(chip.name, device_mode=mode == "device")
         _routes.load_env()
         _state.set_active(state)
         state.caches = _caches.install(state)  # before anything can compile on the chip

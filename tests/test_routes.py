@@ -417,38 +417,119 @@ _library_ops.define("scaled(Tensor x) -> Tensor")
 _library_ops.impl("scaled", lambda x: x * 3, "CompositeExplicitAutograd")
 _library_ops.impl("scaled", lambda x: x * 3 + 100, "PrivateUse1")  # the flagos device's kernel
 
+_device_kernel_calls: list = []
 
-def test_a_kernel_registered_for_the_device_through_torch_library_is_named_once(dev):
-    """flagos routes above PrivateUse1, so a kernel a library registers there for the flagos
-    device is not called: a warning says so, once per op, naming flagos.register_kernel, and
-    a kernel registered that way is called instead (with the chip's own tensors)."""
+
+@functools.cache
+def _custom_ops():
+    """Ops with kernels for the flagos device, defined once per process, after activation
+    (torch.library knows the name "flagos" from then on, as a user's script would)."""
+    @torch.library.custom_op("flagos_routes_test::gelu_gate", mutates_args=())
+    def gelu_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x) * torch.sigmoid(gate)  # every other device's kernel
+
+    @gelu_gate.register_kernel("flagos")
+    def _(x, gate):
+        _device_kernel_calls.append((type(x), x.device.type, gate.device.type))
+        return torch.nn.functional.gelu(x).mul_(gate.sigmoid())  # the same values, other ops
+
+    @gelu_gate.register_fake
+    def _(x, gate):
+        return torch.empty_like(x)
+
+    def backward(ctx, grad):
+        x, gate = ctx.saved_tensors
+        s = torch.sigmoid(gate)
+        cdf = 0.5 * (1 + torch.erf(x / 2 ** 0.5))
+        pdf = torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5
+        return grad * s * (cdf + x * pdf), grad * torch.nn.functional.gelu(x) * s * (1 - s)
+
+    gelu_gate.register_autograd(
+        backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+    @torch.library.custom_op("flagos_routes_test::shift_", mutates_args=("x",), device_types="flagos")
+    def shift_(x: torch.Tensor, by: float) -> None:
+        """Only the flagos device has a kernel: there is no CPU kernel to fall back to."""
+        x.add_(by)
+
+    @torch.library.custom_op("flagos_routes_test::refuse", mutates_args=(), device_types="flagos")
+    def refuse(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("refuse: this kernel takes no tensors today")
+
+    return types.SimpleNamespace(gelu_gate=gelu_gate, shift_=shift_, refuse=refuse)
+
+
+class _GatedMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.gate, self.down = (torch.nn.Linear(8, 16), torch.nn.Linear(8, 16),
+                                         torch.nn.Linear(16, 8))
+
+    def forward(self, x):
+        return self.down(_custom_ops().gelu_gate(self.up(x), self.gate(x)))
+
+
+def test_a_kernel_registered_for_the_device_through_torch_library_runs_with_its_tensors(dev):
+    """`custom_op(...).register_kernel("flagos")` is the device's own kernel for that op, as
+    register_kernel("cuda") is CUDA's: flagos calls it with the flagos tensors (its ops come
+    back through the router), forward and backward (register_autograd), and a model built on
+    the op trains as on CPU, where the op's CPU kernel runs."""
+    torch.manual_seed(0)
+    model, x = _GatedMLP(), torch.randn(4, 8)
+    on_chip = _GatedMLP().to(dev)
+    on_chip.load_state_dict(model.state_dict())
+    model(x).square().mean().backward()
+    _device_kernel_calls.clear()
+    with flagos.track() as report:
+        on_chip(x.to(dev)).square().mean().backward()
+    assert _device_kernel_calls == [(type(x.to(dev)), "flagos", "flagos")]
+    for want, got in zip(model.parameters(), on_chip.parameters()):
+        assert_close(got.grad, want.grad, atol=1e-5)
+    row = report.op("flagos_routes_test::gelu_gate")
+    assert row["route"] == "override" and row["calls"] == {"override": 1, "native": 0, "fallback": 0}
+    assert flagos.route_of("flagos_routes_test::gelu_gate") == "override"
+
+
+def test_an_op_with_only_a_kernel_for_the_flagos_device_runs(dev):
+    """An op whose only kernel is the flagos device's (`device_types="flagos"`) has no CPU
+    kernel to fall back to: before, it failed "Could not run ... with arguments from the 'CPU'
+    backend". It runs, and what it writes is the caller's tensor (a view of it sees it)."""
+    x = torch.arange(6.0).to(dev)
+    view = x.view(2, 3)
+    assert _custom_ops().shift_(x, 1.5) is None
+    assert x.cpu().tolist() == [1.5, 2.5, 3.5, 4.5, 5.5, 6.5]
+    assert view.cpu().tolist() == [[1.5, 2.5, 3.5], [4.5, 5.5, 6.5]]
+    with pytest.raises(ValueError, match="refuse: this kernel takes no tensors today"):
+        _custom_ops().refuse(x)
+    assert (x + 1).cpu().tolist() == [2.5, 3.5, 4.5, 5.5, 6.5, 7.5]  # and the device goes on
+
+
+def test_flagos_register_kernel_and_forced_routes_come_before_the_devices_kernel(dev):
+    """An override registered with flagos.register_kernel (the chip's own tensors) wins over
+    the one registered for the device through torch.library; a route forced to native or
+    fallback runs the op's other kernel (here CompositeExplicitAutograd's x * 3), as asked."""
     op = torch.ops.flagos_routes_test.scaled
     x = torch.arange(3.0).to(dev)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        first, second = op(x), op(x)
-    named = [w for w in caught if "through torch.library" in str(w.message)]
-    assert len(named) == 1 and "flagos.register_kernel('flagos_routes_test::scaled', fn)" in str(named[0].message)
-    assert first.tolist() == second.tolist() == [0.0, 3.0, 6.0]  # the op ran, as the message says
+    assert op(x).cpu().tolist() == [100.0, 103.0, 106.0]  # PrivateUse1's kernel: the device's
     seen = []
 
     def kernel(t):
-        seen.append(type(t))
-        return t * 3 + 100
+        seen.append(t.device.type)
+        return t * 3 + 200
 
     flagos.register_kernel("flagos_routes_test::scaled", kernel)
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert op(x).tolist() == [100.0, 103.0, 106.0]
-        assert not [w for w in caught if "through torch.library" in str(w.message)]
-        assert seen and flagos.route_of("flagos_routes_test::scaled") == "override"
+        assert op(x).cpu().tolist() == [200.0, 203.0, 206.0]
+        assert len(seen) == 1  # flagos.register_kernel's kernel ran, once
     finally:
         flagos.unregister_kernel("flagos_routes_test::scaled")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        op(x)
-    assert not [w for w in caught if "through torch.library" in str(w.message)]  # once per op
+    assert op(x).cpu().tolist() == [100.0, 103.0, 106.0]
+    for route in ("native", "fallback"):
+        flagos.set_route("flagos_routes_test::scaled", route)
+        assert op(x).cpu().tolist() == [0.0, 3.0, 6.0], route
+        assert flagos.route_of("flagos_routes_test::scaled") == route
+    flagos.set_route("flagos_routes_test::scaled", "override")  # the device's kernel is one
+    assert op(x).cpu().tolist() == [100.0, 103.0, 106.0]
 
 
 def test_an_unregistered_kernel_is_let_go(dev):

@@ -6,8 +6,8 @@ runs per call.
 """
 from __future__ import annotations
 
+import functools
 import logging
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -26,7 +26,8 @@ _forced: dict[str, str] = {}
 # (op name, chip) -> kernel; chip None means every chip
 _overrides: dict[tuple[str, str | None], Callable] = {}
 _active_chip: str | None = None
-_warned_library_kernels: set[str] = set()
+_device_mode = False
+_PRIVATEUSE1 = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
 log = logging.getLogger("flagos")
 
 
@@ -69,9 +70,11 @@ def load_env() -> None:
     _C.invalidate()
 
 
-def set_active_chip(chip: str | None) -> None:
-    global _active_chip
-    _active_chip = chip
+def set_active_chip(chip: str | None, device_mode: bool = False) -> None:
+    """The chip routes are resolved for; in device mode (flagos tensors are the device's own),
+    kernels registered for the flagos device through torch.library are among them."""
+    global _active_chip, _device_mode
+    _active_chip, _device_mode = chip, device_mode
     _C.invalidate()
 
 
@@ -88,33 +91,40 @@ def _forced_route(name: str) -> str:
     return _forced.get(name) or _forced.get(packet_name(name)) or "auto"
 
 
-def _warn_if_registered_for_the_device(name: str) -> None:
+def _library_op(name: str):
+    """The OpOverload of an op name ("mylib::op" or "mylib::op.overload")."""
+    namespace, _, rest = name.partition("::")
+    packet, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+
+
+def _device_kernel_for(name: str):
     """A kernel registered for the flagos device through torch.library (`custom_op(...,
-    device_types="flagos")`, `torch.library.register_kernel(op, "flagos")`) sits on the
-    PrivateUse1 key, below the wrapper's Python key where flagos routes: it is never called.
-    Say so once, with the way flagos takes such a kernel. (PyTorch's own aten and c10d ops
-    carry PrivateUse1 kernels of PyTorch's and flagos's making: not these.)"""
-    if name.split("::", 1)[0] in ("aten", "c10d") or name in _warned_library_kernels:
-        return
+    device_types="flagos")`, `register_kernel(op, "flagos")`, `Library.impl(..., "PrivateUse1")`)
+    sits on the PrivateUse1 key, below the wrapper's Python key where flagos routes. It is
+    the device's own kernel for that op: a callable that runs it with the flagos tensors
+    themselves (their ops inside come back through the router), or None. PyTorch's aten and
+    c10d ops carry PrivateUse1 kernels of PyTorch's and flagos's own making: not these."""
+    if name.split("::", 1)[0] in ("aten", "c10d", "prim", "prims"):
+        return None
     try:
-        registered = torch._C._dispatch_has_kernel_for_dispatch_key(name, "PrivateUse1")
-    except RuntimeError:  # not an operator the dispatcher knows by that name
-        return
-    if registered:
-        _warned_library_kernels.add(name)
-        warnings.warn(
-            f"{name} has a kernel registered for the flagos device through torch.library; flagos "
-            f"routes ops above that key, so it is not called (the op runs on the chip's own "
-            f"kernel or the CPU fallback). Register it with flagos.register_kernel({name!r}, fn), "
-            f"which calls fn with the chip's own tensors.", UserWarning, stacklevel=3)
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "PrivateUse1"):
+            return None
+        op = _library_op(name)
+    except (RuntimeError, AttributeError):  # not an operator the dispatcher knows by that name
+        return None
+    return functools.partial(op.redispatch, _PRIVATEUSE1)
 
 
 def resolve(name: str):
-    """(route code, override kernel or None) for the active chip; called by the C router."""
+    """(route code, kernel or None, whether the kernel takes the flagos tensors themselves)
+    for the active chip; called by the C router once per op and change."""
     forced = _forced_route(name)
     override = _override_for(name)
-    if override is None:
-        _warn_if_registered_for_the_device(name)
+    on_device = False
+    if override is None and forced in ("auto", "override") and _device_mode:
+        override = _device_kernel_for(name)
+        on_device = override is not None
     if forced == "override" and override is None:
         raise ConfigError(f"{name} is routed to 'override' but no kernel is registered for it "
                           f"on chip {_active_chip!r}; use flagos.register_kernel()")
@@ -122,8 +132,12 @@ def resolve(name: str):
         route = "override" if override else "native"
     else:
         route = forced
-    log.debug("%s on %s: %s%s", name, _active_chip, route, "" if forced == "auto" else " (forced)")
-    return _CODES[route], override if route == "override" else None
+    log.debug("%s on %s: %s%s%s", name, _active_chip, route,
+              " (torch.library's kernel for the device)" if on_device else "",
+              "" if forced == "auto" else " (forced)")
+    if route != "override":
+        return _CODES[route], None, False
+    return _CODES[route], override, on_device
 
 
 def set_route(op, route: str) -> None:
@@ -168,7 +182,7 @@ def route_of(op) -> str:
     for row in _C.table():
         if name in (row["op"], packet_name(row["op"])) and row["route"] != "unresolved":
             return row["route"]
-    code, _ = resolve(name)
+    code = resolve(name)[0]
     return {v: k for k, v in _CODES.items()}[code]
 
 
