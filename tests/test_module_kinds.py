@@ -80,6 +80,23 @@ def test_a_lazy_module_on_flagos_loads_a_state_dict_as_on_cpu(dev):
     torch.testing.assert_close(model.eval()(x.to(dev)).cpu(), source.eval()(x), rtol=1e-5, atol=1e-6)
 
 
+def test_a_lazy_module_on_flagos_loads_a_lazy_state_dict_and_trains_as_on_cpu(dev):
+    """A lazy module's state dict saved before its first forward holds uninitialized
+    parameters; loading it copies each into the module's own (`copy_`, which
+    UninitializedParameter allows, of nothing into nothing). On C-ABI chips the copy asked the
+    uninitialized parameter for its .shape, which it refuses ("Can't access the shape of an
+    uninitialized parameter")."""
+    torch.manual_seed(0)
+    expected_model = _lazy_net()
+    expected_model.load_state_dict(_lazy_net().state_dict())
+    expected = _train_step(expected_model, "cpu")
+    torch.manual_seed(0)
+    model = _lazy_net().to(dev)
+    model.load_state_dict(_lazy_net().state_dict())
+    assert all(is_lazy(p) and p.device == dev for p in model.parameters())
+    _assert_same(_train_step(model, dev), expected)
+
+
 def test_an_uninitialized_parameter_on_flagos_refuses_use_and_saves_as_on_cpu(dev):
     model = torch.nn.LazyLinear(3).to(dev)
     with pytest.raises(ValueError, match="Attempted to use an uninitialized parameter"):

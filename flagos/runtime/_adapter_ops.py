@@ -599,6 +599,8 @@ class Runner:
 
     def copy_(self, func, args, kwargs):
         dst, src = args[0], args[1]
+        # size(), not .shape: a lazy module's uninitialized parameter (nn.UninitializedParameter,
+        # which load_state_dict copies into) refuses .shape but answers size()
         if not isinstance(dst, FlagosTensor):  # host destination: bring the source here
             if not isinstance(src, FlagosTensor) and _is_flagos_device(src.device):
                 raise RuntimeError(_NOT_MADE_BY_FLAGOS.format(src.device))
@@ -606,7 +608,7 @@ class Runner:
             return dst
         _strided_only(src, "copying to the flagos device")
         if isinstance(src, FlagosTensor) and src._payload is dst._payload:  # PyTorch's copy_ rules
-            if (src.shape == dst.shape and src.stride() == dst.stride() and src.dtype == dst.dtype
+            if (src.size() == dst.size() and src.stride() == dst.stride() and src.dtype == dst.dtype
                     and src.storage_offset() == dst.storage_offset() and src.is_conj() == dst.is_conj()
                     and src.is_neg() == dst.is_neg()):
                 return dst  # the same data: nothing to copy
@@ -615,7 +617,7 @@ class Runner:
         if isinstance(src, FlagosTensor) and src.device.index != dst.device.index:
             _transfers.add(dst.numel() * dst.element_size())
         tagged = dst.is_conj() or dst.is_neg()
-        if (isinstance(src, FlagosTensor) and src.dtype == dst.dtype and src.shape == dst.shape
+        if (isinstance(src, FlagosTensor) and src.dtype == dst.dtype and src.size() == dst.size()
                 and src.is_contiguous() and dst.is_contiguous() and not tagged
                 and not src.is_conj() and not src.is_neg()):
             item = dst.element_size()
@@ -625,7 +627,7 @@ class Runner:
             return dst
         host = self._download(src) if isinstance(src, FlagosTensor) else src
         if dst.is_contiguous() and not tagged:
-            data = _physical(host.to(dst.dtype)).expand(dst.shape).contiguous()
+            data = _physical(host.to(dst.dtype)).expand(dst.size()).contiguous()
             if data.numel():
                 dst._payload.write(to_dlpack(data.view(-1)), dst.storage_offset() * dst.element_size())
             return dst

@@ -1,0 +1,164 @@
+"""PyTorch's own module database (`module_db`, torch.testing._internal.common_modules: every
+nn module PyTorch tests, with the constructor and forward inputs PyTorch picks) on the flagos
+device against plain CPU, as PyTorch's `test_cpu_gpu_parity` compares a GPU with the CPU.
+
+For each module, in training and eval mode, for each of its first samples: the module built on
+the host under a seed and the same module built on the flagos device (`device=` where its
+constructor takes one, else moved), given the CPU module's weights; forward on both, outputs
+compared (values, dtype, shape and memory layout); then gradients of the inputs and parameters
+for one seeded grad_output. Each sample runs three ways: as given, with non-contiguous inputs
+on the flagos side, and with 4-d and 5-d inputs and the modules in the channels-last layout on
+both sides (PyTorch's `test_memory_format`). Random modules (dropout inside a
+Transformer, FractionalMaxPool) run under the same seed on both sides: flagos's generator
+gives CPU's numbers. A sample that fails on plain CPU itself (module_db's samples are also
+error cases for some dtypes) is not compared.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sys
+
+import pytest
+import torch
+from conftest import device_mode_only
+from torch.utils import _pytree as pytree
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "conformance"))
+import harness  # noqa: E402,F401  (stands in for expecttest where it is missing)
+from torch.testing._internal.common_modules import module_db  # noqa: E402
+
+pytestmark = device_mode_only
+
+SAMPLES = 3        # per module and mode: module_db's first ones (the ones PyTorch lists first)
+RTOL, ATOL = 1e-4, 1e-5
+VARIANTS = ("as given", "non-contiguous", "channels_last")
+# Modules whose samples only run in float64 on CPU (their _random_samples are float64).
+FLOAT64 = {"nn.FractionalMaxPool2d", "nn.FractionalMaxPool3d"}
+
+
+def _device_copy(dev, memo):
+    """Map a CPU tensor to its flagos copy, the same copy for the same tensor (a sample may pass
+    one tensor twice, and its gradient is then the sum of both uses)."""
+    def copy(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in memo:
+            memo[id(x)] = x.detach().to(dev).requires_grad_(x.requires_grad)
+        return memo[id(x)]
+    return copy
+
+
+def _non_contiguous(x):
+    """The same values, every other element of a doubled last dimension (PyTorch's trick)."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.numel() == 0:
+        return x
+    doubled = torch.repeat_interleave(x.detach(), 2, dim=-1)[..., ::2]
+    return doubled.requires_grad_(x.requires_grad)
+
+
+def _channels_last(x):
+    """4-d and 5-d tensors in the channels-last layout (the same values)."""
+    if not isinstance(x, torch.Tensor) or x.dim() not in (4, 5):
+        return x
+    layout = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    return x.detach().contiguous(memory_format=layout).requires_grad_(x.requires_grad)
+
+
+def _layout(t):
+    return tuple(t.is_contiguous(memory_format=f) for f in
+                 ((torch.contiguous_format, torch.channels_last) if t.dim() == 4 else
+                  (torch.contiguous_format, torch.channels_last_3d) if t.dim() == 5 else
+                  (torch.contiguous_format,)))
+
+
+def _compare(expected, actual, what):
+    flat_e, flat_a = pytree.tree_leaves(expected), pytree.tree_leaves(actual)
+    assert len(flat_e) == len(flat_a), what
+    for e, a in zip(flat_e, flat_a):
+        if isinstance(e, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and a.device.type == "flagos", (what, a)
+            assert a.dtype == e.dtype and a.shape == e.shape, (what, a.dtype, a.shape, e.dtype, e.shape)
+            assert _layout(a) == _layout(e), (what, "layout", a.stride(), e.stride())
+            torch.testing.assert_close(a.cpu(), e, rtol=RTOL, atol=ATOL, equal_nan=True,
+                                       msg=lambda m: f"{what}: {m}")
+        else:
+            assert e == a or (e != e and a != a), (what, e, a)
+
+
+def _build(info, args, kwargs, device):
+    takes_device = "device" in inspect.signature(info.module_cls.__init__).parameters
+    if device is not None and takes_device:
+        return info.module_cls(*args, **{**kwargs, "device": device})
+    module = info.module_cls(*args, **kwargs)
+    return module if device is None else module.to(device)
+
+
+def _differentiable(tree):
+    return [t for t in pytree.tree_leaves(tree)
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.dtype.is_floating_point]
+
+
+def _run_sample(info, sample, training, dtype, dev, variant):
+    args, kwargs = sample.constructor_input.args, sample.constructor_input.kwargs
+    torch.manual_seed(0)
+    host = _build(info, args, kwargs, None).train(training)
+    memo = {}
+    to_dev = _device_copy(dev, memo)
+    on_dev = _build(info, pytree.tree_map(to_dev, args), pytree.tree_map(to_dev, kwargs), dev)
+    on_dev.train(training)
+    lazy = any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in host.parameters())
+    if not lazy:  # a lazy module makes its weights at its first forward, under the seed below
+        on_dev.load_state_dict(host.state_dict())
+    fargs, fkwargs = sample.forward_input.args, sample.forward_input.kwargs
+    if variant == "channels_last":  # on both sides: the outputs' layouts are compared too
+        fargs, fkwargs = pytree.tree_map(_channels_last, (fargs, fkwargs))
+        ranks = {p.dim() for p in host.parameters()} if not lazy else set()
+        layout = torch.channels_last_3d if 5 in ranks else torch.channels_last if 4 in ranks else None
+        if layout is not None and not lazy:
+            host, on_dev = host.to(memory_format=layout), on_dev.to(memory_format=layout)
+    dargs, dkwargs = pytree.tree_map(to_dev, (fargs, fkwargs))
+    if variant == "non-contiguous":  # on the flagos side: the values are CPU's all the same
+        dargs, dkwargs = pytree.tree_map(_non_contiguous, (dargs, dkwargs))
+    torch.manual_seed(1)
+    try:
+        expected = host(*fargs, **fkwargs)
+    except Exception:
+        return "fails on CPU"
+    torch.manual_seed(1)
+    actual = on_dev(*dargs, **dkwargs)
+    what = f"{info.name} {'train' if training else 'eval'} {sample.desc or 'sample'} {variant}"
+    _compare(expected, actual, what + " forward")
+    outs, douts = _differentiable(expected), _differentiable(actual)
+    if not outs:
+        return "compared"
+    generator = torch.Generator().manual_seed(2)
+    grads = [torch.randn(o.shape, dtype=o.dtype, generator=generator) for o in outs]
+    inputs = _differentiable((fargs, fkwargs)) + list(host.parameters())
+    dinputs = _differentiable((dargs, dkwargs)) + list(on_dev.parameters())
+    try:
+        want = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+    except RuntimeError as error:  # CPU refuses this backward (NLLLoss over channels-last)
+        with pytest.raises(RuntimeError, match=re.escape(str(error).splitlines()[0])):
+            torch.autograd.grad(douts, dinputs, [g.to(dev) for g in grads], allow_unused=True)
+        return "compared"
+    got = torch.autograd.grad(douts, dinputs, [g.to(dev) for g in grads], allow_unused=True)
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert (w is None) == (g is None), f"{what}: gradient {i} is None on one side only"
+        if w is not None:
+            _compare(w, g, f"{what} gradient {i}")
+    return "compared"
+
+
+@pytest.mark.parametrize("info", module_db, ids=lambda info: info.name)
+def test_module_matches_cpu(info, dev):
+    dtype = torch.float64 if info.name in FLOAT64 else torch.float32
+    outcomes = []
+    for training in (True, False):
+        samples = info.module_inputs_func(info, device="cpu", dtype=dtype, requires_grad=True,
+                                          training=training)
+        for sample in [s for s in samples if s.forward_input is not None][:SAMPLES]:
+            for variant in VARIANTS:
+                outcomes.append(_run_sample(info, sample, training, dtype, dev, variant))
+    assert "compared" in outcomes, f"{info.name}: no sample ran on CPU ({outcomes})"
