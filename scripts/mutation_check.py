@@ -772,10 +772,20 @@ MUTATIONS = [
       '        return storage.device.type == "meta" and storage.data_ptr() != 0',
       '        return storage.device.type == "meta" and storage.data_ptr() == 0',
       sim("tests/test_ecosystem.py", k="storage_names")),
-    M("library_kernel_for_the_device_unnamed", "a kernel registered for the flagos device "
-      "through torch.library is silently not called", "flagos/core/_routes.py",
-      "    if override is None:\n        _warn_if_registered_for_the_device(name)\n", "",
-      cpu("tests/test_routes.py", k="through_torch_library")),
+    M("library_kernel_for_the_device_not_called", "a kernel registered for the flagos device "
+      "through torch.library is not called (the op takes the chip's kernel or the fallback)",
+      "flagos/core/_routes.py",
+      "        override = _device_kernel_for(name)\n", "",
+      cpu("tests/test_routes.py", k="torch_library or only_a_kernel or come_before")),
+    M("library_kernel_given_payloads", "the device's own kernel is called with the chip's "
+      "tensors instead of the flagos tensors", "csrc/router.c",
+      "    *on_device = route == ROUTE_OVERRIDE && device_kernel;",
+      "    *on_device = 0;",
+      cpu("tests/test_routes.py", k="torch_library or only_a_kernel")),
+    M("whole_op_always_decomposed", "silu_backward and the like decomposed above flagos even "
+      "when no gradient of them is needed", "flagos/runtime/_whole_ops.py",
+      "        if _needs_gradient(args, kwargs):", "        if True:",
+      cpu("tests/test_fidelity.py", k="whole_as_on_cpu")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

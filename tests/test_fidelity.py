@@ -10,6 +10,7 @@ import torch
 from conftest import device_mode_only, run_python, runs_once
 
 import flagos
+from flagos.runtime import _whole_ops
 
 pytestmark = device_mode_only
 
@@ -805,3 +806,63 @@ def test_jagged_nested_tensors_over_flagos_values_match_cpu(dev):
                                        device=dev).transpose(1, 2)
     with pytest.raises(RuntimeError, match="strided layout.*to_padded_tensor"):
         torch.nn.functional.scaled_dot_product_attention(heads, heads, heads)
+
+
+# ---- ops PyTorch runs whole on CPU and decomposes elsewhere (runtime/_whole_ops.py) --------
+
+def test_the_list_of_ops_cpu_runs_whole_is_the_dispatchers():
+    assert list(_whole_ops.OPS) == _whole_ops.dispatcher_ops()
+
+
+@pytest.mark.parametrize("activation", ["silu", "mish"])
+def test_activation_backward_in_float16_runs_whole_as_on_cpu(dev, activation):
+    """silu_backward and mish_backward have a CPU kernel (computing in float32) and, for other
+    devices, a decomposition that rounds each part to float16; under grad mode it ran above
+    flagos, so even the cpu chip, whose payloads run CPU's kernels, was 1-2 float16 units away
+    from CPU. The op now reaches the chip whole: the cpu chip gives CPU's bits, a C-ABI chip
+    its own kernel's or its decomposition's numbers (float16's tolerance)."""
+    fn = getattr(torch.nn.functional, activation)
+    torch.manual_seed(0)
+    x = torch.randn(4, 33, dtype=torch.float16, requires_grad=True)
+    grad = torch.randn(4, 33, dtype=torch.float16)
+    want, = torch.autograd.grad(fn(x), x, grad)
+    on_chip = x.detach().to(dev).requires_grad_()
+    with flagos.track() as report:
+        got, = torch.autograd.grad(fn(on_chip), on_chip, grad.to(dev))
+    assert report.op(f"aten::{activation}_backward")["calls"]["native"] == 1
+    if flagos.info()["chip"] == "cpu":
+        assert torch.equal(got.cpu(), want)
+    else:
+        torch.testing.assert_close(got.cpu(), want, rtol=4e-3, atol=4e-3)
+
+
+@pytest.mark.parametrize("activation", ["silu", "mish"])
+def test_activation_double_backward_decomposes_as_on_cpu(dev, activation):
+    """A gradient of the gradient needs the backward's own graph: there the op is decomposed,
+    as PyTorch does for every device."""
+    fn = getattr(torch.nn.functional, activation)
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    first, = torch.autograd.grad(fn(x).sum(), x, create_graph=True)
+    want, = torch.autograd.grad(first.square().sum(), x)
+    on_chip = x.detach().to(dev).requires_grad_()
+    first_on_chip, = torch.autograd.grad(fn(on_chip).sum(), on_chip, create_graph=True)
+    got, = torch.autograd.grad(first_on_chip.square().sum(), on_chip)
+    torch.testing.assert_close(first_on_chip.cpu(), first.detach())
+    torch.testing.assert_close(got.cpu(), want)
+
+
+def test_native_channel_shuffle_forward_and_backward_match_cpu(dev):
+    """CPU's kernel has no derivative ("derivative for aten::native_channel_shuffle is not
+    implemented"); CUDA and flagos differentiate its decomposition, the expected values here."""
+    x = torch.randn(2, 6, 3, 3, requires_grad=True)
+    weights = torch.randn(2, 6, 3, 3)
+    out = torch.ops.aten.native_channel_shuffle.default.decompose(x, 3)
+    want, = torch.autograd.grad((out * weights).sum(), x)
+    on_chip = x.detach().to(dev).requires_grad_()
+    got_out = torch.native_channel_shuffle(on_chip, 3)
+    got, = torch.autograd.grad((got_out * weights.to(dev)).sum(), on_chip)
+    assert torch.equal(got_out.detach().cpu(), out.detach()) and torch.equal(got.cpu(), want)
+    with torch.no_grad():
+        assert torch.equal(torch.native_channel_shuffle(on_chip, 2).cpu(),
+                           torch.native_channel_shuffle(x, 2))

@@ -2,7 +2,7 @@
 nn module PyTorch tests, with the constructor and forward inputs PyTorch picks) on the flagos
 device against plain CPU, as PyTorch's `test_cpu_gpu_parity` compares a GPU with the CPU.
 
-For each module, in training and eval mode, for each of its first samples: the module built on
+For each module, in float32 and float16 (FlagGems' tolerances), in training and eval mode, for each of its first samples: the module built on
 the host under a seed and the same module built on the flagos device (`device=` where its
 constructor takes one, else moved), given the CPU module's weights; forward on both, outputs
 compared (values, dtype, shape and memory layout); then gradients of the inputs and parameters
@@ -32,7 +32,13 @@ from torch.testing._internal.common_modules import module_db  # noqa: E402
 pytestmark = device_mode_only
 
 SAMPLES = 3        # per module and mode: module_db's first ones (the ones PyTorch lists first)
-RTOL, ATOL = 1e-4, 1e-5
+# rtol, atol. float16's is wider than FlagGems' per-op 1e-3: a module chains several roundings,
+# and where flagos runs an op another way than CPU's kernel (the fused LSTM/GRU cells PyTorch
+# picks for every device but the CPU; a C-ABI chip's decompositions; CPU's own batch norm
+# backward over a non-contiguous input, which sums in another order) they differ by a unit or
+# two of float16, as a GPU's do.
+TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-7, 1e-7),
+             torch.float16: (1e-2, 1e-2)}
 VARIANTS = ("as given", "non-contiguous", "channels_last")
 # Modules whose samples only run in float64 on CPU (their _random_samples are float64).
 FLOAT64 = {"nn.FractionalMaxPool2d", "nn.FractionalMaxPool3d"}
@@ -73,7 +79,8 @@ def _layout(t):
                   (torch.contiguous_format,)))
 
 
-def _compare(expected, actual, what):
+def _compare(expected, actual, what, dtype):
+    rtol, atol = TOLERANCE[dtype]
     flat_e, flat_a = pytree.tree_leaves(expected), pytree.tree_leaves(actual)
     assert len(flat_e) == len(flat_a), what
     for e, a in zip(flat_e, flat_a):
@@ -81,7 +88,7 @@ def _compare(expected, actual, what):
             assert isinstance(a, torch.Tensor) and a.device.type == "flagos", (what, a)
             assert a.dtype == e.dtype and a.shape == e.shape, (what, a.dtype, a.shape, e.dtype, e.shape)
             assert _layout(a) == _layout(e), (what, "layout", a.stride(), e.stride())
-            torch.testing.assert_close(a.cpu(), e, rtol=RTOL, atol=ATOL, equal_nan=True,
+            torch.testing.assert_close(a.cpu(), e, rtol=rtol, atol=atol, equal_nan=True,
                                        msg=lambda m: f"{what}: {m}")
         else:
             assert e == a or (e != e and a != a), (what, e, a)
@@ -103,11 +110,11 @@ def _differentiable(tree):
 def _run_sample(info, sample, training, dtype, dev, variant):
     args, kwargs = sample.constructor_input.args, sample.constructor_input.kwargs
     torch.manual_seed(0)
-    host = _build(info, args, kwargs, None).train(training)
+    host = _build(info, args, kwargs, None).train(training).to(dtype)
     memo = {}
     to_dev = _device_copy(dev, memo)
     on_dev = _build(info, pytree.tree_map(to_dev, args), pytree.tree_map(to_dev, kwargs), dev)
-    on_dev.train(training)
+    on_dev.train(training).to(dtype)
     lazy = any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in host.parameters())
     if not lazy:  # a lazy module makes its weights at its first forward, under the seed below
         on_dev.load_state_dict(host.state_dict())
@@ -129,7 +136,7 @@ def _run_sample(info, sample, training, dtype, dev, variant):
     torch.manual_seed(1)
     actual = on_dev(*dargs, **dkwargs)
     what = f"{info.name} {'train' if training else 'eval'} {sample.desc or 'sample'} {variant}"
-    _compare(expected, actual, what + " forward")
+    _compare(expected, actual, what + " forward", dtype)
     outs, douts = _differentiable(expected), _differentiable(actual)
     if not outs:
         return "compared"
@@ -147,13 +154,17 @@ def _run_sample(info, sample, training, dtype, dev, variant):
     for i, (w, g) in enumerate(zip(want, got)):
         assert (w is None) == (g is None), f"{what}: gradient {i} is None on one side only"
         if w is not None:
-            _compare(w, g, f"{what} gradient {i}")
+            _compare(w, g, f"{what} gradient {i}", dtype)
     return "compared"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("info", module_db, ids=lambda info: info.name)
-def test_module_matches_cpu(info, dev):
-    dtype = torch.float64 if info.name in FLOAT64 else torch.float32
+def test_module_matches_cpu(info, dtype, dev):
+    if info.name in FLOAT64:
+        if dtype != torch.float32:
+            pytest.skip(f"{info.name}'s samples are float64 only")
+        dtype = torch.float64
     outcomes = []
     for training in (True, False):
         samples = info.module_inputs_func(info, device="cpu", dtype=dtype, requires_grad=True,
@@ -161,4 +172,6 @@ def test_module_matches_cpu(info, dev):
         for sample in [s for s in samples if s.forward_input is not None][:SAMPLES]:
             for variant in VARIANTS:
                 outcomes.append(_run_sample(info, sample, training, dtype, dev, variant))
+    if dtype == torch.float16 and "compared" not in outcomes:
+        pytest.skip(f"{info.name} has no float16 kernel on CPU")  # AvgPool3d, CTCLoss, ...
     assert "compared" in outcomes, f"{info.name}: no sample ran on CPU ({outcomes})"

@@ -11,7 +11,7 @@ from .. import _C
 from ..chips.adapter import DTYPE_NAMES, AdapterChip
 from ..core import _routes, _state
 from ..errors import ConfigError
-from . import _attention, _generator, _guard_errors, _sequences, _storage, _streams
+from . import _attention, _generator, _guard_errors, _sequences, _storage, _streams, _whole_ops
 
 NAME = "flagos"
 _factory_lib = None  # keeps the PrivateUse1 fallback registered
@@ -96,6 +96,7 @@ def _register(owner, device_module) -> None:
     _factory_lib.fallback(_quantized_unsupported, dispatch_key="QuantizedPrivateUse1", with_keyset=False)
     _attention.register()
     _sequences.register_autograd()
+    _whole_ops.register()
 
 
 def _sparse_unsupported(op, *args, **kwargs):
