@@ -549,8 +549,8 @@ MUTATIONS = [
       cpu("tests/test_compile.py", k="moves_each_flagos_device")),
     M("decomposition_counts_bytes", "a decomposition run whole on a C-ABI chip counts bytes moved",
       "flagos/runtime/_adapter_ops.py",
-      "return func._op_dk(_DECOMPOSITION, *args, **kwargs), NATIVE, 0, 0, 0, ()",
-      "return func._op_dk(_DECOMPOSITION, *args, **kwargs), NATIVE, 0, 0, 4, ()",
+      "self._fresh_view, out)\n            return out, NATIVE, 0, 0, 0, ()",
+      "self._fresh_view, out)\n            return out, NATIVE, 0, 0, 4, ()",
       sim("tests/test_fallback_counters.py", k="never_fall_back")),
     M("round_trip_leaks_shapes", "the C round trip keeps its first tensor's shape and strides "
       "(a leak per call)", "csrc/adapter_fallback.c",
@@ -786,6 +786,16 @@ MUTATIONS = [
       "when no gradient of them is needed", "flagos/runtime/_whole_ops.py",
       "        if _needs_gradient(args, kwargs):", "        if True:",
       cpu("tests/test_fidelity.py", k="whole_as_on_cpu")),
+    M("decomposed_views_keep_autograd_state", "the views a decomposition makes under inference "
+      "mode on a C-ABI chip are returned as made, with autograd's view metadata",
+      "flagos/runtime/_adapter_ops.py",
+      "                out = pytree.tree_map_only(FlagosTensor, self._fresh_view, out)\n",
+      "                pass\n",
+      sim("tests/test_fidelity.py", k="parameter_under_inference")),
+    M("shallow_copy_asks_equal_keys", "a C-ABI chip answers _has_compatible_shallow_copy_type by "
+      "dispatch keys, refusing an inference tensor for a normal one", "flagos/runtime/_adapter_ops.py",
+      '    "aten::_has_compatible_shallow_copy_type": Runner.shallow_copy_compatible,\n', "",
+      sim("tests/test_fidelity.py", k="first_runs_under_inference")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

@@ -272,6 +272,53 @@ def test_maybe_views_under_inference_mode_copy_when_they_must(dev, made_inside):
     close(copy, x.transpose(1, 2).reshape(2, 12))
 
 
+def test_views_of_a_parameter_under_inference_mode_as_on_cpu(dev):
+    """chunk and narrow are decompositions that reach a C-ABI chip whole under inference mode;
+    of a tensor that requires grad (multi-head attention chunks its packed in-projection weight)
+    their parts' views carried autograd's view metadata, and PyTorch refused to make the op's
+    views of them ("Attempted to make a tensor into a differentiable view")."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    on_chip = torch.nn.Parameter(weight.detach().to(dev))
+    ops = {"chunk": lambda t: t.chunk(3), "narrow": lambda t: t.narrow(0, 1, 2),
+           "split": lambda t: t.split(4), "unbind": lambda t: t.unbind(1)}
+    for name, op in ops.items():
+        with torch.inference_mode():
+            want, got = op(weight), op(on_chip)
+        want, got = (list(want), list(got)) if isinstance(want, tuple) else ([want], [got])
+        assert [(t.is_inference(), t._is_view(), t.requires_grad) for t in got] == \
+            [(t.is_inference(), t._is_view(), t.requires_grad) for t in want], name
+        for g, w in zip(got, want):
+            close(g, w.detach())
+    attention = torch.nn.MultiheadAttention(4, 2)
+    on_chip_attention = torch.nn.MultiheadAttention(4, 2).to(dev)
+    on_chip_attention.load_state_dict(attention.state_dict())
+    q = torch.randn(3, 2, 4)
+    with torch.inference_mode():
+        want_out, want_weights = attention(q, q, q)
+        got_out, got_weights = on_chip_attention(q.to(dev), q.to(dev), q.to(dev))
+    close(got_out, want_out, rtol=1e-5, atol=1e-6)
+    close(got_weights, want_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_a_lazy_module_first_runs_under_inference_mode_as_on_cpu(dev):
+    """A lazy module's first forward under inference mode gives its parameters their data with
+    `param.data = torch.empty(...)`, an inference tensor for a normal one: PyTorch allows it
+    between two dense tensors of one device (`_has_compatible_shallow_copy_type`), and a C-ABI
+    chip answered no."""
+    model, on_chip = torch.nn.LazyLinear(3), torch.nn.LazyLinear(3).to(dev)
+    x = torch.randn(2, 4)
+    torch.manual_seed(1)  # the weights are drawn at the first forward, on each one's device
+    with torch.inference_mode():
+        want = model(x)
+    torch.manual_seed(1)
+    with torch.inference_mode():
+        got = on_chip(x.to(dev))
+    close(got, want)
+    assert on_chip.weight.is_inference() == model.weight.is_inference()
+    assert torch._has_compatible_shallow_copy_type(on_chip.weight, torch.ones(1, device=dev))
+
+
 def test_sentence_transformers_style_encode_in_inference_mode(dev):
     """sentence-transformers' encode(): a model made outside inference_mode, run inside it."""
     transformers = pytest.importorskip("transformers")

@@ -6,15 +6,17 @@ For each module, in float32 and float16 (FlagGems' tolerances), in training and 
 the host under a seed and the same module built on the flagos device (`device=` where its
 constructor takes one, else moved), given the CPU module's weights; forward on both, outputs
 compared (values, dtype, shape and memory layout); then gradients of the inputs and parameters
-for one seeded grad_output. Each sample runs three ways: as given, with non-contiguous inputs
-on the flagos side, and with 4-d and 5-d inputs and the modules in the channels-last layout on
-both sides (PyTorch's `test_memory_format`). Random modules (dropout inside a
+for one seeded grad_output. Each sample runs four ways: as given, with non-contiguous inputs
+on the flagos side, with 4-d and 5-d inputs and the modules in the channels-last layout on
+both sides (PyTorch's `test_memory_format`), and the forward under `torch.inference_mode()` on
+both sides (where PyTorch's composite ops reach the router whole). Random modules (dropout inside a
 Transformer, FractionalMaxPool) run under the same seed on both sides: flagos's generator
 gives CPU's numbers. A sample that fails on plain CPU itself (module_db's samples are also
 error cases for some dtypes) is not compared.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
@@ -39,7 +41,7 @@ SAMPLES = 3        # per module and mode: module_db's first ones (the ones PyTor
 # two of float16, as a GPU's do.
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-7, 1e-7),
              torch.float16: (1e-2, 1e-2)}
-VARIANTS = ("as given", "non-contiguous", "channels_last")
+VARIANTS = ("as given", "non-contiguous", "channels_last", "inference_mode")
 # Modules whose samples only run in float64 on CPU (their _random_samples are float64).
 FLOAT64 = {"nn.FractionalMaxPool2d", "nn.FractionalMaxPool3d"}
 
@@ -128,13 +130,18 @@ def _run_sample(info, sample, training, dtype, dev, variant):
     dargs, dkwargs = pytree.tree_map(to_dev, (fargs, fkwargs))
     if variant == "non-contiguous":  # on the flagos side: the values are CPU's all the same
         dargs, dkwargs = pytree.tree_map(_non_contiguous, (dargs, dkwargs))
+    # inference mode: PyTorch's composite ops skip their decomposition there and reach the
+    # router whole (OP_DECOMPOSES); forward only, as nothing can be differentiated
+    mode = torch.inference_mode if variant == "inference_mode" else contextlib.nullcontext
     torch.manual_seed(1)
     try:
-        expected = host(*fargs, **fkwargs)
+        with mode():
+            expected = host(*fargs, **fkwargs)
     except Exception:
         return "fails on CPU"
     torch.manual_seed(1)
-    actual = on_dev(*dargs, **dkwargs)
+    with mode():
+        actual = on_dev(*dargs, **dkwargs)
     what = f"{info.name} {'train' if training else 'eval'} {sample.desc or 'sample'} {variant}"
     _compare(expected, actual, what + " forward", dtype)
     outs, douts = _differentiable(expected), _differentiable(actual)

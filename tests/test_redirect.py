@@ -407,6 +407,8 @@ def _check_type(dev):
     assert back.device == dev and back.dtype == torch.float32 and as_half.type().endswith("HalfTensor")
     assert host.type(torch.float64).dtype == torch.float64 and host.type().startswith("torch.")
     assert host.type("torch.DoubleTensor").device.type == "cpu"
+    # help(x.type) and tools reading the signature see PyTorch's method
+    assert torch.Tensor.type.__name__ == "type" and torch.Tensor.type.__doc__ == torch._C.TensorBase.type.__doc__
 
 
 def _check(entry: str, dev) -> None:

@@ -68,6 +68,11 @@ def _compatible(*args, **kwargs) -> bool:
         # `.data =` swaps between them (see _set_data), live graph or not; a tensor with a weak
         # reference cannot be swapped and gets a new Parameter, PyTorch's way.
         return swappable(tensor) and swappable(other)
+    if isinstance(tensor, FlagosTensor):
+        # two dense tensors of one device, whatever their autograd keys (an inference tensor
+        # and a normal one): PyTorch's answer for its dense devices, which PrivateUse1 is not
+        # among (it would ask for equal dispatch keys)
+        return tensor.layout == torch.strided and other.layout == torch.strided
     return _BASE_COMPATIBLE(*args, **kwargs)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.dlpack import to_dlpack
 
@@ -286,7 +287,13 @@ class Runner:
             # attention) runs on the chip's kernels
             # (no KERNEL_BUILDERS entry is a decomposition). PyTorch's own C++ decomposition, as
             # the autograd key runs it, not a Python one registered for tracing (upsample's).
-            return func._op_dk(_DECOMPOSITION, *args, **kwargs), NATIVE, 0, 0, 0, ()
+            out = func._op_dk(_DECOMPOSITION, *args, **kwargs)
+            if flags & _C.OP_VIEW:
+                # The parts' views were made by a dispatch inside this one, with autograd's
+                # view metadata where the base requires grad (a parameter's chunk() in
+                # multi-head attention): PyTorch makes the op's own views of fresh wrappers.
+                out = pytree.tree_map_only(FlagosTensor, self._fresh_view, out)
+            return out, NATIVE, 0, 0, 0, ()
         if flags & _C.OP_VIEW:
             if name in ("aten::detach", "aten::alias"):  # same view, new tensor: no meta needed
                 t = args[0]
@@ -334,6 +341,11 @@ class Runner:
             device=self.devices[index], storage_size=_C.WRAPPER_STORAGE_BYTES)
         out._payload = buffer
         return out
+
+    def _fresh_view(self, t: FlagosTensor) -> FlagosTensor:
+        """A new wrapper over t's bytes, with t's layout and math bits, without autograd state."""
+        fresh = self._wrap(t._payload, t.size(), t.stride(), t.storage_offset(), t.dtype, t.device.index)
+        return _tag(fresh, t)
 
     def _alloc(self, size, dtype, index, stride=None) -> FlagosTensor:
         # the layout is checked in C (negative sizes or strides, byte counts past 2**63)
@@ -670,6 +682,16 @@ class Runner:
     def clone(self, func, args, kwargs):
         return self.to_copy(func, (args[0],), {"memory_format": kwargs.get("memory_format")})
 
+    def shallow_copy_compatible(self, func, args, kwargs):
+        """Whether `a.data = b` may take b's metadata. PyTorch answers yes for two dense tensors
+        of the dense devices it lists (CPU, CUDA, XPU, ...), whatever their autograd keys; for
+        others, PrivateUse1 among them, only for equal dispatch keys, which refused an inference
+        tensor for a normal one (a lazy module's first forward under inference_mode). Two
+        flagos tensors are dense device tensors: the CPU's rule."""
+        a, b = args[0], args[1]
+        return (isinstance(a, FlagosTensor) and isinstance(b, FlagosTensor)
+                and a.layout == torch.strided and b.layout == torch.strided)
+
     def local_scalar(self, func, args, kwargs):
         return self._download(args[0]).item()
 
@@ -766,6 +788,7 @@ SPECIAL = {
     "aten::_to_copy": Runner.to_copy,
     "aten::clone": Runner.clone,
     "aten::_local_scalar_dense": Runner.local_scalar,
+    "aten::_has_compatible_shallow_copy_type": Runner.shallow_copy_compatible,
     "aten::_unsafe_view": Runner.unsafe_view,
     "aten::fill_.Scalar": Runner.fill_,
     "aten::zero_": Runner.zero_,
