@@ -6,6 +6,7 @@ import json
 import os
 import warnings
 
+import numpy
 import pytest
 import torch
 from conftest import CHIP, device_mode_only, run_python
@@ -53,6 +54,23 @@ def test_storage_names_the_memory_a_tensor_views(dev):
     state = {"a": tied.weight, "b": tied.weight.detach(), "c": tied.bias}
     ids = {k: (v.untyped_storage().data_ptr(), v.untyped_storage().nbytes()) for k, v in state.items()}
     assert ids["a"] == ids["b"] != ids["c"]
+
+
+def test_other_storages_keep_pytorchs_own_errors_and_methods():
+    """flagos words a C-ABI chip's stand-in storage failing; a host storage that cannot resize
+    (numpy's memory) and a plain meta storage (no address) fail in PyTorch's own words, and
+    the guarded methods keep PyTorch's names and docs."""
+    host = torch.from_numpy(numpy.zeros(4, dtype=numpy.float32)).untyped_storage()
+    with pytest.raises(RuntimeError, match="Trying to resize storage that is not resizable"):
+        host.resize_(64)
+    meta = torch.empty(4, device="meta").untyped_storage()
+    assert meta.data_ptr() == 0
+    with pytest.raises((RuntimeError, NotImplementedError)) as raised:
+        meta.tolist()
+    assert "C-ABI chip" not in str(raised.value)
+    for name in ("tolist", "resize_", "fill_", "cpu"):
+        assert getattr(torch.UntypedStorage, name).__name__ == name
+        assert getattr(torch.UntypedStorage, name).__doc__ == getattr(torch._C.StorageBase, name, getattr(torch.UntypedStorage, name)).__doc__
 
 
 def test_huggingface_hub_judges_flagos_views_as_it_judges_cpu_ones(dev):
