@@ -509,3 +509,18 @@ def test_the_compiled_call_counter_counts_and_resets():
     assert _C.compiled_calls(True) == 3 and _C.compiled_calls() == 0
     with pytest.raises(TypeError, match=r"compiled_calls\(reset=False\)"):
         _C.compiled_calls(True, False)
+
+
+def test_torch_dispatch_called_directly_takes_its_optional_arguments(dev):
+    """`FlagosTensor.__torch_dispatch__(func, types, args=(), kwargs=None)` as PyTorch's protocol
+    writes it: called by hand (a library forwarding an op), args and kwargs may be left out."""
+    a, b = torch.arange(3.0), torch.ones(3)
+    cls = type(a.to(dev))
+    dispatch = cls.__torch_dispatch__
+    assert dispatch(torch.ops.aten.add.Tensor, (cls,), (a.to(dev), b.to(dev))).cpu().tolist() == (a + b).tolist()
+    assert dispatch(torch.ops.aten.add.Tensor, (cls,), (a.to(dev), b.to(dev)),
+                    {"alpha": 2}).cpu().tolist() == torch.add(a, b, alpha=2).tolist()
+    made = dispatch(torch.ops.aten.ones.default, (cls,), ([2],), {"device": dev})
+    assert made.device == dev and made.cpu().tolist() == [1.0, 1.0]
+    with pytest.raises(TypeError, match="dispatch"):
+        dispatch(torch.ops.aten.add.Tensor)
