@@ -796,6 +796,10 @@ MUTATIONS = [
       "dispatch keys, refusing an inference tensor for a normal one", "flagos/runtime/_adapter_ops.py",
       '    "aten::_has_compatible_shallow_copy_type": Runner.shallow_copy_compatible,\n', "",
       sim("tests/test_fidelity.py", k="first_runs_under_inference")),
+    M("cpu_lstm_layer_not_autocast", "nn.LSTM under the CPU's autocast policy runs its cells in "
+      "float32 where the CPU's oneDNN layer gives bfloat16", "flagos/runtime/_autocast.py",
+      '    if source == "AutocastCPU":', "    if False:",
+      cpu("tests/test_autocast.py", k="lstm")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

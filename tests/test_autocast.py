@@ -154,3 +154,28 @@ def test_op_names_resolve_to_their_overload_and_an_unknown_one_is_skipped():
     assert _autocast._overload("aten::flagos_no_such_op") is None
     assert _autocast._overload("aten::add.flagos_no_such_overload") is None
     assert _autocast._packet("aten::cat.names") == _autocast._packet("aten::cat") == "aten::cat"
+
+
+@pytest.mark.parametrize("layer", ["plain", "projections", "bidirectional, 2 layers", "packed"])
+def test_lstm_under_bfloat16_autocast_matches_the_payload_devices_autocast(dev, ref, layer):
+    """The CPU runs nn.LSTM through oneDNN's layer, which it autocasts: the output and states
+    come out bfloat16 (with projections, or packed, not: the CPU's own path). flagos runs the
+    layer through the fused cells PyTorch picks for other devices, and gave float32."""
+    kwargs = {"plain": {}, "projections": {"proj_size": 2}, "packed": {},
+              "bidirectional, 2 layers": {"bidirectional": True, "num_layers": 2, "batch_first": True}}[layer]
+    x = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(1))
+    results = []
+    for device in (ref, dev):
+        torch.manual_seed(0)
+        lstm = torch.nn.LSTM(4, 3, **kwargs).to(device)
+        inputs = x.to(device)
+        if layer == "packed":
+            inputs = torch.nn.utils.rnn.pack_padded_sequence(inputs, torch.tensor([5, 3]))
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            out, (h, c) = lstm(inputs)
+        out = out.data if layer == "packed" else out
+        out.float().sum().backward()
+        results.append([t.detach().cpu() for t in (out, h, c, lstm.weight_ih_l0.grad)])
+    for want, got in zip(*results):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1.6e-2)

@@ -56,6 +56,12 @@ def register(chip) -> None:
         op = _overload(name)
         if op is not None:
             lib.impl(name.split("::", 1)[1], _kernel(op, policy), _KEY)
+    if source == "AutocastCPU":
+        # The CPU runs nn.LSTM through oneDNN's mkldnn_rnn_layer, which it autocasts, so the
+        # layer's result is in the autocast dtype; on flagos the layer takes the fused cells
+        # PyTorch picks for other devices, which the CPU's policy does not name, and came out
+        # float32. The whole layer is cast instead, as the CPU's result is.
+        lib.impl("lstm.input", _cpu_lstm_layer(_overload("aten::lstm.input")), _KEY)
     rest = torch.library.Library("_", "IMPL")
     rest.fallback(torch.library.fallthrough_kernel, dispatch_key=_KEY)
     _lib = (lib, rest)
@@ -92,6 +98,24 @@ def _kernel(op, policy):
             return op(*args, **kwargs)
     autocast_kernel.__name__ = f"autocast_{op_name(op).replace('::', '_').replace('.', '_')}"
     return autocast_kernel
+
+
+def _cpu_lstm_layer(op):
+    """aten::lstm.input as the CPU autocasts it: in the autocast dtype where the CPU would run
+    oneDNN's layer (RNN.cpp's use_mkldnn: oneDNN on, no projections, a non-empty float32
+    input), as it is elsewhere (projections: the cells in float32, the projection in the
+    autocast dtype, as for any op)."""
+    lower = _kernel(op, "lower")
+
+    def autocast_lstm(input, hx, params, *rest):
+        projections = len(hx) > 1 and hx[0].size(-1) != hx[1].size(-1)
+        if (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+                and not projections and input.numel() != 0 and input.dtype == torch.float32):
+            return lower(input, hx, params, *rest)
+        # its parts, each under autocast's policy, as without this kernel
+        below = torch._C._dispatch_keys(input).remove(torch._C.DispatchKey.AutocastPrivateUse1)
+        return op.redispatch(below, input, hx, params, *rest)
+    return autocast_lstm
 
 
 def _eligible(t: torch.Tensor) -> bool:
