@@ -9,7 +9,8 @@ compared (values, dtype, shape and memory layout); then gradients of the inputs 
 for one seeded grad_output. Each sample runs four ways: as given, with non-contiguous inputs
 on the flagos side, with 4-d and 5-d inputs and the modules in the channels-last layout on
 both sides (PyTorch's `test_memory_format`), and the forward under `torch.inference_mode()` on
-both sides (where PyTorch's composite ops reach the router whole). Random modules (dropout inside a
+both sides (where PyTorch's composite ops reach the router whole). In float64, the gradients
+of the squared first gradients (double backward, PyTorch's `test_gradgrad`) instead. Random modules (dropout inside a
 Transformer, FractionalMaxPool) run under the same seed on both sides: flagos's generator
 gives CPU's numbers. A sample that fails on plain CPU itself (module_db's samples are also
 error cases for some dtypes) is not compared.
@@ -158,6 +159,8 @@ def _run_sample(info, sample, training, dtype, dev, variant):
             torch.autograd.grad(douts, dinputs, [g.to(dev) for g in grads], allow_unused=True)
         return "compared"
     got = torch.autograd.grad(douts, dinputs, [g.to(dev) for g in grads], allow_unused=True)
+    if variant == "gradgrad":
+        return _compare_second_gradients(outs, inputs, grads, douts, dinputs, dev, what, dtype)
     for i, (w, g) in enumerate(zip(want, got)):
         assert (w is None) == (g is None), f"{what}: gradient {i} is None on one side only"
         if w is not None:
@@ -165,19 +168,43 @@ def _run_sample(info, sample, training, dtype, dev, variant):
     return "compared"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def _second(outs, inputs, grads):
+    """Gradients of the squared first gradients (a gradient penalty's shape): None when the
+    first gradients do not depend on the inputs."""
+    first = torch.autograd.grad(outs, inputs, grads, allow_unused=True, create_graph=True)
+    total = sum(f.square().sum() for f in first if f is not None and f.requires_grad)
+    return torch.autograd.grad(total, inputs, allow_unused=True) if isinstance(total, torch.Tensor) else None
+
+
+def _compare_second_gradients(outs, inputs, grads, douts, dinputs, dev, what, dtype):
+    dgrads = [g.to(dev) for g in grads]
+    try:
+        want = _second(outs, inputs, grads)
+    except RuntimeError as error:  # no double backward on CPU either
+        with pytest.raises(RuntimeError, match=re.escape(str(error).splitlines()[0])):
+            _second(douts, dinputs, dgrads)
+        return "compared"
+    got = _second(douts, dinputs, dgrads)
+    assert (want is None) == (got is None), what
+    for i, (w, g) in enumerate(zip(want or (), got or ())):
+        assert (w is None) == (g is None), f"{what}: second gradient {i} is None on one side only"
+        if w is not None:
+            _compare(w, g, f"{what} second gradient {i}", dtype)
+    return "compared"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
 @pytest.mark.parametrize("info", module_db, ids=lambda info: info.name)
 def test_module_matches_cpu(info, dtype, dev):
-    if info.name in FLOAT64:
-        if dtype != torch.float32:
-            pytest.skip(f"{info.name}'s samples are float64 only")
-        dtype = torch.float64
+    if info.name in FLOAT64 and dtype != torch.float64:
+        pytest.skip(f"{info.name}'s samples are float64 only")
+    variants = ("gradgrad",) if dtype == torch.float64 else VARIANTS
     outcomes = []
     for training in (True, False):
         samples = info.module_inputs_func(info, device="cpu", dtype=dtype, requires_grad=True,
                                           training=training)
         for sample in [s for s in samples if s.forward_input is not None][:SAMPLES]:
-            for variant in VARIANTS:
+            for variant in variants:
                 outcomes.append(_run_sample(info, sample, training, dtype, dev, variant))
     if dtype == torch.float16 and "compared" not in outcomes:
         pytest.skip(f"{info.name} has no float16 kernel on CPU")  # AvgPool3d, CTCLoss, ...
