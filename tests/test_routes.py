@@ -416,6 +416,9 @@ _library_ops = torch.library.Library("flagos_routes_test", "DEF")  # kept for th
 _library_ops.define("scaled(Tensor x) -> Tensor")
 _library_ops.impl("scaled", lambda x: x * 3, "CompositeExplicitAutograd")
 _library_ops.impl("scaled", lambda x: x * 3 + 100, "PrivateUse1")  # the flagos device's kernel
+_library_ops.define("scaled.twice(Tensor x) -> Tensor")  # a named overload, kernels of its own
+_library_ops.impl("scaled.twice", lambda x: x * 6, "CompositeExplicitAutograd")
+_library_ops.impl("scaled.twice", lambda x: x * 6 + 100, "PrivateUse1")
 
 _device_kernel_calls: list = []
 
@@ -511,6 +514,7 @@ def test_flagos_register_kernel_and_forced_routes_come_before_the_devices_kernel
     op = torch.ops.flagos_routes_test.scaled
     x = torch.arange(3.0).to(dev)
     assert op(x).cpu().tolist() == [100.0, 103.0, 106.0]  # PrivateUse1's kernel: the device's
+    assert op.twice(x).cpu().tolist() == [100.0, 106.0, 112.0]  # each overload its own
     seen = []
 
     def kernel(t):
