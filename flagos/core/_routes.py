@@ -15,7 +15,7 @@ import torch
 from .. import _C
 from ..errors import ConfigError
 from . import _env
-from ._schema import packet_name
+from ._schema import op_overload, packet_name
 
 ROUTES = ("auto", "override", "native", "fallback", "error")
 _CODES = {"override": _C.ROUTE_OVERRIDE, "native": _C.ROUTE_NATIVE,
@@ -91,13 +91,6 @@ def _forced_route(name: str) -> str:
     return _forced.get(name) or _forced.get(packet_name(name)) or "auto"
 
 
-def _library_op(name: str):
-    """The OpOverload of an op name ("mylib::op" or "mylib::op.overload")."""
-    namespace, _, rest = name.partition("::")
-    packet, _, overload = rest.partition(".")
-    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
-
-
 def _device_kernel_for(name: str):
     """A kernel registered for the flagos device through torch.library (`custom_op(...,
     device_types="flagos")`, `register_kernel(op, "flagos")`, `Library.impl(..., "PrivateUse1")`)
@@ -110,10 +103,10 @@ def _device_kernel_for(name: str):
     try:
         if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "PrivateUse1"):
             return None
-        op = _library_op(name)
-    except (RuntimeError, AttributeError):  # not an operator the dispatcher knows by that name
+    except RuntimeError:  # not an operator the dispatcher knows by that name
         return None
-    return functools.partial(op.redispatch, _PRIVATEUSE1)
+    op = op_overload(name)
+    return None if op is None else functools.partial(op.redispatch, _PRIVATEUSE1)
 
 
 def resolve(name: str):

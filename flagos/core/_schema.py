@@ -71,6 +71,17 @@ def op_name(func) -> str:
     return f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
 
 
+def op_overload(name: str):
+    """The OpOverload of a dispatcher name ('aten::add.Tensor', 'mylib::op'), or None when
+    torch.ops knows no such operator or overload."""
+    namespace, _, rest = name.partition("::")
+    packet, _, overload = rest.partition(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def packet_name(name: str) -> str:
     """'aten::add' for 'aten::add.Tensor'."""
     ns, _, rest = name.partition("::")

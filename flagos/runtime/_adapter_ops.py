@@ -296,9 +296,7 @@ class Runner:
             return out, NATIVE, 0, 0, 0, ()
         if flags & _C.OP_VIEW:
             if name in ("aten::detach", "aten::alias"):  # same view, new tensor: no meta needed
-                t = args[0]
-                out = self._wrap(t._payload, t.size(), t.stride(), t.storage_offset(), t.dtype, index)
-                return _tag(out, t), NATIVE, 0, 0, 0, ()
+                return self._fresh_view(args[0]), NATIVE, 0, 0, 0, ()
             return self._view(func, args, kwargs), NATIVE, 0, 0, 0, ()
         if route == OVERRIDE:
             # None when another thread unregistered the kernel after the router resolved the

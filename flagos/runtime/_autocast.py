@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core._schema import op_name
+from ..core._schema import op_name, op_overload
 
 _KEY = "AutocastPrivateUse1"
 _lib = None
@@ -53,7 +53,7 @@ def register(chip) -> None:
         if not name.startswith("aten::") or not torch._C._dispatch_has_kernel_for_dispatch_key(name, source):
             continue
         policy = "lower" if name in LOWER_PRECISION else "widest" if _packet(name) in WIDEST else "fp32"
-        op = _overload(name)
+        op = op_overload(name)
         if op is not None:
             lib.impl(name.split("::", 1)[1], _kernel(op, policy), _KEY)
     if source == "AutocastCPU":
@@ -61,7 +61,7 @@ def register(chip) -> None:
         # layer's result is in the autocast dtype; on flagos the layer takes the fused cells
         # PyTorch picks for other devices, which the CPU's policy does not name, and came out
         # float32. The whole layer is cast instead, as the CPU's result is.
-        lib.impl("lstm.input", _cpu_lstm_layer(_overload("aten::lstm.input")), _KEY)
+        lib.impl("lstm.input", _cpu_lstm_layer(op_overload("aten::lstm.input")), _KEY)
     rest = torch.library.Library("_", "IMPL")
     rest.fallback(torch.library.fallthrough_kernel, dispatch_key=_KEY)
     _lib = (lib, rest)
@@ -69,14 +69,6 @@ def register(chip) -> None:
 
 def _packet(name: str) -> str:
     return name.split(".", 1)[0]
-
-
-def _overload(name: str):
-    packet, _, overload = name.partition(".")
-    try:
-        return getattr(getattr(torch.ops.aten, packet.split("::", 1)[1]), overload or "default")
-    except AttributeError:
-        return None
 
 
 _EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
+from ..core._schema import op_overload
+
 OPS = ("aten::mish_backward", "aten::native_channel_shuffle", "aten::silu_backward")
 _lib = None
 
@@ -54,6 +56,4 @@ def register() -> None:
     for name in OPS:
         if not _runs_whole_on_cpu_only(name):  # another PyTorch gave it a kernel of its own
             continue
-        packet, _, overload = name.split("::", 1)[1].partition(".")
-        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
-        _lib.impl(name.split("::", 1)[1], _kernel(op), "AutogradPrivateUse1")
+        _lib.impl(name.split("::", 1)[1], _kernel(op_overload(name)), "AutogradPrivateUse1")
