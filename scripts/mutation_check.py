@@ -800,6 +800,12 @@ MUTATIONS = [
       "float32 where the CPU's oneDNN layer gives bfloat16", "flagos/runtime/_autocast.py",
       '    if source == "AutocastCPU":', "    if False:",
       cpu("tests/test_autocast.py", k="lstm")),
+    M("autocast_lower_policy_keeps_float32", "autocast's lower-precision ops (linear, conv) "
+      "leave float32 inputs uncast, so the module runs in float32 where CPU's runs in the "
+      "autocast dtype", "flagos/runtime/_autocast.py",
+      "cast = lambda t: t.to(target) if t.dtype == torch.float32 else t",
+      "cast = lambda t: t.to(target) if t.dtype == torch.float64 else t",
+      sim("tests/test_module_db.py", k="autocast and (Linear or Conv2d)")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

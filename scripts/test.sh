@@ -20,9 +20,9 @@ echo "test order: --randomly-seed=$SEED (repeat it with FLAGOS_TEST_SEED=$SEED b
 # Each file runs once per chip: the files the sanitizer job runs (tests/sanitizers/selection.sh)
 # run there, in the instrumented build, and not again in the plain runs of the same chip.
 . tests/sanitizers/selection.sh
-# Two cpu-chip files run in the second lane, to even out the lanes: tests/test_opencl.py (the
-# opencl chip's own checks, beside the opencl run) and tests/test_cache_dirs.py.
-SECOND_LANE_CPU_TESTS="tests/test_opencl.py tests/test_cache_dirs.py"
+# One cpu-chip file runs in the second lane, to even out the lanes: tests/test_opencl.py (the
+# opencl chip's own checks, beside the opencl run).
+SECOND_LANE_CPU_TESTS="tests/test_opencl.py"
 CPU_RUN="tests $(for f in $SECOND_LANE_CPU_TESTS $SANITIZED_CPU_TESTS; do printf -- '--ignore=%s ' "$f"; done)"
 # The opencl run: what depends on the chip (its kernels, its memory, which is not the host's, its
 # errors and fork rules). The files whose subject is a mechanism the same on every chip of its
