@@ -806,6 +806,16 @@ MUTATIONS = [
       "cast = lambda t: t.to(target) if t.dtype == torch.float32 else t",
       "cast = lambda t: t.to(target) if t.dtype == torch.float64 else t",
       sim("tests/test_module_db.py", k="autocast and (Linear or Conv2d)")),
+    M("gather_outputs_read_to_host", "all_gather_into_tensor copies its output's old contents "
+      "to the host before overwriting them", "flagos/integrations/_distributed.py",
+      "group._allgather_base(moved.one(output, True, read=False)",
+      "group._allgather_base(moved.one(output, True, read=True)",
+      sim("tests/test_distributed.py", k="copies_its_input")),
+    M("route_of_unknown_op_raises", "route_of an op no library has defined yet raises "
+      "PyTorch's 'does not exist' instead of answering its route", "flagos/core/_routes.py",
+      "    except RuntimeError:  # not an operator the dispatcher knows by that name",
+      "    except ValueError:  # not an operator the dispatcher knows by that name",
+      cpu("tests/test_routes.py", k="no_library_has_defined")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

@@ -601,6 +601,32 @@ def test_a_collective_leaves_its_inputs_alone(dev):
         dist.destroy_process_group()
 
 
+def test_a_gather_copies_its_input_to_the_host_and_its_results_back_only(dev):
+    """On a chip whose collectives run on host copies, a gather's outputs are written, never
+    read: the input goes to the host (one copy), the results come back (one copy_ each), and
+    the outputs' old contents stay where they are. On a chip whose collectives run on the
+    payloads, nothing is copied through flagos at all."""
+    dist.init_process_group(backend="flagos", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.arange(6.0).to(dev)
+        outs, whole = [torch.full((6,), -1.0).to(dev)], torch.full((6,), -1.0).to(dev)
+        coalesced = [[torch.full((6,), -1.0).to(dev)]]
+        host_copies = _distributed._payload_route(flagos.chips.profile(CHIP))[1] is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # all_gather_coalesced's deprecation
+            for gather in (lambda: dist.all_gather(outs, x), lambda: dist.all_gather_into_tensor(whole, x),
+                           lambda: dist.all_gather_coalesced(coalesced, [x])):
+                with flagos.track() as report:
+                    gather()
+                calls = {row["op"]: sum(row["calls"].values()) for row in report.to_dict()["ops"]}
+                assert calls.get("aten::_to_copy", 0) == (1 if host_copies else 0), calls
+                assert calls.get("aten::copy_", 0) == (1 if host_copies else 0), calls
+        for result in (outs[0], whole, coalesced[0][0]):
+            torch.testing.assert_close(result.cpu(), torch.arange(6.0))
+    finally:
+        dist.destroy_process_group()
+
+
 @runs_once
 def test_native_mode_names_the_chips_own_backend():
     """In native mode tensors are the chip's own, and so is the backend (gloo for cpu); before

@@ -536,6 +536,18 @@ def test_flagos_register_kernel_and_forced_routes_come_before_the_devices_kernel
     assert op(x).cpu().tolist() == [100.0, 103.0, 106.0]
 
 
+def test_route_of_an_op_no_library_has_defined_yet(dev):
+    """A route may be set, and asked for, before the library that defines the op is imported:
+    route_of answers the route the op will take (the chip's kernel unless forced), and an op
+    the dispatcher does not know has no kernel of the device's to look for."""
+    name = "flagos_routes_test_later::op"
+    assert flagos.route_of(name) == "native"
+    flagos.set_route(name, "fallback")
+    assert flagos.route_of(name) == "fallback"
+    with pytest.raises(RuntimeError, match="does not exist"):  # PyTorch's answer, for the record
+        torch._C._dispatch_has_kernel_for_dispatch_key(name, "PrivateUse1")
+
+
 def test_an_unregistered_kernel_is_let_go(dev):
     """After unregister_kernel, flagos keeps no reference to the kernel: whatever it holds (a
     closure over model weights, say) is freed, even before the op runs again."""
