@@ -810,7 +810,7 @@ MUTATIONS = [
       "to the host before overwriting them", "flagos/integrations/_distributed.py",
       "group._allgather_base(moved.one(output, True, read=False)",
       "group._allgather_base(moved.one(output, True, read=True)",
-      sim("tests/test_distributed.py", k="copies_its_input")),
+      sim("tests/test_distributed.py", k="copies_its_inputs")),
     M("route_of_unknown_op_raises", "route_of an op no library has defined yet raises "
       "PyTorch's 'does not exist' instead of answering its route", "flagos/core/_routes.py",
       "    except RuntimeError:  # not an operator the dispatcher knows by that name",

@@ -601,28 +601,38 @@ def test_a_collective_leaves_its_inputs_alone(dev):
         dist.destroy_process_group()
 
 
-def test_a_gather_copies_its_input_to_the_host_and_its_results_back_only(dev):
-    """On a chip whose collectives run on host copies, a gather's outputs are written, never
-    read: the input goes to the host (one copy), the results come back (one copy_ each), and
-    the outputs' old contents stay where they are. On a chip whose collectives run on the
-    payloads, nothing is copied through flagos at all."""
+def test_a_collective_copies_its_inputs_to_the_host_and_its_results_back_only(dev):
+    """On a chip whose collectives run on host copies, an output a collective only writes
+    (gathers, scatters, reduce-scatters, all-to-all) is never read: the input goes to the host
+    (one copy), the result comes back (one copy_), and the output's old contents stay where
+    they are. On a chip whose collectives run on the payloads, nothing is copied through
+    flagos at all."""
     dist.init_process_group(backend="flagos", store=dist.HashStore(), rank=0, world_size=1)
     try:
         x = torch.arange(6.0).to(dev)
-        outs, whole = [torch.full((6,), -1.0).to(dev)], torch.full((6,), -1.0).to(dev)
-        coalesced = [[torch.full((6,), -1.0).to(dev)]]
-        host_copies = _distributed._payload_route(flagos.chips.profile(CHIP))[1] is None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # all_gather_coalesced's deprecation
-            for gather in (lambda: dist.all_gather(outs, x), lambda: dist.all_gather_into_tensor(whole, x),
-                           lambda: dist.all_gather_coalesced(coalesced, [x])):
+        out = torch.full((6,), -1.0).to(dev)
+        collectives = {
+            "all_gather": lambda: dist.all_gather([out], x),
+            "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, x),
+            "all_gather_coalesced": lambda: dist.all_gather_coalesced([[out]], [x]),
+            "gather": lambda: dist.gather(x, [out], dst=0),
+            "scatter": lambda: dist.scatter(out, [x], src=0),
+            "reduce_scatter": lambda: dist.reduce_scatter(out, [x]),
+            "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(out, x),
+            "all_to_all": lambda: dist.all_to_all([out], [x]),
+            "all_to_all_single": lambda: dist.all_to_all_single(out, x),
+        }
+        copies = 1 if _distributed._payload_route(flagos.chips.profile(CHIP))[1] is None else 0
+        for name, collective in collectives.items():
+            out.fill_(-1.0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # all_gather_coalesced's deprecation
                 with flagos.track() as report:
-                    gather()
-                calls = {row["op"]: sum(row["calls"].values()) for row in report.to_dict()["ops"]}
-                assert calls.get("aten::_to_copy", 0) == (1 if host_copies else 0), calls
-                assert calls.get("aten::copy_", 0) == (1 if host_copies else 0), calls
-        for result in (outs[0], whole, coalesced[0][0]):
-            torch.testing.assert_close(result.cpu(), torch.arange(6.0))
+                    collective()
+            calls = {row["op"]: sum(row["calls"].values()) for row in report.to_dict()["ops"]}
+            assert calls.get("aten::_to_copy", 0) == copies, (name, calls)
+            assert calls.get("aten::copy_", 0) == copies, (name, calls)
+            torch.testing.assert_close(out.cpu(), torch.arange(6.0), msg=name)
     finally:
         dist.destroy_process_group()
 
