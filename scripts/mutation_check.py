@@ -816,6 +816,10 @@ MUTATIONS = [
       "    except RuntimeError:  # not an operator the dispatcher knows by that name",
       "    except ValueError:  # not an operator the dispatcher knows by that name",
       cpu("tests/test_routes.py", k="no_library_has_defined")),
+    M("dlpack_host_copy_only_without_copy_flag", "a C-ABI chip's tensor exported to the host "
+      "with copy=True is refused, and with copy=False copied anyway", "flagos/runtime/_tensor.py",
+      'and kwargs.get("copy") is not False):', 'and kwargs.get("copy") is not True):',
+      sim("tests/test_ecosystem.py", k="dlpack_exports")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

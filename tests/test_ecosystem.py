@@ -332,6 +332,9 @@ def test_dlpack_exports_the_chips_memory(dev):
         assert np.array_equal(copied, host_view.numpy())
         copied[0, 0] = -1.0
         assert t[0, 1].item() == 1.0
+        assert np.array_equal(np.from_dlpack(view, device="cpu", copy=True), host_view.numpy())
+        with pytest.raises(BufferError, match=r"tensor\.cpu\(\)"):  # no copy allowed: nothing to export
+            np.from_dlpack(view, device="cpu", copy=False)
 
 
 def test_a_tensor_imported_from_the_wrappers_capsule_raises_a_clear_error(dev):
