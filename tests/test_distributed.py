@@ -541,6 +541,24 @@ def test_the_group_says_how_its_collectives_run(dev, caplog):
     assert f"flagos process group: rank 0 of 1, collectives through gloo ({how})" in caplog.text
 
 
+def test_the_group_describes_itself_as_pytorchs_own_groups_do(dev):
+    """PyTorch names and describes the default group, and its helpers ask a group for its
+    backend per device: the flagos group answers as a gloo group does (its description and
+    name as strings, gloo itself for host tensors), and for flagos tensors with the chip's."""
+    answers = {}
+    for backend in ("gloo", "flagos"):
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            group = dist.group.WORLD
+            answers[backend] = (group.group_desc, group.group_name,
+                                type(group._get_backend(torch.device("cpu"))).__name__)
+            if backend == "flagos":
+                assert group._get_backend(dev) is not group._get_backend(torch.device("cpu"))
+        finally:
+            dist.destroy_process_group()
+    assert answers["flagos"] == answers["gloo"] == ("default_pg", "0", "ProcessGroupGloo")
+
+
 def test_a_collective_on_a_non_contiguous_view_writes_into_the_view(dev):
     """Collectives need contiguous memory: a transposed view runs on a contiguous copy whose
     result is written back into the view, as on a CPU tensor."""
