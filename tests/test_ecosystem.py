@@ -335,6 +335,21 @@ def test_dlpack_exports_the_chips_memory(dev):
         assert np.array_equal(np.from_dlpack(view, device="cpu", copy=True), host_view.numpy())
         with pytest.raises(BufferError, match=r"tensor\.cpu\(\)"):  # no copy allowed: nothing to export
             np.from_dlpack(view, device="cpu", copy=False)
+        # PyTorch, the consumer, can address the chip's memory: asked for a device, it gets
+        # what it gets from a CUDA tensor: a host copy, or the tensor itself on its own device
+        for copied in (torch.from_dlpack(view, device="cpu"), torch.utils.dlpack.from_dlpack(view, device="cpu", copy=True)):
+            assert copied.device.type == "cpu" and torch.equal(copied, host_view)
+            copied[0, 0] = -1.0
+            assert t[0, 1].item() == 1.0
+        with pytest.raises(ValueError, match="without copying"):
+            torch.from_dlpack(view, device="cpu", copy=False)
+        with pytest.raises(BufferError, match="detach"):
+            torch.from_dlpack(t.clone().requires_grad_(), device="cpu")
+        shared, copied = torch.from_dlpack(view, device=t.device), torch.from_dlpack(view, device=t.device, copy=True)
+        assert torch.equal(shared.cpu(), host_view) and torch.equal(copied.cpu(), host_view)
+        assert not shared.requires_grad and shared.device == copied.device == t.device
+        shared[1, 0] = -2.0  # the same memory
+        assert t[1, 1].item() == -2.0 and copied[1, 0].item() == 4.0
 
 
 def test_a_tensor_imported_from_the_wrappers_capsule_raises_a_clear_error(dev):
