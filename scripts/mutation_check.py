@@ -820,6 +820,16 @@ MUTATIONS = [
       "with copy=True is refused, and with copy=False copied anyway", "flagos/runtime/_tensor.py",
       'and kwargs.get("copy") is not False):', 'and kwargs.get("copy") is not True):',
       sim("tests/test_ecosystem.py", k="dlpack_exports")),
+    M("whole_ops_decomposed_without_gradients", "ops CPU runs whole are decomposed under grad "
+      "mode even when no input requires a gradient", "flagos/runtime/_whole_ops.py",
+      "isinstance(t, torch.Tensor) and t.requires_grad for t in",
+      "isinstance(t, torch.Tensor) or t.requires_grad for t in",
+      cpu("tests/test_fidelity.py", k="reach_the_chip_whole")),
+    M("dlpack_import_aliases_when_copy_asked", "torch.from_dlpack(t, device=t.device, copy=True) "
+      "of a C-ABI chip's tensor shares its memory", "flagos/integrations/_dlpack.py",
+      "return tensor.detach().clone() if copy else tensor.detach()",
+      "return tensor.detach()",
+      sim("tests/test_ecosystem.py", k="dlpack_exports")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",

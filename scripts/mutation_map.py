@@ -72,8 +72,8 @@ TESTS: dict[str, list[Run]] = {
                                    sim(FIDELITY, k="subclasses_of_the_program"),  # pickle outside a save
                                    sim(ECOSYSTEM, k="storage_names")],
     "flagos/runtime/_sequences.py": [cpu(SEQUENCES), sim(SEQUENCES)],
-    "flagos/runtime/_whole_ops.py": [cpu(FIDELITY, k="whole_as_on_cpu or double_backward_decomposes or channel_shuffle or dispatchers"),
-                                     sim(FIDELITY, k="whole_as_on_cpu or double_backward_decomposes or channel_shuffle or dispatchers")],
+    "flagos/runtime/_whole_ops.py": [cpu(FIDELITY, k="whole_as_on_cpu or double_backward_decomposes or channel_shuffle or reach_the_chip_whole or dispatchers"),
+                                     sim(FIDELITY, k="whole_as_on_cpu or double_backward_decomposes or channel_shuffle or reach_the_chip_whole or dispatchers")],
     "flagos/integrations/_libraries.py": [cpu(ACCELERATE, OFFLOAD), cpu(DISTRIBUTED, k="accelerate or ddp"),
                                           cpu(COMPILE, k="host_model_beside"),
                                           cpu(T + "flex_attention.py", k="grouped"),

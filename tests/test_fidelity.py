@@ -913,3 +913,17 @@ def test_native_channel_shuffle_forward_and_backward_match_cpu(dev):
     with torch.no_grad():
         assert torch.equal(torch.native_channel_shuffle(on_chip, 2).cpu(),
                            torch.native_channel_shuffle(x, 2))
+
+
+def test_ops_cpu_runs_whole_reach_the_chip_whole_when_no_gradient_is_needed(dev):
+    """Under grad mode, with no input requiring a gradient (a model in eval without no_grad),
+    the op goes to the chip whole, counted as itself, as it runs on CPU: not its decomposition."""
+    x, grad = torch.randn(2, 6, 3, 3), torch.randn(2, 6, 3, 3)
+    assert torch.is_grad_enabled()
+    with flagos.track() as report:
+        shuffled = torch.native_channel_shuffle(x.to(dev), 3)
+        silu_grad = torch.ops.aten.silu_backward(grad.to(dev), x.to(dev))
+    assert report.op("aten::native_channel_shuffle")["calls"]["native"] == 1
+    assert report.op("aten::silu_backward")["calls"]["native"] == 1
+    assert torch.equal(shuffled.cpu(), torch.native_channel_shuffle(x, 3))
+    torch.testing.assert_close(silu_grad.cpu(), torch.ops.aten.silu_backward(grad, x))
