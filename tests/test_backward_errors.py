@@ -629,6 +629,28 @@ drain("NATIVE")
     assert proc.stdout.splitlines() == ["INACTIVE True []", "NATIVE True []"], proc.stdout
 
 
+def test_the_exit_drain_leaves_an_engine_without_a_flagos_queue_alone():
+    """A backward pass before activation leaves the engine without a queue for flagos: backward
+    on flagos tensors is refused (and noted as a pass), and at exit there is nothing to drain;
+    a pass pushed there could only fail."""
+    proc = run_python(f"""
+        import torch, flagos
+        from flagos.integrations import _engine_exit
+        x = torch.ones(2, requires_grad=True)
+        (x * 2).sum().backward()
+        flagos.activate("{CHIP}")
+        pushed = []
+        _engine_exit._one_pass = lambda device: pushed.append(str(device))
+        b = torch.ones(2).to(flagos.device()).requires_grad_()
+        try:
+            (b * 2).sum().backward()
+        except flagos.NoEngineQueueError:
+            print("REFUSED")
+        print("DRAINED", _engine_exit.drain(), pushed)
+    """, env={"FLAGOS_FALLBACK": "allow"})
+    assert proc.stdout.splitlines() == ["REFUSED", "DRAINED True []"], proc.stdout + proc.stderr
+
+
 def test_the_exit_drain_gives_up_after_pytorchs_limit_and_says_so():
     """The engine thread held in a hook past TORCH_AUTOGRAD_SHUTDOWN_WAIT_LIMIT: drain() says
     False and warns; once the hook returns, a drain finds the thread free (the limit is read at
@@ -670,6 +692,7 @@ try:
 except ValueError:
     pass
 drain("BUSY")
+print("DAEMON", [t.daemon for t in threading.enumerate() if t.name == "flagos-engine-drain"])
 release.set()
 os.environ["TORCH_AUTOGRAD_SHUTDOWN_WAIT_LIMIT"] = "120"
 drain("FREE")
@@ -678,9 +701,12 @@ print("LEFT", [t.name for t in threading.enumerate() if t.name == "flagos-engine
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     lines = proc.stdout.splitlines()
     assert lines[0] == "BUSY False []", proc.stdout
+    # the thread it left behind does not hold the interpreter's exit (a daemon), as the
+    # engine's own threads do not
+    assert lines[1] == "DAEMON [True]", proc.stdout
     # the first drain's pass, still queued when it gave up, runs first; then the second one's
-    assert lines[1] in ("FREE True ['flagos:0']", "FREE True ['flagos:0', 'flagos:0']"), proc.stdout
-    assert lines[2] == "LEFT []", proc.stdout
+    assert lines[2] in ("FREE True ['flagos:0']", "FREE True ['flagos:0', 'flagos:0']"), proc.stdout
+    assert lines[3] == "LEFT []", proc.stdout
     assert "autograd's engine thread was still busy 0 s after the program ended" in proc.stderr
 
 
