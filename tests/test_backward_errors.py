@@ -629,6 +629,25 @@ drain("NATIVE")
     assert proc.stdout.splitlines() == ["INACTIVE True []", "NATIVE True []"], proc.stdout
 
 
+def test_a_drain_pass_that_fails_ends_quietly():
+    """A chip broken by the time the program ends: the drain's pass fails inside its thread;
+    that is logged for debugging, and the exit goes on without a traceback."""
+    proc = run_python(f"""
+        import torch, flagos
+        from flagos.integrations import _engine_exit
+        flagos.activate("{CHIP}")
+        x = torch.ones(3).to(flagos.device()).requires_grad_()
+        (x + 1).sum().backward()
+        def broken(x):
+            raise RuntimeError("the chip is gone")
+        _engine_exit._KernelFree.apply = broken
+        print("DRAINED", _engine_exit.drain())
+    """, env={"FLAGOS_FALLBACK": "allow", "FLAGOS_LOG_LEVEL": "debug"})
+    assert proc.stdout.splitlines() == ["DRAINED True"], proc.stdout + proc.stderr
+    assert "the engine drain at exit failed: the chip is gone" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_the_exit_drain_leaves_an_engine_without_a_flagos_queue_alone():
     """A backward pass before activation leaves the engine without a queue for flagos: backward
     on flagos tensors is refused (and noted as a pass), and at exit there is nothing to drain;
