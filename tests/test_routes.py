@@ -16,6 +16,7 @@ from conftest import CHIP, assert_close, device_mode_only, run_python, runs_once
 
 import flagos
 from flagos import _C
+from flagos.core import _schema
 from flagos.report import _report
 from flagos.runtime import _transfers
 
@@ -546,6 +547,16 @@ def test_route_of_an_op_no_library_has_defined_yet(dev):
     assert flagos.route_of(name) == "fallback"
     with pytest.raises(RuntimeError, match="does not exist"):  # PyTorch's answer, for the record
         torch._C._dispatch_has_kernel_for_dispatch_key(name, "PrivateUse1")
+
+
+def test_an_op_name_is_looked_up_as_torch_ops_knows_it():
+    """The one lookup from a dispatcher name to its OpOverload (routes, autocast, the ops CPU
+    runs whole): the default overload without a suffix, and None, not an error, for an operator
+    or overload torch.ops does not know."""
+    assert _schema.op_overload("aten::add") is torch.ops.aten.add.default
+    assert _schema.op_overload("aten::add.Tensor") is torch.ops.aten.add.Tensor
+    for unknown in ("aten::no_such_op", "aten::add.no_such_overload", "flagos_no_such_lib::op"):
+        assert _schema.op_overload(unknown) is None
 
 
 def test_an_unregistered_kernel_is_let_go(dev):
