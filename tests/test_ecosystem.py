@@ -313,6 +313,9 @@ def test_dlpack_exports_the_chips_memory(dev):
     view, host_view = t[:, 1:], base[:, 1:]
     with pytest.raises(BufferError, match="detach"):
         torch.from_dlpack(t.clone().requires_grad_())
+    for source in (t, base):  # device and copy are keyword-only, as in PyTorch's own
+        with pytest.raises(TypeError):
+            torch.from_dlpack(source, "cpu")
     if CHIP == "cpu":
         assert t.__dlpack_device__() == (torch.utils.dlpack.DLDeviceType.kDLCPU, 0)
         exports = [torch.from_dlpack(view), torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(view)),
