@@ -414,6 +414,10 @@ assert str(pipe._offload_device) == "flagos:0", pipe._offload_device
 np.testing.assert_allclose(run_ddpm(pipe, steps=1), expected, atol=1e-5, rtol=0)
 from diffusers.utils import torch_utils
 print("accelerator", torch_utils.get_device(), "default", torch_utils.torch_device)
+# the strategies device_map may name, in the order its error message lists them, as Diffusers
+# imported after activation makes them: ["balanced", get_device(), "cpu"]
+from diffusers.pipelines import pipeline_utils
+print("strategies", pipeline_utils.SUPPORTED_DEVICE_MAP)
 # loaded straight onto flagos: Diffusers accepts only the devices of a list made at its import
 import tempfile
 from diffusers import DDPMPipeline
@@ -443,6 +447,8 @@ def test_enable_model_cpu_offload_finds_flagos_when_diffusers_came_first(order):
     proc = run_python(code + ORDER_CHECK.format(tests=tests), env=env)
     # the module's default device, computed at its import, follows too
     assert "accelerator flagos default flagos" in proc.stdout and "device_map ok" in proc.stdout
+    # (imported first, Diffusers listed its detection's "cpu" beside its own "cpu"; both stay)
+    assert "strategies ['balanced', 'flagos', 'cpu'" in proc.stdout, proc.stdout
 
 
 def test_a_default_device_the_user_set_in_diffusers_is_kept():
