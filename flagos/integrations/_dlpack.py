@@ -36,11 +36,13 @@ def _serving_to(native):
 
 
 def _serving_from(native):
-    def from_dlpack(ext_tensor, *, device=None, copy=None):
+    # keyword arguments passed on as given: PyTorch versions before DLPack 1.0 take none
+    def from_dlpack(ext_tensor, **kwargs):
+        device = kwargs.get("device")
         if (device is not None and isinstance(ext_tensor, FlagosTensor)
                 and ext_tensor.__dlpack_device__()[0] == DLDeviceType.kDLExtDev):
-            return _import_without_capsule(ext_tensor, torch.device(device), copy)
-        return native(ext_tensor, device=device, copy=copy)
+            return _import_without_capsule(ext_tensor, torch.device(device), kwargs.get("copy"))
+        return native(ext_tensor, **kwargs)
 
     from_dlpack.__doc__ = native.__doc__
     from_dlpack.__wrapped__ = native
