@@ -19,7 +19,7 @@ import torch
 import torch.utils.dlpack
 from torch.utils.dlpack import DLDeviceType
 
-from ..runtime._tensor import FlagosTensor
+from ..runtime._tensor import DLPACK_REQUIRES_GRAD, FlagosTensor
 
 _installed = False
 
@@ -57,7 +57,7 @@ def _import_without_capsule(tensor, device, copy):
         raise ValueError(f"cannot move DLPack tensor from device {source} to {target} "
                          "without copying. Set copy=None or copy=True.")
     if tensor.requires_grad:
-        raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+        raise BufferError(DLPACK_REQUIRES_GRAD)
     if source != target:
         return tensor.detach().to(device)
     return tensor.detach().clone() if copy else tensor.detach()

@@ -30,6 +30,8 @@ _PLAIN = torch.Tensor  # a real payload's exact type (a traced one is a subclass
 # fake copies outside torch.compile fail as they did)
 _DESCRIBER = getattr(torch._subclasses.meta_utils, "MetaTensorDescriber", None)
 _DESCRIBE_TENSOR = _DESCRIBER.describe_tensor.__code__ if _DESCRIBER is not None else None
+# PyTorch's refusal to export a tensor that requires grad (Tensor.__dlpack__), word for word
+DLPACK_REQUIRES_GRAD = "Can't export tensors that require gradient, use tensor.detach()"
 
 
 def _copy_sharing_memory(t: FlagosTensor, memo: dict) -> torch.Tensor:
@@ -102,7 +104,7 @@ class FlagosTensor(torch.Tensor):
     # which no other library can address. (torch.utils.dlpack.to_dlpack: integrations/_dlpack.py)
     def __dlpack__(self, **kwargs):
         if self.requires_grad:  # PyTorch's rule, which the payload (no autograd) cannot see
-            raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+            raise BufferError(DLPACK_REQUIRES_GRAD)
         device = kwargs.get("dl_device")
         if (device is not None and device[0] == torch.utils.dlpack.DLDeviceType.kDLCPU
                 and not isinstance(self._payload, torch.Tensor) and kwargs.get("copy") is not False):
