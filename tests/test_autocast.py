@@ -163,7 +163,7 @@ def _lstm_under_bfloat16_autocast(device, layer, kwargs, x, whole_in_bfloat16=Fa
     autocast on device; whole_in_bfloat16: the layer run in bfloat16 without autocast instead,
     the gradient as float32 (the dtype of autocast's float32 parameters)."""
     torch.manual_seed(0)
-    lstm = torch.nn.LSTM(4, 3, **kwargs).to(device)
+    lstm = torch.nn.LSTM(x.shape[-1], 3, **kwargs).to(device)
     inputs = x.to(device)
     if whole_in_bfloat16:
         lstm, inputs = lstm.bfloat16(), inputs.bfloat16()
@@ -177,17 +177,20 @@ def _lstm_under_bfloat16_autocast(device, layer, kwargs, x, whole_in_bfloat16=Fa
                                        else lstm.weight_ih_l0.grad)]
 
 
-@pytest.mark.parametrize("layer", ["plain", "projections", "bidirectional, 2 layers", "packed"])
+@pytest.mark.parametrize("layer", ["plain", "projections", "bidirectional, 2 layers", "packed",
+                                   "empty batch", "one value"])
 def test_lstm_under_bfloat16_autocast_matches_the_payload_devices_autocast(dev, ref, layer):
     """The CPU runs nn.LSTM through oneDNN's layer, which it autocasts: the output and states
     come out bfloat16 (with projections, or packed, not: the CPU's own path). flagos runs the
     layer through the fused cells PyTorch picks for other devices, and gave float32.
     On a processor without oneDNN's bfloat16 (AVX2 only) plain CPU raises there instead
     (docs/design.md, "PyTorch limits"); flagos still runs the layer in bfloat16, and the
-    reference is the layer computed in bfloat16."""
-    kwargs = {"plain": {}, "projections": {"proj_size": 2}, "packed": {},
-              "bidirectional, 2 layers": {"bidirectional": True, "num_layers": 2, "batch_first": True}}[layer]
-    x = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(1))
+    reference is the layer computed in bfloat16. An empty input never takes oneDNN's layer;
+    a single value does."""
+    kwargs = {"projections": {"proj_size": 2},
+              "bidirectional, 2 layers": {"bidirectional": True, "num_layers": 2, "batch_first": True}}.get(layer, {})
+    shape = {"empty batch": (5, 0, 4), "one value": (1, 1, 1)}.get(layer, (5, 2, 4))
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     try:
         want = _lstm_under_bfloat16_autocast(ref, layer, kwargs, x)
     except RuntimeError as e:

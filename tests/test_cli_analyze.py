@@ -652,8 +652,8 @@ def test_the_command_and_the_report_file_are_read_as_given(tmp_path):
     train = tmp_path / "train.py"
     train.write_text("pass\n")
     assert _analyze._command([str(train), "--steps", "2"]) == [sys.executable, str(train), "--steps", "2"]
-    with pytest.raises(_analyze.UsageError, match=r"no such script: .*missing\.py"):
-        _analyze._command([str(tmp_path / "missing.py")])
+    with pytest.raises(_analyze.UsageError, match=r"no such script: .*missing\.py$"):
+        _analyze._command([str(tmp_path / "missing.py"), "--steps", "2"])
     with pytest.raises(_analyze.UsageError, match="no command to analyze"):
         _analyze._command(["--"])
     for name, text in (("blank.json", " \n"), ("bad.json", "{not json"), ("good.json", '{"ops": []}')):
