@@ -496,6 +496,10 @@ def test_a_run_without_flagos_gives_no_report(tmp_path, capfd):
     killed.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
     assert main(["analyze", "--chip", CHIP, "--", sys.executable, str(killed)]) == 1
     assert "was ended by signal 9 before flagos wrote its report" in capfd.readouterr().err
+    hung_up = tmp_path / "hung_up.py"  # signal 1: the smallest number a signal has
+    hung_up.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGHUP)\n")
+    assert main(["analyze", "--chip", CHIP, "--", sys.executable, str(hung_up)]) == 1
+    assert "was ended by signal 1 before flagos wrote its report" in capfd.readouterr().err
 
 
 @runs_once
