@@ -126,6 +126,11 @@ opencl = Extension(
 
 
 class BuildExt(build_ext):
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:  # the core and the adapters build side by side
+            self.parallel = os.cpu_count() or 1
+
     def build_extension(self, ext):
         if ext is opencl:
             embed_kernels("backends/opencl/kernels.cl",

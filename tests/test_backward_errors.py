@@ -603,6 +603,12 @@ def test_the_exit_drain_goes_through_the_engine_thread_and_needs_no_kernel():
     assert "Traceback" not in broken, proc.stderr
 
 
+# When the exit drain runs, how long it waits and what it leaves behind: its own logic, the same
+# on every chip (the pass itself, on the chip's engine thread, is the test above's, on each chip).
+drain_logic = pytest.mark.skipif(
+    CHIP != "cpu", reason="the exit drain's own logic, the same on every chip: runs once, in the cpu run")
+
+
 SPY_ON_THE_DRAIN = """
 import threading, time, torch, flagos
 from flagos.integrations import _engine_exit
@@ -621,6 +627,7 @@ def one_pass():
 """
 
 
+@drain_logic
 def test_the_exit_drain_runs_only_when_a_pass_may_be_held():
     """No pass through the engine yet (flagos activated at `import torch`, which runs no
     backward), flagos not activated, or native mode (no flagos engine thread): nothing to wait
@@ -642,6 +649,7 @@ drain("NATIVE")
     assert proc.stdout.splitlines() == ["INACTIVE True []", "NATIVE True []"], proc.stdout
 
 
+@drain_logic
 def test_the_exit_drain_leaves_an_engine_without_a_flagos_queue_alone():
     """A backward pass before activation leaves the engine without a queue for flagos: backward
     on flagos tensors is refused (and noted as a pass), and at exit there is nothing to drain;
@@ -664,6 +672,7 @@ def test_the_exit_drain_leaves_an_engine_without_a_flagos_queue_alone():
     assert proc.stdout.splitlines() == ["REFUSED", "DRAINED True []"], proc.stdout + proc.stderr
 
 
+@drain_logic
 def test_the_exit_drain_gives_up_after_pytorchs_limit_and_says_so():
     """The engine thread held in a hook past TORCH_AUTOGRAD_SHUTDOWN_WAIT_LIMIT: drain() says
     False and warns; once the hook returns, a drain finds the thread free (the limit is read at
