@@ -830,6 +830,16 @@ MUTATIONS = [
       "return tensor.detach().clone() if copy else tensor.detach()",
       "return tensor.detach()",
       sim("tests/test_ecosystem.py", k="dlpack_exports")),
+    M("lstm_autocast_empty_batch_takes_onednn", "an LSTM on an empty batch under bfloat16 "
+      "autocast takes oneDNN's layer, which the CPU never does for it", "flagos/runtime/_autocast.py",
+      "and not projections and input.numel() != 0 and input.dtype == torch.float32):",
+      "and not projections and input.numel() != -1 and input.dtype == torch.float32):",
+      cpu("tests/test_autocast.py", k="lstm_under")),
+    M("analyze_signal_one_read_as_exit_status", "a script ended by signal 1 before its report "
+      "is said to have failed with exit status -1", "flagos/tools/_analyze.py",
+      'how = f"was ended by signal {-status}" if status < 0 else',
+      'how = f"was ended by signal {-status}" if status < -1 else',
+      cpu("tests/test_cli_analyze.py", k="without_flagos_gives_no_report")),
     M("conj_view_saved_without_its_bit", "a conjugate view saved from flagos writes its memory "
       "without the conjugate bit", "flagos/runtime/_tensor.py",
       "        if not (self.is_neg() or self.is_conj() or _tracing.compiling()):",
